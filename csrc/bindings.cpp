@@ -1,0 +1,34 @@
+// Python entry points of the runtime: lifecycle, registry, and introspection for tests.
+#include "runtime.h"
+
+#include <torch/csrc/utils/pybind.h>
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "deepcompile native runtime";
+  m.def("init", &dc::init, "create the runtime on a process group", pybind11::arg("process_group"),
+        pybind11::arg("bucket_elems"), pybind11::arg("max_inflight") = 2);
+  m.def("cleanup", &dc::cleanup, "destroy the runtime and everything it holds");
+  m.def("is_initialized", &dc::has_runtime);
+  m.def("register_param", [](int64_t id, const std::string& name, at::Tensor shard,
+                             std::vector<int64_t> shape, at::ScalarType dtype) {
+    dc::runtime().register_param(id, name, shard, std::move(shape), dtype);
+  });
+  m.def("set_grad_scale", [](double s) { dc::runtime().set_grad_scale(s); });
+  m.def("set_reduce_dtype", [](at::ScalarType d) { dc::runtime().set_reduce_dtype(d); });
+  m.def("live_gathered", []() { return dc::runtime().live_gathered(); });
+  m.def("check_idle", []() { dc::runtime().check_idle(); });
+  m.def("reset_stats", []() { dc::runtime().reset_stats(); });
+  m.def("stats", []() {
+    const auto& s = dc::runtime().stats();
+    pybind11::dict d;
+    d["allgathers"] = s.allgathers;
+    d["allgather_bytes"] = s.allgather_bytes;
+    d["releases"] = s.releases;
+    d["reduce_calls"] = s.reduce_calls;
+    d["reduce_scatters"] = s.reduce_scatters;
+    d["reduce_bytes"] = s.reduce_bytes;
+    d["peak_live_gathered"] = s.peak_live_gathered;
+    d["peak_live_gathered_bytes"] = s.peak_live_gathered_bytes;
+    return d;
+  });
+}

@@ -1,0 +1,245 @@
+// Runtime state, the parameter registry, reduce buckets, and the Python entry points
+// (init / register / reset / cleanup / stats). The graph-facing operators live in zero3.cpp.
+#include "runtime.h"
+
+#include <memory>
+#include <sstream>
+
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+
+namespace dc {
+
+namespace {
+std::unique_ptr<Runtime> g_runtime;
+}
+
+Runtime& runtime() {
+  TORCH_CHECK(g_runtime, "deepcompile runtime is not initialized: call deepcompile.initialize(...) first");
+  return *g_runtime;
+}
+
+bool has_runtime() { return static_cast<bool>(g_runtime); }
+
+Runtime::Runtime(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight)
+    : pg_(std::move(pg)), bucket_elems_(bucket_elems), max_inflight_(max_inflight) {
+  TORCH_CHECK(pg_, "deepcompile: process group is null");
+  TORCH_CHECK(bucket_elems_ > 0, "deepcompile: reduce bucket size must be positive, got ", bucket_elems_);
+  TORCH_CHECK(max_inflight_ > 0, "deepcompile: max in-flight reduces must be positive");
+  rank_ = pg_->getRank();
+  world_ = pg_->getSize();
+}
+
+void Runtime::register_param(int64_t id, const std::string& name, at::Tensor shard,
+                             std::vector<int64_t> shape, at::ScalarType gather_dtype) {
+  TORCH_CHECK(params_.find(id) == params_.end(), "deepcompile: parameter id ", id, " ('", name,
+              "') is already registered");
+  TORCH_CHECK(shard.dim() == 1 && shard.is_contiguous(), "deepcompile: shard of '", name,
+              "' must be a contiguous 1-D tensor, got shape ", shard.sizes());
+  int64_t numel = 1;
+  for (auto s : shape) numel *= s;
+  const int64_t chunk = shard.numel();
+  TORCH_CHECK(chunk * world_ >= numel && (chunk - 1) * world_ < numel + world_, "deepcompile: shard of '", name,
+              "' has ", chunk, " elements; a parameter of ", numel, " elements over ", world_,
+              " ranks needs ", (numel + world_ - 1) / world_);
+  Param p;
+  p.id = id;
+  p.name = name;
+  p.shard = shard;
+  p.shape = std::move(shape);
+  p.numel = numel;
+  p.chunk = chunk;
+  p.gather_dtype = gather_dtype;
+  params_.emplace(id, std::move(p));
+}
+
+Param& Runtime::mutable_param(int64_t id) {
+  auto it = params_.find(id);
+  TORCH_CHECK(it != params_.end(), "deepcompile: unknown parameter id ", id, " (", params_.size(),
+              " registered); was the graph compiled for another deepcompile.initialize?");
+  return it->second;
+}
+
+const Param& Runtime::param(int64_t id) const {
+  auto it = params_.find(id);
+  TORCH_CHECK(it != params_.end(), "deepcompile: unknown parameter id ", id, " (", params_.size(),
+              " registered); was the graph compiled for another deepcompile.initialize?");
+  return it->second;
+}
+
+void Runtime::track_live(const at::Tensor& buffer, int64_t id) {
+  live_.emplace_back(id, buffer.storage().getWeakStorageImpl());
+  int64_t n = 0, bytes = 0;
+  std::vector<std::pair<int64_t, c10::weak_intrusive_ptr<c10::StorageImpl>>> keep;
+  for (auto& e : live_) {
+    auto strong = e.second.lock();
+    if (strong) {
+      ++n;
+      bytes += static_cast<int64_t>(strong->nbytes());
+      keep.push_back(e);
+    }
+  }
+  live_.swap(keep);
+  stats_.peak_live_gathered = std::max(stats_.peak_live_gathered, n);
+  stats_.peak_live_gathered_bytes = std::max(stats_.peak_live_gathered_bytes, bytes);
+}
+
+std::vector<int64_t> Runtime::live_gathered() {
+  std::vector<int64_t> ids;
+  std::vector<std::pair<int64_t, c10::weak_intrusive_ptr<c10::StorageImpl>>> keep;
+  for (auto& e : live_) {
+    if (!e.second.expired()) {
+      ids.push_back(e.first);
+      keep.push_back(e);
+    }
+  }
+  live_.swap(keep);
+  return ids;
+}
+
+void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
+  const Param& p = param(id);
+  TORCH_CHECK(shard.numel() == p.chunk, "deepcompile: allgather of '", p.name, "' got a shard of ",
+              shard.numel(), " elements, the registry holds ", p.chunk);
+  TORCH_CHECK(pending_.find(id) == pending_.end(), "deepcompile: allgather of '", p.name,
+              "' started twice without wait_allgather in between");
+  at::Tensor src = shard.to(p.gather_dtype).contiguous();
+  at::Tensor buffer = at::empty({p.chunk * world_}, src.options());
+  auto work = pg_->_allgather_base(buffer, src);
+  pending_[id] = PendingGather{work, buffer};
+  stats_.allgathers += 1;
+  stats_.allgather_bytes += buffer.nbytes();
+}
+
+at::Tensor Runtime::finish_allgather(int64_t id) {
+  const Param& p = param(id);
+  auto it = pending_.find(id);
+  TORCH_CHECK(it != pending_.end(), "deepcompile: wait_allgather for '", p.name,
+              "' without a started allgather");
+  PendingGather pg = std::move(it->second);
+  pending_.erase(it);
+  pg.work->wait();
+  track_live(pg.buffer, id);
+  // Ownership passes to the graph: the runtime keeps only a weak reference, so the memory is
+  // returned as soon as the graph drops its last use (release_param marks that point).
+  return pg.buffer.narrow(0, 0, p.numel).view(p.shape);
+}
+
+void Runtime::release(int64_t id) {
+  param(id);
+  stats_.releases += 1;
+}
+
+at::Tensor Runtime::padded_rows(const at::Tensor& grad, const Param& p) const {
+  TORCH_CHECK(grad.numel() == p.numel, "deepcompile: gradient of '", p.name, "' has ", grad.numel(),
+              " elements, the parameter has ", p.numel);
+  at::Tensor flat = grad.reshape({-1}).to(reduce_dtype_);
+  const int64_t padded = p.chunk * world_;
+  if (padded != p.numel) {
+    at::Tensor full = at::zeros({padded}, flat.options());
+    full.narrow(0, 0, p.numel).copy_(flat);
+    flat = full;
+  } else if (flat.data_ptr() == grad.data_ptr()) {
+    flat = flat.clone();  // the bucket owns its copy; the graph may reuse the gradient's memory
+  }
+  return flat.view({world_, p.chunk});
+}
+
+void Runtime::add_grad(const at::Tensor& grad, int64_t id) {
+  const Param& p = param(id);
+  stats_.reduce_calls += 1;
+  Bucket& b = buckets_[static_cast<int>(reduce_dtype_)];
+  for (auto& e : b.entries) {
+    if (e.id == id) {  // a parameter used twice in one graph: sum before reducing
+      e.slots.add_(padded_rows(grad, p));
+      return;
+    }
+  }
+  const int64_t elems = p.chunk * world_;
+  if (!b.entries.empty() && b.elems + elems > bucket_elems_) flush(reduce_dtype_);
+  Bucket& b2 = buckets_[static_cast<int>(reduce_dtype_)];
+  b2.entries.push_back(BucketEntry{id, padded_rows(grad, p)});
+  b2.elems += elems;
+  if (b2.elems >= bucket_elems_) flush(reduce_dtype_);
+}
+
+void Runtime::flush(at::ScalarType dtype) {
+  auto it = buckets_.find(static_cast<int>(dtype));
+  if (it == buckets_.end() || it->second.entries.empty()) return;
+  Bucket b = std::move(it->second);
+  buckets_.erase(it);
+  while (static_cast<int64_t>(inflight_.size()) >= max_inflight_) complete_oldest();
+  std::vector<at::Tensor> parts;
+  InFlightReduce r;
+  int64_t cols = 0;
+  for (auto& e : b.entries) {
+    parts.push_back(e.slots);
+    r.entries.emplace_back(e.id, e.slots.size(1));
+    cols += e.slots.size(1);
+  }
+  // [world, cols]: row k holds rank k's slice of every entry, so a reduce-scatter leaves each
+  // rank exactly its own shard of each gradient, side by side.
+  r.input = parts.size() == 1 ? parts[0].contiguous() : at::cat(parts, 1).contiguous();
+  r.output = at::empty({cols}, r.input.options());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  at::Tensor in_flat = r.input.view({-1});
+  r.work = pg_->_reduce_scatter_base(r.output, in_flat, opts);
+  stats_.reduce_scatters += 1;
+  stats_.reduce_bytes += in_flat.nbytes();
+  inflight_.push_back(std::move(r));
+}
+
+void Runtime::complete_oldest() {
+  InFlightReduce r = std::move(inflight_.front());
+  inflight_.pop_front();
+  r.work->wait();
+  int64_t off = 0;
+  for (auto& [id, chunk] : r.entries) {
+    Param& p = mutable_param(id);
+    at::Tensor g = r.output.narrow(0, off, chunk);
+    off += chunk;
+    at::Tensor& dst = p.shard.mutable_grad();
+    if (!dst.defined()) {
+      dst = g.to(p.shard.scalar_type()).mul_(grad_scale_);
+    } else {
+      dst.add_(g.to(p.shard.scalar_type()), grad_scale_);
+    }
+  }
+}
+
+void Runtime::end_backward(int64_t /*graph_id*/) {
+  std::vector<int> dtypes;
+  for (auto& kv : buckets_) dtypes.push_back(kv.first);
+  for (int d : dtypes) flush(static_cast<at::ScalarType>(d));
+  while (!inflight_.empty()) complete_oldest();
+}
+
+at::Tensor Runtime::reduce_scatter_now(const at::Tensor& grad, int64_t id) {
+  const Param& p = param(id);
+  at::Tensor in = padded_rows(grad, p).contiguous().view({-1});
+  at::Tensor out = at::empty({p.chunk}, in.options());
+  c10d::ReduceScatterOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  pg_->_reduce_scatter_base(out, in, opts)->wait();
+  stats_.reduce_scatters += 1;
+  stats_.reduce_bytes += in.nbytes();
+  return out.to(p.shard.scalar_type()).mul_(grad_scale_);
+}
+
+void Runtime::check_idle() const {
+  std::ostringstream ss;
+  if (!pending_.empty()) {
+    ss << "allgathers started but never waited for:";
+    for (auto& kv : pending_) ss << " '" << param(kv.first).name << "'";
+  }
+  TORCH_CHECK(pending_.empty(), "deepcompile: ", ss.str());
+}
+
+void init(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight) {
+  // Re-initialising replaces everything: stale parameter ids must never reach a new graph.
+  g_runtime = std::make_unique<Runtime>(std::move(pg), bucket_elems, max_inflight);
+}
+
+void cleanup() { g_runtime.reset(); }
+
+}  // namespace dc

@@ -1,0 +1,121 @@
+// The deepcompile native runtime: one per process.
+//
+// It owns the parameter registry (each rank's flat, padded shard of every parameter), the
+// in-flight allgathers, the gradient reduce buckets and the process group the collectives run
+// on. The operators in zero3.cpp are thin: they look a parameter up here and start or finish a
+// collective. Collectives go through c10d's ProcessGroup (gloo on CPU, NCCL on GPU); c10d's
+// NCCL backend runs them on its own stream and `Work::wait()` only makes the caller's stream
+// wait on that stream's event, so communication overlaps compute without blocking the host.
+#pragma once
+
+#include <torch/extension.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <deque>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace dc {
+
+struct Param {
+  int64_t id = -1;
+  std::string name;
+  at::Tensor shard;             // this rank's flat padded shard: the tensor the optimizer updates
+  std::vector<int64_t> shape;   // full (unsharded) shape
+  int64_t numel = 0;            // full numel
+  int64_t chunk = 0;            // shard numel (padded numel / world size)
+  at::ScalarType gather_dtype;  // dtype the parameter travels and computes in
+};
+
+struct PendingGather {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor buffer;  // flat, padded, gather dtype
+};
+
+struct BucketEntry {
+  int64_t id;
+  at::Tensor slots;  // [world, chunk] in the reduce dtype
+};
+
+struct Bucket {
+  std::vector<BucketEntry> entries;
+  int64_t elems = 0;
+};
+
+struct InFlightReduce {
+  c10::intrusive_ptr<c10d::Work> work;
+  at::Tensor input;   // kept alive until the collective has finished
+  at::Tensor output;  // concatenation of this rank's shard of every entry
+  std::vector<std::pair<int64_t, int64_t>> entries;  // (param id, chunk)
+};
+
+struct Stats {
+  int64_t allgathers = 0;
+  int64_t allgather_bytes = 0;
+  int64_t releases = 0;
+  int64_t reduce_calls = 0;
+  int64_t reduce_scatters = 0;
+  int64_t reduce_bytes = 0;
+  int64_t peak_live_gathered = 0;
+  int64_t peak_live_gathered_bytes = 0;
+};
+
+class Runtime {
+ public:
+  Runtime(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight);
+
+  void register_param(int64_t id, const std::string& name, at::Tensor shard,
+                      std::vector<int64_t> shape, at::ScalarType gather_dtype);
+  void set_grad_scale(double scale) { grad_scale_ = scale; }
+  void set_reduce_dtype(at::ScalarType dtype) { reduce_dtype_ = dtype; }
+  const Param& param(int64_t id) const;
+
+  // allgather: start, then finish. The buffer lives in `pending_` in between.
+  void start_allgather(const at::Tensor& shard, int64_t id);
+  at::Tensor finish_allgather(int64_t id);
+  void release(int64_t id);
+
+  // gradients: bucketed reduce-scatter, accumulated into each shard's .grad
+  void add_grad(const at::Tensor& grad, int64_t id);
+  void end_backward(int64_t graph_id);
+  at::Tensor reduce_scatter_now(const at::Tensor& grad, int64_t id);  // eager path
+
+  std::vector<int64_t> live_gathered();
+  const Stats& stats() const { return stats_; }
+  void reset_stats() { stats_ = Stats(); }
+  int64_t rank() const { return rank_; }
+  int64_t world() const { return world_; }
+  int64_t num_params() const { return static_cast<int64_t>(params_.size()); }
+  void check_idle() const;
+
+ private:
+  Param& mutable_param(int64_t id);
+  at::Tensor padded_rows(const at::Tensor& grad, const Param& p) const;
+  void flush(at::ScalarType dtype);
+  void complete_oldest();
+  void track_live(const at::Tensor& buffer, int64_t id);
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  int64_t rank_, world_;
+  int64_t bucket_elems_;
+  int64_t max_inflight_;
+  double grad_scale_ = 1.0;
+  at::ScalarType reduce_dtype_ = at::kFloat;
+  std::unordered_map<int64_t, Param> params_;
+  std::unordered_map<int64_t, PendingGather> pending_;
+  std::unordered_map<int, Bucket> buckets_;  // by reduce dtype
+  std::deque<InFlightReduce> inflight_;
+  std::vector<std::pair<int64_t, c10::weak_intrusive_ptr<c10::StorageImpl>>> live_;
+  Stats stats_;
+};
+
+// The process-wide runtime. Throws a clear error if `init` has not been called.
+Runtime& runtime();
+bool has_runtime();
+void init(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight);
+void cleanup();
+
+}  // namespace dc

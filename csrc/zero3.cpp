@@ -1,0 +1,62 @@
+// The torch.ops.dc operators. Schemas are declared once here; fake (meta) implementations for
+// tracing live in deepcompile/runtime/ops.py, so tracing never touches communication.
+//
+// Ops that only have side effects declare a mutated argument (`Tensor(a!)`): that is what keeps
+// FX dead-code elimination and Inductor's scheduler from dropping them or moving them ahead of
+// the reads of that tensor, on every torch version we support, without touching torch internals.
+#include "runtime.h"
+
+namespace {
+
+// -- the math-level ops that tracing sees (the `zero3` pass lowers them) ----------------------
+
+at::Tensor unshard(const at::Tensor& shard, int64_t id) {
+  auto& rt = dc::runtime();
+  rt.start_allgather(shard, id);
+  return rt.finish_allgather(id);
+}
+
+at::Tensor shard_grad(const at::Tensor& grad, int64_t id) {
+  return dc::runtime().reduce_scatter_now(grad, id);
+}
+
+// -- the runtime ops the passes insert ---------------------------------------------------------
+
+at::Tensor allgather_param(const at::Tensor& shard, int64_t id) {
+  dc::runtime().start_allgather(shard, id);
+  return at::empty({0}, shard.options());  // a handle: orders wait_allgather after this op
+}
+
+at::Tensor wait_allgather(const at::Tensor& /*handle*/, int64_t id) {
+  return dc::runtime().finish_allgather(id);
+}
+
+void release_param(at::Tensor& /*gathered*/, int64_t id) { dc::runtime().release(id); }
+
+void reduce_grad(at::Tensor& grad, int64_t id) { dc::runtime().add_grad(grad, id); }
+
+void end_backward(at::TensorList /*grads*/, int64_t graph_id) { dc::runtime().end_backward(graph_id); }
+
+}  // namespace
+
+TORCH_LIBRARY(dc, m) {
+  m.def("unshard(Tensor shard, int id) -> Tensor");
+  m.def("shard_grad(Tensor grad, int id) -> Tensor");
+  m.def("allgather_param(Tensor shard, int id) -> Tensor");
+  m.def("wait_allgather(Tensor handle, int id) -> Tensor");
+  m.def("release_param(Tensor(a!) gathered, int id) -> ()");
+  m.def("reduce_grad(Tensor(a!) grad, int id) -> ()");
+  m.def("end_backward(Tensor(a!)[] grads, int graph_id) -> ()");
+}
+
+#define DC_IMPLS(m)                                   \
+  m.impl("unshard", &unshard);                        \
+  m.impl("shard_grad", &shard_grad);                  \
+  m.impl("allgather_param", &allgather_param);        \
+  m.impl("wait_allgather", &wait_allgather);          \
+  m.impl("release_param", &release_param);            \
+  m.impl("reduce_grad", &reduce_grad);                \
+  m.impl("end_backward", &end_backward);
+
+TORCH_LIBRARY_IMPL(dc, CPU, m) { DC_IMPLS(m) }
+TORCH_LIBRARY_IMPL(dc, CUDA, m) { DC_IMPLS(m) }

@@ -1,0 +1,214 @@
+"""The public API: initialize, full_state_dict, load_full_state_dict."""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from deepcompile import compat
+from deepcompile.backend import Backend
+from deepcompile.config import Config
+from deepcompile.runtime import ops
+from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
+
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class DeepCompileModel(nn.Module):
+    """The user's module, sharded, with its forward compiled by the deepcompile backend.
+
+    ``parameters()`` yields this rank's shards, exactly the tensors the optimizer updates.
+    """
+
+    def __init__(self, module: nn.Module, sharded: list[ShardedParam], backend: Backend,
+                 config: Config, group, state_keys: list[str]):
+        super().__init__()
+        self.module = module
+        object.__setattr__(self, "dc_sharded", sharded)
+        object.__setattr__(self, "dc_backend", backend)
+        object.__setattr__(self, "dc_config", config)
+        object.__setattr__(self, "dc_group", group)
+        object.__setattr__(self, "dc_state_keys", state_keys)
+        object.__setattr__(self, "_dc_compiled", torch.compile(module, backend=backend))
+
+    def forward(self, *args, **kwargs):
+        return self._dc_compiled(*args, **kwargs)
+
+    @property
+    def dc_graphs(self):
+        """Every graph version the backend produced (input and after each pass)."""
+        return self.dc_backend.versions
+
+
+def _resolve_group(group):
+    if group is not None:
+        return group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    missing = [v for v in _LAUNCHER_VARS if v not in os.environ]
+    if missing:
+        raise RuntimeError(
+            "deepcompile.initialize: no torch.distributed process group exists and the launcher "
+            f"environment is incomplete (missing {', '.join(missing)}). Launch with torchrun "
+            "(torchrun --nproc-per-node=2 train.py), or call torch.distributed.init_process_group(...) "
+            "before deepcompile.initialize, or pass group=..."
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+    return dist.group.WORLD
+
+
+def _device_for(group) -> torch.device:
+    backend = dist.get_backend(group)
+    if "nccl" in str(backend).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int) -> torch.optim.Optimizer:
+    """Plain loop, accumulated: ``step()`` / ``zero_grad()`` only act every N-th micro-batch.
+
+    The user's optimizer object is kept (LR schedulers and isinstance checks still work);
+    only its bound ``step`` and ``zero_grad`` are wrapped on the instance.
+    """
+    if accumulation == 1:
+        return opt
+    inner_step, inner_zero = opt.step, opt.zero_grad
+    state = {"micro": 0, "stepped": False}
+
+    def step(*args, **kwargs):
+        state["micro"] += 1
+        if state["micro"] % accumulation == 0:
+            state["stepped"] = True
+            return inner_step(*args, **kwargs)
+        return None
+
+    def zero_grad(set_to_none: bool = True):
+        if state["stepped"]:
+            state["stepped"] = False
+            inner_zero(set_to_none=set_to_none)
+
+    opt.step, opt.zero_grad = step, zero_grad
+    opt.dc_micro_steps = lambda: state["micro"]
+    return opt
+
+
+def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+               config: Config | dict | str | os.PathLike | None = None, *, group=None):
+    """Shard ``model`` for the configured ZeRO stage and compile it with the deepcompile backend.
+
+    Returns ``(model, optimizer)`` that work in a plain loop:
+    ``loss = model(x); loss.backward(); optimizer.step(); optimizer.zero_grad()``.
+    """
+    cfg = Config.load(config)  # validate before touching anything
+    if compat.is_compiled_module(model):
+        raise TypeError(
+            "deepcompile.initialize: the model is already compiled with torch.compile; pass the "
+            "original module (compiled_model._orig_mod) and let deepcompile compile it.")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"deepcompile.initialize: model must be an nn.Module, got {type(model).__name__}")
+    if isinstance(model, DeepCompileModel) or any(isinstance(m, type(None)) for m in ()):
+        raise TypeError("deepcompile.initialize: this model is already initialized by deepcompile")
+    from torch.nn.utils import parametrize
+    if any(parametrize.is_parametrized(m) for m in model.modules()):
+        raise TypeError("deepcompile.initialize: the model already has parametrizations (was it "
+                        "initialized by deepcompile before?); pass a fresh module")
+    if not callable(make_optimizer):
+        raise TypeError("deepcompile.initialize: make_optimizer must be a callable taking the "
+                        "parameters and returning a torch.optim.Optimizer, e.g. "
+                        "lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
+    group = _resolve_group(group)
+    device = _device_for(group)
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    C = ops.ensure_registered()
+    if C.is_initialized():
+        warnings.warn("deepcompile.initialize called again in this process: the previous model's "
+                      "runtime state and compiled graphs are dropped", stacklevel=2)
+        compat.reset_dynamo()
+    ops.PARAMS.clear()
+    C.init(group, cfg.reduce_bucket_size, cfg.max_inflight_reduces)
+    try:
+        state_keys = list(model.state_dict().keys())
+        model.to(device)
+        sharded = shard_module(model, group=group, device=device,
+                               gather_dtype=cfg.mixed_precision.torch_param_dtype())
+        C.set_grad_scale(1.0 / (world * cfg.gradient_accumulation_steps))
+        C.set_reduce_dtype(cfg.mixed_precision.torch_reduce_dtype())
+    except Exception:
+        C.cleanup()
+        ops.PARAMS.clear()
+        raise
+    backend = Backend(cfg, dict(ops.PARAMS), world, rank)
+    wrapped = DeepCompileModel(model, sharded, backend, cfg, group, state_keys)
+    trainable = [sp.shard for sp in sharded if sp.shard.requires_grad]
+    opt = make_optimizer(trainable)
+    if not isinstance(opt, torch.optim.Optimizer):
+        raise TypeError(f"deepcompile.initialize: make_optimizer returned {type(opt).__name__}, "
+                        "expected a torch.optim.Optimizer")
+    return wrapped, _wrap_optimizer(opt, cfg.gradient_accumulation_steps)
+
+
+def _gather_full(sp: ShardedParam, group) -> torch.Tensor:
+    world = dist.get_world_size(group)
+    shard = sp.shard.detach()
+    out = torch.empty(sp.meta.chunk * world, dtype=shard.dtype, device=shard.device)
+    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    return out[: sp.meta.numel].view(sp.meta.shape)
+
+
+def full_state_dict(model: DeepCompileModel) -> dict[str, torch.Tensor]:
+    """Gathered parameters and buffers on CPU, keyed like the original model's ``state_dict()``.
+
+    Collective: every rank must call it.
+    """
+    if not isinstance(model, DeepCompileModel):
+        raise TypeError("deepcompile.full_state_dict expects the model returned by deepcompile.initialize")
+    by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
+    gathered: dict[int, torch.Tensor] = {}
+    out = {}
+    with torch.no_grad():
+        for key in model.dc_state_keys:
+            sp = by_name.get(key)
+            if sp is not None:
+                if sp.meta.id not in gathered:
+                    gathered[sp.meta.id] = _gather_full(sp, model.dc_group).cpu().clone()
+                out[key] = gathered[sp.meta.id]
+            else:
+                out[key] = model.module.get_buffer(key).detach().cpu().clone()
+    return out
+
+
+def load_full_state_dict(model: DeepCompileModel, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict into this rank's shards and the buffers."""
+    if not isinstance(model, DeepCompileModel):
+        raise TypeError("deepcompile.load_full_state_dict expects the model returned by deepcompile.initialize")
+    keys = set(model.dc_state_keys)
+    missing, unexpected = sorted(keys - set(state_dict)), sorted(set(state_dict) - keys)
+    if missing or unexpected:
+        raise KeyError(f"deepcompile.load_full_state_dict: missing keys {missing[:5]}, unexpected keys "
+                       f"{unexpected[:5]} (of {len(missing)} and {len(unexpected)})")
+    by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
+    world, rank = dist.get_world_size(model.dc_group), dist.get_rank(model.dc_group)
+    for key in model.dc_state_keys:  # check everything before writing anything
+        v = state_dict[key]
+        sp = by_name.get(key)
+        want = tuple(sp.meta.shape) if sp else tuple(model.module.get_buffer(key).shape)
+        if tuple(v.shape) != want:
+            raise ValueError(f"deepcompile.load_full_state_dict: '{key}' has shape {list(v.shape)}, "
+                             f"the model expects {list(want)}")
+    with torch.no_grad():
+        for key in model.dc_state_keys:
+            sp = by_name.get(key)
+            v = state_dict[key]
+            if sp is not None:
+                if key == sp.names[0] or sp.names[0] not in state_dict:
+                    sp.shard.copy_(shard_tensor(v.to(sp.shard.device, sp.shard.dtype), world, rank))
+            else:
+                model.module.get_buffer(key).copy_(v)

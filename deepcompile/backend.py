@@ -1,0 +1,77 @@
+"""The torch.compile backend: graph ids, the forward/backward split, the pass pipeline.
+
+Dynamo hands us one graph per captured segment (a graph break gives two segments, each its own
+graph id). AOTAutograd splits each into forward and backward (or one inference graph); every
+one of those runs the configured passes in order and then the inner compiler:
+``inductor``, ``aot_eager`` (the graph's own Python code) or ``eager`` (node by node).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from deepcompile import compat
+from deepcompile.passes import PASSES, PassContext, make_params
+from deepcompile.record.graph import serialize
+
+
+@dataclass
+class GraphVersion:
+    graph_id: int
+    kind: str        # "dynamo", "forward", "backward", "inference"
+    after: str       # "input" or the pass name
+    nodes: list[dict]
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Backend:
+    def __init__(self, config, param_meta: dict, world_size: int, rank: int,
+                 observers: list[Callable[[GraphVersion], None]] | None = None):
+        self.config = config
+        self.param_meta = param_meta
+        self.world_size, self.rank = world_size, rank
+        self.next_graph_id = 0
+        self.versions: list[GraphVersion] = []
+        self.observers = list(observers or [])
+        self.compiled: dict[tuple[int, str], fx.GraphModule] = {}
+
+    def _observe(self, v: GraphVersion) -> None:
+        self.versions.append(v)
+        for o in self.observers:
+            o(v)
+
+    def run_passes(self, gm: fx.GraphModule, graph_id: int, kind: str) -> fx.GraphModule:
+        self._observe(GraphVersion(graph_id, kind, "input", serialize(gm)))
+        for entry in self.config.passes:
+            pdef = PASSES[entry.name]
+            ctx = PassContext(graph_id=graph_id, kind=kind, params=make_params(entry),
+                              param_meta=self.param_meta, world_size=self.world_size, rank=self.rank)
+            t0 = time.perf_counter()
+            gm = pdef.fn(gm, ctx)
+            self._observe(GraphVersion(graph_id, kind, entry.name, serialize(gm), ctx.notes,
+                                       time.perf_counter() - t0))
+        self.compiled[(graph_id, kind)] = gm
+        return gm
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        graph_id = self.next_graph_id
+        self.next_graph_id += 1
+        self._observe(GraphVersion(graph_id, "dynamo", "input", serialize(gm)))
+        compiler = self.config.compiler
+        if compiler == "inductor":
+            return compat.inductor_compile(
+                gm, example_inputs, lambda g, inputs, kind: self.run_passes(g, graph_id, kind))
+
+        def make(kind: str):
+            def compile_one(g: fx.GraphModule, inputs):
+                g = self.run_passes(g, graph_id, kind)
+                if compiler == "eager":
+                    return compat.interpret(g)
+                return compat.boxed(g.forward)
+            return compile_one
+
+        return compat.aot_compile(gm, example_inputs, make("forward"), make("backward"), make("inference"))

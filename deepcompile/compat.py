@@ -1,0 +1,130 @@
+"""Every touch of torch internals, in one place.
+
+Checked against torch 2.11.0 (the GPU machines) and 2.13.0 (CI). Each function says why it is
+needed. Public extension points are used wherever torch has one: custom ops with fake impls
+(``torch.library``), a ``torch.compile`` backend function, FX passes, ``torch.nn.utils.parametrize``.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+
+def mark_side_effect(op) -> None:
+    """Keep a side-effect-only op through FX dead-code elimination.
+
+    Our side-effect ops also declare a mutated argument in their schema, which is what Inductor
+    (2.11 and 2.13) checks; ``torch.fx.node.has_side_effect`` covers FX's own DCE and, in 2.13,
+    Inductor's ``is_impure`` too.
+    """
+    fn = getattr(torch.fx.node, "has_side_effect", None)
+    if fn is not None:
+        fn(op)
+
+
+def is_compiled_module(model) -> bool:
+    """``torch.compile(model)`` returns an OptimizedModule (torch._dynamo.eval_frame)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return isinstance(model, OptimizedModule)
+
+
+def tag_unshard_for_recompute(joint: fx.GraphModule) -> None:
+    """Make the partitioner re-gather parameters in backward instead of saving them.
+
+    Without this, the min-cut partitioner saves the full-size output of ``dc.unshard`` for
+    backward (custom ops are never recomputed by default), keeping every gathered parameter
+    alive from forward to backward: ZeRO-3 without its memory savings. The tag is the one
+    activation checkpointing uses (``node.meta["recompute"]``, read by
+    ``torch._functorch.partitioners.must_recompute`` in 2.11 and 2.13).
+    """
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for n in joint.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.dc.unshard.default:
+            n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+            n.meta.setdefault("ac_graph_id", -1)
+
+
+def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
+    """Min-cut partition after tagging gathers for recompute (the aot_eager/eager path)."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    tag_unshard_for_recompute(joint)
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def aot_compile(gm: fx.GraphModule, example_inputs, fw_compiler: Callable, bw_compiler: Callable,
+                inference_compiler: Callable):
+    """AOTAutograd with our partitioner: ``torch._dynamo.backends.common.aot_autograd`` is the
+    helper every in-tree backend uses (same name and signature in 2.11 and 2.13)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    backend = aot_autograd(fw_compiler=fw_compiler, bw_compiler=bw_compiler,
+                           inference_compiler=inference_compiler, partition_fn=partition,
+                           keep_inference_input_mutations=True)
+    return backend(gm, example_inputs)
+
+
+def boxed(fn: Callable) -> Callable:
+    """AOTAutograd calls compiled graphs with a boxed argument list."""
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(fn)
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs, run_passes: Callable[[fx.GraphModule, list, str], fx.GraphModule]):
+    """Inductor end to end, with our passes on the partitioned forward and backward graphs.
+
+    ``compile_fx(..., inner_compile=...)`` is Inductor's own hook for wrapping the per-graph
+    compile; it is called after AOTAutograd's partition with ``is_backward`` / ``is_inference``
+    in its keyword arguments. The recompute tag goes in through ``joint_custom_pre_pass``, the
+    config hook Inductor runs on the joint graph just before partitioning.
+    """
+    from torch._inductor import compile_fx as cfx
+
+    def inner(g, inputs, **kw):
+        kind = "backward" if kw.get("is_backward") else ("inference" if kw.get("is_inference") else "forward")
+        g = run_passes(g, inputs, kind)
+        return cfx.compile_fx_inner(g, inputs, **kw)
+
+    def joint_pass(graph: fx.Graph):
+        tag_unshard_for_recompute(graph.owning_module)
+
+    return cfx.compile_fx(gm, example_inputs, inner_compile=inner,
+                          config_patches={"joint_custom_pre_pass": _JointPass(joint_pass)})
+
+
+try:  # the base class exists in 2.11 and 2.13; Inductor hashes uuid() into its cache key
+    from torch._inductor.custom_graph_pass import CustomGraphPass as _CGP
+except ImportError:  # pragma: no cover
+    _CGP = object
+
+
+class _JointPass(_CGP):
+    """A joint-graph pass Inductor can hash for its FX graph cache (CustomGraphPass protocol)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, graph):
+        return self.fn(graph)
+
+    def uuid(self):
+        return "deepcompile-tag-unshard-recompute-v1"
+
+
+def interpret(gm: fx.GraphModule) -> Callable:
+    """The `eager` inner compiler: run node by node with torch.fx.Interpreter."""
+    def run(args):
+        return fx.Interpreter(gm).boxed_run(args)
+    run._boxed_call = True
+    return run
+
+
+def reset_dynamo() -> None:
+    """Drop compiled graphs (re-initialising, tests). torch._dynamo.reset is public-ish."""
+    torch._dynamo.reset()

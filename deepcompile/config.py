@@ -1,0 +1,85 @@
+"""The typed configuration tree. Every key is declared once, with help, bounds and choices.
+
+``Config.load`` accepts a dict, a path to a JSON file, or a ``Config``; unknown keys and bad
+values raise :class:`ConfigError` naming the key path (``config.mixed_precision.param_dtype``).
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from deepcompile.params import ConfigError, build, spec
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class MixedPrecision:
+    param_dtype: str = spec("float32", choices=tuple(DTYPES),
+                            help="dtype parameters are gathered and computed in (shards and optimizer stay in their own dtype)")
+    reduce_dtype: str = spec("float32", choices=tuple(DTYPES),
+                             help="dtype gradients are reduce-scattered in")
+
+    def torch_param_dtype(self) -> torch.dtype | None:
+        return None if self.param_dtype == "float32" else DTYPES[self.param_dtype]
+
+    def torch_reduce_dtype(self) -> torch.dtype:
+        return DTYPES[self.reduce_dtype]
+
+
+@dataclass
+class PassEntry:
+    name: str = spec(help="registered pass name (see `deepcompile.passes.PASSES`)")
+    params: dict = spec(default_factory=dict, help="values for the pass's declared parameters")
+
+
+@dataclass
+class Config:
+    zero_stage: int = spec(3, choices=(1, 2, 3), help="ZeRO stage: 3 shards parameters, gradients and optimizer state")
+    compiler: str = spec("inductor", choices=("inductor", "aot_eager", "eager"),
+                         help="inner compiler for the rewritten graphs; eager interprets node by node")
+    passes: list[Any] = spec(default_factory=lambda: ["zero3"],
+                             help="passes run on every captured graph, in order: a name or {name, params}")
+    gradient_accumulation_steps: int = spec(1, min=1, max=1 << 20,
+                                            help="micro-batches per optimizer step; optimizer.step() is a no-op in between")
+    mixed_precision: MixedPrecision = spec(default_factory=MixedPrecision, help="compute and reduce dtypes")
+    reduce_bucket_size: int = spec(25_000_000, min=1, help="elements per gradient reduce-scatter bucket")
+    max_inflight_reduces: int = spec(2, min=1, max=64, help="reduce-scatter buckets in flight before the oldest is waited for")
+
+    def validate(self, path: str = "config") -> None:
+        if self.zero_stage in (1, 2):
+            raise ConfigError(f"{path}.zero_stage: stage {self.zero_stage} is not implemented yet; use 3")
+        from deepcompile.passes import PASSES, normalize_entry
+
+        self.passes = [normalize_entry(e, f"{path}.passes[{i}]") for i, e in enumerate(self.passes)]
+        names = [e.name for e in self.passes]
+        if not names or names[0] != "zero3":
+            raise ConfigError(
+                f"{path}.passes: ZeRO-3 needs 'zero3' as the first pass (it inserts the communication), got {names}")
+        for i, e in enumerate(self.passes):
+            if e.name not in PASSES:
+                raise ConfigError(f"{path}.passes[{i}].name: unknown pass {e.name!r}; known: {sorted(PASSES)}")
+
+    @classmethod
+    def load(cls, cfg: "Config | dict | str | os.PathLike | None") -> "Config":
+        if cfg is None:
+            return build(cls, {}, "config")
+        if isinstance(cfg, Config):
+            return build(cls, asdict(cfg), "config")
+        if isinstance(cfg, (str, os.PathLike)):
+            try:
+                with open(cfg) as f:
+                    data = json.load(f)
+            except FileNotFoundError:
+                raise ConfigError(f"config file {os.fspath(cfg)!r} does not exist") from None
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"config file {os.fspath(cfg)!r} is not valid JSON: {e}") from None
+            return build(cls, data, "config")
+        return build(cls, cfg, "config")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,3 @@
+from deepcompile.models.gpt import GPT, GPTConfig
+
+__all__ = ["GPT", "GPTConfig"]

@@ -1,0 +1,68 @@
+"""The pass registry: every pass is a function ``(graph_module, context) -> graph_module``
+registered with its declared parameters (a dataclass built with ``deepcompile.params.spec``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.fx as fx
+
+from deepcompile.params import ConfigError, build
+
+
+@dataclass
+class NoParams:
+    pass
+
+
+@dataclass
+class PassDef:
+    name: str
+    fn: Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
+    params_cls: type
+    help: str
+
+
+PASSES: dict[str, PassDef] = {}
+
+
+def register_pass(name: str, params_cls: type = NoParams, help: str = ""):
+    def deco(fn):
+        if name in PASSES:
+            raise ValueError(f"pass {name!r} registered twice")
+        PASSES[name] = PassDef(name, fn, params_cls, help or (fn.__doc__ or "").strip().split("\n")[0])
+        return fn
+    return deco
+
+
+@dataclass
+class PassContext:
+    """What a pass may read. Passes never write records or talk to widgets."""
+    graph_id: int
+    kind: str                      # "forward", "backward" or "inference"
+    params: Any                    # the pass's declared parameters (instance of params_cls)
+    param_meta: dict               # id -> deepcompile.runtime.ops.ParamMeta
+    world_size: int
+    rank: int
+    profile: Any = None            # the previous iteration's profile, when one exists
+    notes: list[str] = field(default_factory=list)  # what the pass did, for the record
+
+
+def normalize_entry(entry: Any, path: str):
+    """A pass entry from the config: a name, or {name, params}; params validated with path."""
+    from deepcompile.config import PassEntry
+
+    if isinstance(entry, str):
+        entry = {"name": entry}
+    if isinstance(entry, PassEntry):
+        entry = {"name": entry.name, "params": dict(entry.params)}
+    pe = build(PassEntry, entry, path)
+    pdef = PASSES.get(pe.name)
+    if pdef is None:
+        raise ConfigError(f"{path}.name: unknown pass {pe.name!r}; known: {sorted(PASSES)}")
+    build(pdef.params_cls, pe.params, f"{path}.params")  # validate now, with the key path
+    return pe
+
+
+def make_params(entry) -> Any:
+    return build(PASSES[entry.name].params_cls, entry.params, f"passes.{entry.name}.params")

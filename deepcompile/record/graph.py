@@ -1,0 +1,76 @@
+"""FX graph -> plain data (the record's graph format; also what tests inspect).
+
+Each node: name, op, target, args (node names or literals), output shape and dtype, the
+``nn.Module`` scope it came from, and the parameter id on communication ops.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+COMM_OPS = {"allgather_param", "wait_allgather", "release_param", "reduce_grad", "end_backward",
+            "unshard", "shard_grad"}
+
+
+def target_name(n: fx.Node) -> str:
+    t = n.target
+    if isinstance(t, str):
+        return t
+    if isinstance(t, torch._ops.OpOverload):
+        return f"{t.namespace}.{t._schema.name.split('::')[-1]}" + (
+            f".{t._overloadname}" if t._overloadname not in ("default", "") else "")
+    return getattr(t, "__name__", str(t))
+
+
+def _arg(a: Any) -> Any:
+    if isinstance(a, fx.Node):
+        return {"node": a.name}
+    if isinstance(a, (list, tuple)):
+        return [_arg(x) for x in a]
+    if isinstance(a, dict):
+        return {str(k): _arg(v) for k, v in a.items()}
+    if isinstance(a, (int, float, bool, str)) or a is None:
+        return a
+    return repr(a)
+
+
+def _val(v: Any) -> tuple[list | None, str | None]:
+    if isinstance(v, torch.Tensor):
+        return [int(s) if not isinstance(s, torch.SymInt) else str(s) for s in v.shape], str(v.dtype).replace("torch.", "")
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
+        return [list(x.shape) for x in v], "tuple"
+    return None, None
+
+
+def module_scope(n: fx.Node) -> str:
+    stack = n.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path = list(stack.values())[-1]
+    path = path[0] if isinstance(path, tuple) else path
+    # Dynamo writes L['self'].layers[0].attn style paths; keep the dotted module path only
+    path = str(path).replace("L['self'].", "").replace("L['self']", "")
+    path = path.replace("._modules['", ".").replace("']", "").replace("['", ".").replace("]", "").replace("[", ".")
+    path = path.replace("parametrizations.", "").strip(".")
+    return path
+
+
+def serialize(gm: fx.GraphModule) -> list[dict]:
+    out = []
+    for n in gm.graph.nodes:
+        shape, dtype = _val(n.meta.get("val"))
+        target = target_name(n)
+        d = {"name": n.name, "op": n.op, "target": target, "args": _arg(list(n.args)),
+             "shape": shape, "dtype": dtype, "scope": module_scope(n)}
+        if kwargs := _arg(dict(n.kwargs)):
+            d["kwargs"] = kwargs
+        if n.op == "call_function" and target.split(".")[0] == "dc":
+            pid = n.meta.get("dc_param")
+            if pid is None and len(n.args) > 1 and isinstance(n.args[1], int):
+                pid = n.args[1]
+            if pid is not None:
+                d["param"] = int(pid)
+        out.append(d)
+    return out

@@ -1,0 +1,104 @@
+"""The Python face of the native runtime: op schemas' fake impls, autograd, and metadata.
+
+``torch.ops.dc.unshard`` / ``torch.ops.dc.shard_grad`` are what tracing sees: a sharded
+parameter becomes its full-shape value through ``unshard`` and its gradient goes back through
+``shard_grad``. Both have real (synchronous) implementations, so an un-lowered graph still runs
+correctly; the ``zero3`` pass lowers them to the asynchronous runtime ops
+(``allgather_param`` / ``wait_allgather`` / ``release_param`` / ``reduce_grad`` / ``end_backward``).
+
+Fake implementations need the full shape and dtype of each parameter; they come from
+:data:`PARAMS`, filled by :mod:`deepcompile.sharding` when parameters are registered.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepcompile.runtime.build import load
+
+
+@dataclass(frozen=True)
+class ParamMeta:
+    id: int
+    name: str               # the first name the parameter has in the user's model
+    shape: tuple[int, ...]  # full shape
+    numel: int
+    chunk: int              # shard numel
+    dtype: torch.dtype      # dtype of the shard (master weights)
+    gather_dtype: torch.dtype  # dtype the parameter is gathered and computed in
+    requires_grad: bool
+
+
+PARAMS: dict[int, ParamMeta] = {}
+
+_REGISTERED = False
+C = None  # the compiled extension module, once loaded
+
+
+def _meta(pid: int) -> ParamMeta:
+    try:
+        return PARAMS[pid]
+    except KeyError:
+        raise RuntimeError(
+            f"deepcompile: unknown parameter id {pid} while tracing; parameters known: {len(PARAMS)}. "
+            "Was the model initialised with deepcompile.initialize in this process?"
+        ) from None
+
+
+def ensure_registered():
+    """Load the extension and register fake impls and autograd (idempotent)."""
+    global _REGISTERED, C
+    if _REGISTERED:
+        return C
+    C = load()
+    lib = torch.library
+
+    @lib.register_fake("dc::unshard")
+    def _(shard, pid):
+        m = _meta(pid)
+        return shard.new_empty(m.shape, dtype=m.gather_dtype)
+
+    @lib.register_fake("dc::shard_grad")
+    def _(grad, pid):
+        m = _meta(pid)
+        return grad.new_empty((m.chunk,), dtype=m.dtype)
+
+    @lib.register_fake("dc::allgather_param")
+    def _(shard, pid):
+        return shard.new_empty((0,))
+
+    @lib.register_fake("dc::wait_allgather")
+    def _(handle, pid):
+        m = _meta(pid)
+        return handle.new_empty(m.shape, dtype=m.gather_dtype)
+
+    @lib.register_fake("dc::release_param")
+    def _(gathered, pid):
+        return None
+
+    @lib.register_fake("dc::reduce_grad")
+    def _(grad, pid):
+        return None
+
+    @lib.register_fake("dc::end_backward")
+    def _(grads, graph_id):
+        return None
+
+    def _setup(ctx, inputs, output):
+        ctx.pid = inputs[1]
+
+    def _backward(ctx, grad):
+        return torch.ops.dc.shard_grad(grad, ctx.pid), None
+
+    lib.register_autograd("dc::unshard", _backward, setup_context=_setup)
+
+    # Side-effect ops must survive dead-code elimination (FX and Inductor); their schemas
+    # already declare a mutated argument, this adds the explicit mark where torch has it.
+    from deepcompile import compat
+
+    for op in (torch.ops.dc.release_param.default, torch.ops.dc.reduce_grad.default,
+               torch.ops.dc.end_backward.default):
+        compat.mark_side_effect(op)
+    _REGISTERED = True
+    return C

@@ -1,0 +1,147 @@
+"""Flat, padded parameter shards and how tracing sees them.
+
+Design decision (DESIGN.md, "how tracing sees a sharded parameter")
+------------------------------------------------------------------
+Each parameter of the user's model is replaced by a 1-D ``nn.Parameter`` holding this rank's
+slice of the flattened, zero-padded parameter (``ceil(numel / world)`` elements). The module
+sees the full-shape value through a ``torch.nn.utils.parametrize`` parametrization whose
+getter is the custom op ``torch.ops.dc.unshard(shard, id)``:
+
+* ``model.parameters()`` yields exactly the shards, the tensors the optimizer must update;
+* Dynamo traces the getter like any other code, so every captured graph contains one
+  ``unshard`` node per parameter access with the shard as a graph input: the graph *before*
+  the ``zero3`` pass is the model's math on full-shape values, and the pass visibly lowers each
+  ``unshard`` into ``allgather_param`` / ``wait_allgather`` / ``release_param``;
+* the autograd formula of ``unshard`` is ``shard_grad`` (a reduce-scatter), which the pass lowers
+  to the bucketed ``reduce_grad``;
+* nothing in torch is patched: the only internal touch is one node tag on the joint graph
+  (``compat.tag_unshard_for_recompute``) so the partitioner re-gathers in backward instead of
+  saving full parameters between forward and backward.
+
+Rejected alternatives:
+
+* patching fake-tensor creation so empty parameters look full-size (the reference design):
+  about twenty internal touch points that broke on each torch release;
+* freed storage with intact metadata (FSDP1/2 style): ``model.parameters()`` would return
+  full-shape tensors with no storage, not what the optimizer must update, and Dynamo must then
+  be taught that those tensors are special;
+* DTensor parametrization (SimpleFSDP): sound, but the graph before our pass would already carry
+  DTensor collectives we do not control, and it pulls the DTensor stack into every trace.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.utils import parametrize
+
+from deepcompile.runtime import ops
+
+
+class Unshard(nn.Module):
+    """Parametrization: shard (1-D, padded) -> full-shape parameter, via ``dc::unshard``."""
+
+    def __init__(self, pid: int):
+        super().__init__()
+        self.pid = pid
+
+    def forward(self, shard: torch.Tensor) -> torch.Tensor:
+        return torch.ops.dc.unshard(shard, self.pid)
+
+
+@dataclass
+class ShardedParam:
+    meta: ops.ParamMeta
+    shard: nn.Parameter
+    names: list[str] = field(default_factory=list)  # every name the parameter has (tied weights)
+
+
+def chunk_size(numel: int, world: int) -> int:
+    return -(-numel // world)
+
+
+def shard_tensor(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
+    """This rank's slice of ``full`` flattened and zero-padded to a multiple of ``world``."""
+    flat = full.detach().reshape(-1)
+    chunk = chunk_size(flat.numel(), world)
+    out = torch.zeros(chunk, dtype=full.dtype, device=full.device)
+    lo, hi = rank * chunk, min((rank + 1) * chunk, flat.numel())
+    if hi > lo:
+        out[: hi - lo].copy_(flat[lo:hi])
+    return out
+
+
+def _check_same_on_all_ranks(table: list[tuple[str, tuple[int, ...], str]], group) -> None:
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    tables: list = [None] * world
+    dist.all_gather_object(tables, table, group=group)
+    ref = tables[0]
+    for r, t in enumerate(tables):
+        if len(t) != len(ref):
+            raise ValueError(
+                f"deepcompile: rank {r} has {len(t)} parameters, rank 0 has {len(ref)}. "
+                "Every rank must build the same model before deepcompile.initialize."
+            )
+        for a, b in zip(ref, t):
+            if a != b:
+                raise ValueError(
+                    f"deepcompile: parameter '{b[0]}' differs across ranks: rank 0 has "
+                    f"{a[0]} {list(a[1])} {a[2]}, rank {r} has {b[0]} {list(b[1])} {b[2]}. "
+                    "Shards must match on every rank; build the same model on each rank."
+                )
+
+
+def shard_module(module: nn.Module, *, group, device: torch.device,
+                 gather_dtype: torch.dtype | None, first_id: int = 0) -> list[ShardedParam]:
+    """Replace every parameter of ``module`` by this rank's shard, in place.
+
+    Returns the sharded parameters in a deterministic order (first appearance), which is the
+    same on every rank, so parameter ids agree across ranks.
+    """
+    C = ops.ensure_registered()
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    by_tensor: dict[int, ShardedParam] = {}
+    owners: list[tuple[nn.Module, str, int]] = []
+    order: list[ShardedParam] = []
+    for mod_name, mod in module.named_modules(remove_duplicate=False):
+        for attr, p in list(mod._parameters.items()):
+            if p is None:
+                continue
+            full_name = f"{mod_name}.{attr}" if mod_name else attr
+            sp = by_tensor.get(id(p))
+            if sp is None:
+                pid = first_id + len(order)
+                gdt = gather_dtype if (gather_dtype is not None and p.is_floating_point()) else p.dtype
+                meta = ops.ParamMeta(
+                    id=pid, name=full_name, shape=tuple(p.shape), numel=p.numel(),
+                    chunk=chunk_size(p.numel(), world), dtype=p.dtype, gather_dtype=gdt,
+                    requires_grad=p.requires_grad,
+                )
+                shard = nn.Parameter(shard_tensor(p.to(device), world, rank),
+                                     requires_grad=p.requires_grad)
+                sp = ShardedParam(meta=meta, shard=shard)
+                by_tensor[id(p)] = sp
+                order.append(sp)
+            if full_name not in sp.names:
+                sp.names.append(full_name)
+            owners.append((mod, attr, by_tensor[id(p)].meta.id))
+
+    _check_same_on_all_ranks(
+        [(sp.meta.name, sp.meta.shape, str(sp.meta.dtype)) for sp in order], group)
+
+    for sp in order:
+        ops.PARAMS[sp.meta.id] = sp.meta
+        C.register_param(sp.meta.id, sp.meta.name, sp.shard, list(sp.meta.shape),
+                         sp.meta.gather_dtype)
+    by_id = {sp.meta.id: sp for sp in order}
+    for mod, attr, pid in owners:
+        if parametrize.is_parametrized(mod, attr):
+            continue  # a module reached twice through named_modules(remove_duplicate=False)
+        mod._parameters[attr] = by_id[pid].shard
+        parametrize.register_parametrization(mod, attr, Unshard(pid), unsafe=True)
+    return order
