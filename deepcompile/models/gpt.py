@@ -28,7 +28,7 @@ class Attention(nn.Module):
     def __init__(self, c: GPTConfig):
         super().__init__()
         self.n_head = c.n_head
-        self.qkv = nn.Linear(c.n_embd, 3 * c.n_embd)
+        self.qkv = nn.Linear(c.n_embd, 3 * c.n_embd, bias=False)  # a key bias has zero gradient (softmax shift invariance)
         self.proj = nn.Linear(c.n_embd, c.n_embd)
         self.register_buffer("mask", torch.tril(torch.ones(c.block_size, c.block_size)).bool())
 

@@ -1,0 +1,157 @@
+"""A naive, order-based estimate of a graph's schedule and memory, from the record's node lists.
+
+This is *not* the cost model (``deepcompile.profile``): it needs no hardware and no run, only
+the serialized graph, and exists so that a record always has a schedule and a memory timeline to
+show (marked ``source: "predicted"``) before a profiler has measured anything. Assumptions:
+compute ops run in graph order on the compute stream at a fixed bandwidth; ``allgather_param``
+starts on the allgather stream when issued and ``wait_allgather`` blocks compute until it ends;
+``reduce_grad`` runs on the reduce stream; a tensor is freed after its last user, a gathered
+parameter at its ``release_param``; graph inputs stay allocated throughout.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8,
+               "double": 8, "int64": 8, "long": 8, "int32": 4, "int": 4, "int16": 2, "int8": 1,
+               "uint8": 1, "bool": 1, "complex64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+COMPUTE_BYTES_PER_US = 4_000.0     # ~4 GB/s effective, a laptop-CPU-ish order of magnitude
+COMM_BYTES_PER_US = 1_000.0        # ~1 GB/s
+OP_OVERHEAD_US = 2.0
+
+
+def _numel(shape: Any) -> int:
+    if not isinstance(shape, list):
+        return 0
+    if shape and all(isinstance(s, list) for s in shape):
+        return sum(_numel(s) for s in shape)
+    n = 1
+    for s in shape:
+        if not isinstance(s, int):
+            return 0  # symbolic size: unknown
+        n *= s
+    return n
+
+
+def node_bytes(n: dict) -> int:
+    """Bytes of a node's output (0 when unknown); tuple outputs counted as float32."""
+    return _numel(n.get("shape")) * DTYPE_BYTES.get(n.get("dtype") or "", 4)
+
+
+def _refs(a: Any, out: list[str]) -> list[str]:
+    if isinstance(a, dict):
+        if set(a) == {"node"}:
+            out.append(a["node"])
+        else:
+            for v in a.values():
+                _refs(v, out)
+    elif isinstance(a, list):
+        for v in a:
+            _refs(v, out)
+    return out
+
+
+def inputs_of(n: dict) -> list[str]:
+    return _refs([n.get("args"), n.get("kwargs")], [])
+
+
+def comm_kind(n: dict) -> str | None:
+    t = n.get("target", "")
+    return t[3:] if n.get("op") == "call_function" and t.startswith("dc.") else None
+
+
+def estimate(nodes: list[dict], graph_id: int, kind: str) -> tuple[list[dict], list[dict]]:
+    """(schedule events, memory samples by node index) for one graph version."""
+    by_name = {n["name"]: n for n in nodes}
+    size = {n["name"]: node_bytes(n) for n in nodes}
+    last_use: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        for r in inputs_of(n):
+            last_use[r] = i
+    wait_of = {r: m for m in nodes if m.get("target") == "dc.wait_allgather" for r in inputs_of(m)}
+    events: list[dict] = []
+    samples: list[dict] = []
+    t = 0.0
+    ag_free = red_free = 0.0
+    ag_end: dict[Any, float] = {}
+    live: dict[str, int] = {}
+    baseline = 0
+    peak = 0
+
+    def ev(name, stream, a, b):
+        events.append({"graph_id": graph_id, "kind": kind, "node": name, "stream": stream,
+                       "start_us": round(a, 3), "end_us": round(b, 3), "source": "predicted"})
+
+    for i, n in enumerate(nodes):
+        name, op = n["name"], n["op"]
+        c = comm_kind(n)
+        if op in ("placeholder", "get_attr"):
+            baseline += size[name]
+        elif c == "allgather_param":
+            w = wait_of.get(name)
+            nbytes = node_bytes(w) if w is not None else size[name]
+            start = max(t, ag_free)
+            end = start + OP_OVERHEAD_US + nbytes / COMM_BYTES_PER_US
+            ev(name, "allgather", start, end)
+            ag_free = end
+            ag_end[name] = end
+            t += 0.5
+        elif c == "wait_allgather":
+            src = next((r for r in inputs_of(n) if r in ag_end), None)
+            start = t
+            t = max(t, ag_end.get(src, t))
+            ev(name, "compute", start, max(t, start + 0.1))
+            live[name] = size[name]
+        elif c == "reduce_grad":
+            nbytes = sum(size.get(r, 0) for r in inputs_of(n))
+            start = max(t, red_free)
+            end = start + OP_OVERHEAD_US + nbytes / COMM_BYTES_PER_US
+            ev(name, "reduce", start, end)
+            red_free = end
+            t += 0.5
+        elif c == "release_param":
+            for r in inputs_of(n):
+                live.pop(r, None)
+        elif op == "call_function" or op == "call_module" or op == "call_method":
+            moved = size[name] + sum(size.get(r, 0) for r in inputs_of(n) if r in by_name)
+            d = OP_OVERHEAD_US + moved / COMPUTE_BYTES_PER_US
+            ev(name, "compute", t, t + d)
+            t += d
+            live[name] = size[name]
+        # free what is dead after this node (not gathered params: release_param frees those)
+        for r in inputs_of(n):
+            if last_use.get(r) == i and r in live and comm_kind(by_name[r]) != "wait_allgather":
+                live.pop(r, None)
+        alloc = baseline + sum(live.values())
+        peak = max(peak, alloc)
+        samples.append({"node_index": i, "node": name, "graph_id": graph_id, "kind": kind,
+                        "allocated_bytes": int(alloc), "reserved_bytes": int(peak),
+                        "source": "predicted"})
+    if kind == "backward" and red_free > t:
+        t = red_free
+    return events, samples
+
+
+def estimate_versions(versions: Iterable[Any]) -> tuple[list[dict], list[dict]]:
+    """Estimate the *last* version of every (graph_id, kind) among ``versions``
+    (GraphVersion objects or dicts), skipping Dynamo's pre-split graphs."""
+    last: dict[tuple[int, str], Any] = {}
+    for v in versions:
+        d = v if isinstance(v, dict) else vars(v)
+        if d["kind"] != "dynamo":
+            last[(d["graph_id"], d["kind"])] = d
+    events, samples = [], []
+    for (gid, kind), d in sorted(last.items(), key=lambda kv: (kv[0][0], kv[0][1] != "forward")):
+        e, s = estimate(d["nodes"], gid, kind)
+        events += e
+        samples += s
+    return events, samples
+
+
+def fmt_bytes(n: float) -> str:
+    if not n:
+        return "0 B"
+    k = min(int(math.log(abs(n), 1024)), 4)
+    return f"{n / 1024 ** k:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][k]}" if k else f"{int(n)} B"

@@ -1,0 +1,217 @@
+"""Writing a run record (layout and schema: :mod:`deepcompile.record.schema`).
+
+The training side creates one :class:`RunRecorder` per rank::
+
+    rec = RunRecorder("runs/x", rank, world, config)
+    model.dc_backend.observers.append(rec.graph_version)   # before the first forward
+    for step in ...:
+        ...
+        rec.step(step, time_s, loss.item())                 # one appended line, flushed
+    rec.close()
+
+Graphs are written once, at compile time (one gzip file per version plus a small index).
+A step is one ``write`` + ``flush`` of a JSON line, so a reader can follow a live run and the
+steps that are not being recorded pay nothing. Files other than ``steps.jsonl`` are written to a
+temporary name and renamed, so a reader never sees half of them.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import gzip
+import json
+import os
+import platform
+import re
+import socket
+import sys
+from dataclasses import asdict, is_dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+from deepcompile.record import schema as S
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_json(path: Path, obj: Any, *, compress: bool | None = None) -> None:
+    path = Path(path)
+    raw = json.dumps(obj, separators=(",", ":") if compress or path.suffix == ".gz" else None,
+                     indent=None if path.suffix == ".gz" else 1).encode()
+    if compress or (compress is None and path.suffix == ".gz"):
+        raw = gzip.compress(raw, compresslevel=5, mtime=0)
+    _atomic_write(path, raw)
+
+
+def environment(rank: int, world: int) -> dict:
+    import torch
+
+    devices: list[str] = []
+    if torch.cuda.is_available():
+        devices = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "hostname": socket.gethostname(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count() or 0,
+        "cuda": torch.version.cuda or "",
+        "devices": devices,
+        "world_size": int(world),
+        "rank": int(rank),
+        "argv": list(sys.argv),
+    }
+
+
+def memory_stats() -> dict:
+    """Bytes allocated / reserved / peak on this rank's device (CUDA), or the process' resident
+    set on CPU (allocated = reserved = current RSS, peak = max RSS)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return {"allocated": int(torch.cuda.memory_allocated()),
+                "reserved": int(torch.cuda.memory_reserved()),
+                "peak": int(torch.cuda.max_memory_allocated())}
+    rss = 0
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    peak = rss
+    try:
+        import resource
+
+        peak = max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    except (ImportError, OSError):
+        pass
+    return {"allocated": rss, "reserved": rss, "peak": int(peak)}
+
+
+def _as_dict(v: Any) -> dict:
+    if isinstance(v, dict):
+        return v
+    if is_dataclass(v):
+        return asdict(v)
+    return dict(vars(v))
+
+
+class RunRecorder:
+    """Writes this rank's part of a run record. Rank 0 also writes the manifest and config."""
+
+    def __init__(self, run_dir: str | os.PathLike, rank: int = 0, world: int = 1, config: Any = None,
+                 *, env: dict | None = None):
+        self.run_dir = Path(run_dir)
+        self.rank, self.world = int(rank), int(world)
+        self.dir = self.run_dir / S.rank_dir_name(rank)
+        (self.dir / S.GRAPHS_DIR).mkdir(parents=True, exist_ok=True)
+        self._index: list[dict] = []
+        self._seq: dict[tuple[int, str], int] = {}
+        self._profile: dict[tuple[int, str], dict] = {}
+        self._events: list[dict] = []
+        self._samples: list[dict] = []
+        self.closed = False
+        if config is not None and hasattr(config, "to_dict"):
+            config = config.to_dict()
+        self.config = config
+        self.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        if self.rank == 0:
+            self._manifest("running")
+            write_json(self.run_dir / S.CONFIG, config if config is not None else {})
+        write_json(self.dir / S.ENVIRONMENT, env or environment(rank, world))
+        write_json(self.dir / S.GRAPHS_DIR / S.GRAPH_INDEX, [])
+        self._steps = open(self.dir / S.STEPS, "a", encoding="utf-8")
+
+    def _manifest(self, status: str) -> None:
+        from deepcompile import __version__
+
+        write_json(self.run_dir / S.MANIFEST, {
+            "format_version": S.FORMAT_VERSION, "tool": f"deepcompile {__version__}",
+            "created": self.created, "world_size": self.world, "ranks": list(range(self.world)),
+            "status": status})
+
+    # ------------------------------------------------------------------ graphs
+    def graph_version(self, v: Any) -> None:
+        """Record one graph version (a ``backend.GraphVersion`` or an equivalent dict).
+
+        Usable directly as a backend observer: ``model.dc_backend.observers.append(rec.graph_version)``.
+        """
+        d = _as_dict(v)
+        gid, kind, after = int(d["graph_id"]), str(d["kind"]), str(d["after"])
+        seq = self._seq.get((gid, kind), 0)
+        self._seq[(gid, kind)] = seq + 1
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", after)
+        fname = f"g{gid}-{kind}-{seq:02d}-{safe}.json.gz"
+        nodes = list(d.get("nodes") or [])
+        write_json(self.dir / S.GRAPHS_DIR / fname,
+                   {"graph_id": gid, "kind": kind, "after": after, "nodes": nodes})
+        self._index.append({"graph_id": gid, "kind": kind, "after": after, "seq": seq, "file": fname,
+                            "node_count": len(nodes), "notes": [str(n) for n in d.get("notes") or []],
+                            "seconds": float(d.get("seconds") or 0.0)})
+        write_json(self.dir / S.GRAPHS_DIR / S.GRAPH_INDEX, self._index)
+
+    __call__ = graph_version
+
+    # ------------------------------------------------------------------ steps
+    def step(self, step: int, time_s: float, loss: float | None = None, mem: dict | None = None,
+             **extra: Any) -> None:
+        """Append one step line (flushed). ``mem``: {allocated, reserved, peak} bytes; measured
+        here when omitted."""
+        rec = {"step": int(step), "time_s": float(time_s),
+               "loss": None if loss is None else float(loss),
+               "mem": {k: int(v) for k, v in (mem if mem is not None else memory_stats()).items()}}
+        rec.update(extra)
+        self._steps.write(json.dumps(rec) + "\n")
+        self._steps.flush()
+
+    # ------------------------------------------------------------------ profile / schedule / memory
+    def profile(self, graphs: dict | Iterable[dict]) -> None:
+        """Record per-node profiles: one or more ``{graph_id, kind, nodes: [{name, latency_ms,
+        mem_after_bytes, peak_bytes, out_bytes}], hardware}``; a later profile of the same graph
+        replaces the earlier one."""
+        for g in ([graphs] if isinstance(graphs, dict) else graphs):
+            self._profile[(int(g["graph_id"]), str(g["kind"]))] = dict(g)
+        path = self.dir / S.PROFILE
+        obj = {"graphs": list(self._profile.values())}
+        S.check_profile(str(path), obj)
+        write_json(path, obj)
+
+    def schedule(self, events: Iterable[dict], *, replace: bool = False) -> None:
+        """Record schedule events ``{graph_id, kind, node, stream, start_us, end_us, source}``."""
+        if replace:
+            self._events = []
+        self._events.extend(dict(e) for e in events)
+        path = self.dir / S.SCHEDULE
+        obj = {"events": self._events}
+        S.check_schedule(str(path), obj)
+        write_json(path, obj)
+
+    def memory(self, samples: Iterable[dict], *, replace: bool = False) -> None:
+        """Record memory timeline samples ``{t_us | node_index, allocated_bytes, reserved_bytes}``."""
+        if replace:
+            self._samples = []
+        self._samples.extend(dict(s) for s in samples)
+        path = self.dir / S.MEMORY
+        obj = {"samples": self._samples}
+        S.check_memory(str(path), obj)
+        write_json(path, obj)
+
+    # ------------------------------------------------------------------ end
+    def close(self, failed: bool = False) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._steps.close()
+        if self.rank == 0:
+            self._manifest("failed" if failed else "complete")
+
+    def __enter__(self) -> "RunRecorder":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(failed=exc_type is not None)

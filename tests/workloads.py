@@ -1,0 +1,94 @@
+"""Training runs shared by the CPU and GPU tests: the same model, data and optimizer, sharded
+across ranks by deepcompile or unsharded in one process (the reference)."""
+from __future__ import annotations
+
+import torch
+
+from deepcompile.models import GPT, GPTConfig
+
+MODEL = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32)
+LOCAL_BATCH = 2
+SEQ = 16
+LR = 3e-3
+
+
+def make_model(seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(MODEL)
+
+
+def make_optimizer(params):
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.1)
+
+
+def global_batch(step: int, micro: int, world: int, device="cpu"):
+    g = torch.Generator().manual_seed(1000 * step + micro)
+    x = torch.randint(0, MODEL.vocab_size, (world * LOCAL_BATCH, SEQ), generator=g)
+    y = (x * 7 + 3) % MODEL.vocab_size
+    return x.to(device), y.to(device)
+
+
+def train_reference(world: int, steps: int, accumulation: int, device="cpu"):
+    """One process, no sharding: each micro-batch is the concatenation of every rank's."""
+    model = make_model().to(device)
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for s in range(steps):
+        for j in range(accumulation):
+            x, y = global_batch(s, j, world, device)
+            loss = model(x, y)
+            (loss / accumulation).backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses, {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def live_gathered_settled(timeout_s: float = 2.0) -> list[int]:
+    """Gathered buffers still alive. gloo's worker thread drops its reference to a finished
+    collective's output a moment after waking the waiter, so give it that moment."""
+    import time
+
+    from deepcompile.runtime import ops
+
+    deadline = time.monotonic() + timeout_s
+    live = list(ops.C.live_gathered())
+    while live and time.monotonic() < deadline:
+        time.sleep(0.01)
+        live = list(ops.C.live_gathered())
+    return live
+
+
+def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: dict):
+    """One rank of a deepcompile run: plain loop, step()/zero_grad() after every micro-batch."""
+    import deepcompile
+    from deepcompile.runtime import ops
+
+    cfg = dict(config)
+    cfg["gradient_accumulation_steps"] = accumulation
+    model, opt = deepcompile.initialize(make_model(), make_optimizer, cfg)
+    device = next(model.parameters()).device
+    losses, live_after_fwd, live_after_bwd = [], [], []
+    for s in range(steps):
+        for j in range(accumulation):
+            x, y = global_batch(s, j, world, device)
+            sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+            loss = model(x[sl], y[sl])
+            live_after_fwd.append(live_gathered_settled())
+            loss.backward()
+            live_after_bwd.append(live_gathered_settled())
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    full = deepcompile.full_state_dict(model)
+    shard_numel = sum(p.numel() for p in model.parameters())
+    return {
+        "losses": losses,
+        "state": full,
+        "shard_numel": shard_numel,
+        "live_after_fwd": live_after_fwd,
+        "live_after_bwd": live_after_bwd,
+        "stats": dict(ops.C.stats()),
+        "n_params": len(ops.PARAMS),
+        "graphs": [(v.graph_id, v.kind, v.after, v.nodes) for v in model.dc_graphs],
+    }
