@@ -117,6 +117,18 @@ class _JointPass(_CGP):
         return "deepcompile-tag-unshard-recompute-v1"
 
 
+def forget_outputs(output_node: fx.Node, cleared: list[int]) -> None:
+    """Tell Inductor that graph outputs we replaced by None carry no stride contract.
+
+    AOTAutograd records ``user_visible_output_idxs`` / ``original_output_strides`` on the output
+    node; Inductor 2.11 (graph.get_user_visible_output_strides) dereferences every listed output
+    and crashes on a None. 2.13 tolerates it; dropping the indices is right for both.
+    """
+    idxs = output_node.meta.get("user_visible_output_idxs")
+    if idxs is not None:
+        output_node.meta["user_visible_output_idxs"] = type(idxs)(i for i in idxs if i not in set(cleared))
+
+
 def interpret(gm: fx.GraphModule) -> Callable:
     """The `eager` inner compiler: run node by node with torch.fx.Interpreter."""
     def run(args):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from deepcompile import compat
 from deepcompile.passes.registry import PassContext, register_pass
 
 DC = torch.ops.dc
@@ -128,10 +129,10 @@ def lower_grad_reduce(gm: fx.GraphModule, ctx: PassContext) -> int:
             raise RuntimeError(f"deepcompile zero3: the gradient of a sharded parameter feeds {bad[0]}; "
                                "only returning it is supported")
 
-    def strip(a):
-        return None if isinstance(a, fx.Node) and a in derived else a
-
-    out.args = (fx.node.map_aggregate(out.args[0], strip),)
+    outs = out.args[0]
+    cleared = [i for i, a in enumerate(outs) if isinstance(a, fx.Node) and a in derived]
+    out.args = (type(outs)(None if i in cleared else a for i, a in enumerate(outs)),)
+    compat.forget_outputs(out, cleared)
     with g.inserting_before(out):
         e = g.call_function(DC.end_backward.default, (list(dict.fromkeys(reduced)), ctx.graph_id))
     e.meta["val"] = None

@@ -1,0 +1,3 @@
+from deepcompile.cli import main
+
+raise SystemExit(main())

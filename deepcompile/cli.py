@@ -1,0 +1,261 @@
+"""The command line: ``deepcompile demo | report | inspect`` (also ``python -m deepcompile``).
+
+* ``demo``: train the embedded GPT on synthetic tokens with ZeRO-3 on N local ranks (gloo on CPU,
+  NCCL when enough GPUs), write the run record, render the report, print its path last.
+* ``report RUN_DIR [-o FILE]``: render the static HTML report of a record.
+* ``inspect RUN_DIR``: a short text summary of a record.
+
+A bad run directory, a broken record or a bad option prints one line to stderr and exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+EXIT_USAGE = 2
+
+
+class CLIError(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------- demo
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _parse_value(v: str):
+    try:
+        return json.loads(v)
+    except json.JSONDecodeError:
+        return v
+
+
+def build_config(compiler: str, passes: str | None, pass_params: list[str]) -> dict:
+    names = [p.strip() for p in (passes or "zero3").split(",") if p.strip()]
+    entries = [{"name": n, "params": {}} for n in names]
+    for item in pass_params or []:
+        key, eq, value = item.partition("=")
+        name, dot, pkey = key.partition(".")
+        if not eq or not dot or not pkey:
+            raise CLIError(f"--pass-param {item!r}: expected NAME.KEY=VALUE, e.g. prefetch.budget_mb=512")
+        hits = [e for e in entries if e["name"] == name]
+        if not hits:
+            raise CLIError(f"--pass-param {item!r}: pass {name!r} is not in --passes ({','.join(names)})")
+        for e in hits:
+            e["params"][pkey] = _parse_value(value)
+    return {"compiler": compiler, "passes": entries}
+
+
+def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps: int, out: str,
+               batch: int, seed: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    import torch
+    import torch.distributed as dist
+
+    import deepcompile
+    from deepcompile.models import GPT, GPTConfig
+    from deepcompile.record import estimate
+    from deepcompile.record.writer import RunRecorder, memory_stats
+
+    rec = None
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
+        device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        torch.manual_seed(seed)  # same initial weights on every rank
+        gcfg = GPTConfig()
+        model, opt = deepcompile.initialize(GPT(gcfg), lambda ps: torch.optim.AdamW(ps, lr=3e-3), cfg)
+        rec = RunRecorder(out, rank, world, model.dc_config)
+        model.dc_backend.observers.append(rec.graph_version)  # graphs compile at the first call
+        for step in range(1, steps + 1):
+            g = torch.Generator().manual_seed(seed * 1_000_003 + step * world + rank)
+            x = torch.randint(0, gcfg.vocab_size, (batch, gcfg.block_size), generator=g)
+            y = (x * 7 + 3) % gcfg.vocab_size
+            x, y = x.to(device), y.to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            lv = float(loss.item())
+            dt = time.perf_counter() - t0
+            rec.step(step, dt, lv, memory_stats())
+            if rank == 0:
+                print(f"step {step:>4}/{steps}  loss {lv:.4f}  {dt * 1e3:8.1f} ms", flush=True)
+        events, samples = estimate.estimate_versions(model.dc_graphs)
+        rec.schedule(events, replace=True)
+        rec.memory(samples, replace=True)
+        rec.close()
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        err = Path(out) / f"rank{rank}" / "error.txt"
+        err.parent.mkdir(parents=True, exist_ok=True)
+        err.write_text(traceback.format_exc())
+        if rec is not None:
+            rec.close(failed=True)
+        raise
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    import torch
+    import torch.multiprocessing as mp
+
+    from deepcompile.config import Config
+
+    if a.ranks < 1:
+        raise CLIError(f"--ranks {a.ranks}: need at least 1")
+    if a.steps < 1:
+        raise CLIError(f"--steps {a.steps}: need at least 1")
+    use_gpu = (not a.cpu) and torch.cuda.is_available() and torch.cuda.device_count() >= a.ranks
+    backend = "nccl" if use_gpu else "gloo"
+    compiler = a.compiler or ("inductor" if use_gpu else "aot_eager")
+    cfg = build_config(compiler, a.passes, a.pass_param)
+    Config.load(cfg)  # ConfigError (exit 2) before any process starts
+    out = Path(a.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (out / "manifest.json").exists():
+        raise CLIError(f"{out}: already holds a run record; choose another --out")
+    out.mkdir(parents=True, exist_ok=True)
+    print(f"deepcompile demo: {a.ranks} rank(s), {backend}, compiler {compiler}, passes "
+          f"{[e['name'] for e in cfg['passes']]}, {a.steps} steps -> {out}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        mp.start_processes(_demo_rank, args=(a.ranks, _free_port(), backend, cfg, a.steps, str(out),
+                                             a.batch, a.seed), nprocs=a.ranks, join=True,
+                           start_method="spawn")
+    except mp.ProcessRaisedException as e:
+        last = [ln for ln in str(e).strip().splitlines() if ln.strip()][-1]
+        print(f"deepcompile demo: rank {e.error_index} failed: {last} "
+              f"(traceback in {out / f'rank{e.error_index}' / 'error.txt'})", file=sys.stderr)
+        return 1
+    except mp.ProcessExitedException as e:
+        print(f"deepcompile demo: rank {e.error_index} died (exit code {e.exit_code})", file=sys.stderr)
+        return 1
+    print(f"trained in {time.perf_counter() - t0:.1f} s; rendering the report", flush=True)
+    from deepcompile.report.html import render_report
+
+    path = render_report(out, out / "report.html")
+    print(f"record: {out}")
+    print(f"report: {path}")
+    return 0
+
+
+# --------------------------------------------------------------------------- report / inspect
+def cmd_report(a: argparse.Namespace) -> int:
+    from deepcompile.report.html import render_report
+
+    path = render_report(a.run_dir, a.output, rank=a.rank)
+    print(path)
+    return 0
+
+
+def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
+    from deepcompile.record.estimate import fmt_bytes
+    from deepcompile.record.reader import read_all_steps, read_run
+    from deepcompile.report.graph_layout import diff
+
+    rec = read_run(run_dir, rank)
+    m, env = rec.manifest, rec.environment
+    lines = [f"run {rec.path}: {m['status']}, {m['world_size']} rank(s), format v{m['format_version']}, "
+             f"torch {env['torch']}, python {env['python']}, host {env['hostname']}"
+             + (f", devices {', '.join(env['devices'])}" if env["devices"] else ", CPU"),
+             f"config: compiler {rec.config.get('compiler')}, zero stage {rec.config.get('zero_stage')}, "
+             f"passes {[p.get('name') if isinstance(p, dict) else p for p in rec.config.get('passes', [])]}",
+             f"graphs ({len(rec.graph_ids)}):"]
+    for gid in rec.graph_ids:
+        for kind in rec.kinds(gid):
+            vs = rec.versions(gid, kind)
+            parts = [f"input {len(vs[0].nodes)}"]
+            for prev, v in zip(vs, vs[1:]):
+                d = diff(prev.nodes, v.nodes)
+                comm = ", ".join(f"{k} {n}" for k, n in sorted(d["comm_added"].items()))
+                parts.append(f"{v.after} {len(v.nodes)} (+{d['added']}/-{d['removed']}"
+                             + (f"; comm added: {comm}" if comm else "") + ")")
+            lines.append(f"  graph {gid} {kind:<9} " + " -> ".join(parts))
+    st = rec.steps
+    if st:
+        times = [s["time_s"] for s in st]
+        losses = [s["loss"] for s in st if s.get("loss") is not None]
+        lines.append(f"steps: {len(st)}" + (f" (+1 partial line skipped)" if rec.skipped_lines else "")
+                     + f"; step time first {times[0]:.3f} s, median {statistics.median(times):.3f} s, "
+                     f"last {times[-1]:.3f} s")
+        if losses:
+            lines.append(f"loss: first {losses[0]:.4f}, min {min(losses):.4f}, last {losses[-1]:.4f}")
+    else:
+        lines.append("steps: none recorded")
+    peaks = []
+    for r, ss in sorted(read_all_steps(run_dir, m).items()):
+        p = max(((s.get("mem") or {}).get("peak", 0) for s in ss), default=0)
+        peaks.append(f"rank {r} {fmt_bytes(p)}")
+    lines.append("peak memory: " + ", ".join(peaks))
+    extra = [n for n, x in (("profile", rec.profile), ("schedule", rec.schedule), ("memory timeline", rec.memory)) if x]
+    lines.append("also recorded: " + (", ".join(extra) if extra else "nothing else"))
+    return "\n".join(lines)
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    print(summarize(a.run_dir, a.rank))
+    return 0
+
+
+# --------------------------------------------------------------------------- main
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="deepcompile", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("demo", help="train the embedded GPT with ZeRO-3 on local ranks, record and report")
+    d.add_argument("--ranks", type=int, default=2, help="number of ranks (processes), default 2")
+    d.add_argument("--steps", type=int, default=20, help="training steps, default 20")
+    d.add_argument("--compiler", choices=("inductor", "aot_eager", "eager"), default=None,
+                   help="inner compiler (default: aot_eager on CPU, inductor on GPU)")
+    d.add_argument("--passes", default=None, help="comma-separated pass names, default zero3")
+    d.add_argument("--pass-param", action="append", default=[], metavar="NAME.KEY=VALUE",
+                   help="a pass parameter, repeatable (value parsed as JSON when it can be)")
+    d.add_argument("--out", default=None, help="run directory (default runs/demo-<timestamp>)")
+    d.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--cpu", action="store_true", help="use gloo on CPU even when GPUs are present")
+    d.set_defaults(fn=cmd_demo)
+    r = sub.add_parser("report", help="render the static HTML report of a run record")
+    r.add_argument("run_dir")
+    r.add_argument("-o", "--output", default=None, help="output file (default RUN_DIR/report.html)")
+    r.add_argument("--rank", type=int, default=0, help="whose graphs to show (default 0)")
+    r.set_defaults(fn=cmd_report)
+    i = sub.add_parser("inspect", help="print a short summary of a run record")
+    i.add_argument("run_dir")
+    i.add_argument("--rank", type=int, default=0)
+    i.set_defaults(fn=cmd_inspect)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from deepcompile.params import ConfigError
+    from deepcompile.record.schema import RecordError
+
+    a = parser().parse_args(argv)
+    try:
+        return a.fn(a)
+    except (CLIError, RecordError, ConfigError) as e:
+        msg = " ".join(str(e).split())
+        print(f"deepcompile {a.cmd}: error: {msg}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print(f"deepcompile {a.cmd}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
