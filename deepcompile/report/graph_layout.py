@@ -209,7 +209,7 @@ def _dq(s: str) -> str:
 def to_dot(c: Collapsed, title: str = "", full_nodes: list[dict] | None = None) -> str:
     """Graphviz text: one cluster per group (compute summary + one coloured node per comm kind)."""
     out = ["digraph G {", "  graph [rankdir=TB, compound=true, fontname=Helvetica, fontsize=11, "
-           f"nodesep=0.25, ranksep=0.35, label={_dq(title)}, labelloc=t];",
+           f"newrank=true, nodesep=0.25, ranksep=0.35, label={_dq(title)}, labelloc=t];",
            "  node [shape=box, style=\"rounded,filled\", fontname=Helvetica, fontsize=10, height=0.3];",
            "  edge [color=\"#777777\", arrowsize=0.6, fontsize=8, fontname=Helvetica];"]
     rep: dict[int, str] = {}
@@ -226,7 +226,7 @@ def to_dot(c: Collapsed, title: str = "", full_nodes: list[dict] | None = None) 
             rep[g.index] = nid
             continue
         out.append(f"  subgraph cluster_{g.index} {{")
-        out.append(f"    label={_dq(lines[0])}; style=\"rounded\"; color=\"#8aa\"; fontsize=10; "
+        out.append(f"    label={_dq(lines[0])}; style=\"rounded\"; color=\"#88aaaa\"; fontsize=10; "
                    f"id={_dq('group-' + g.key)};")
         first = None
         if g.ops or g.is_io or not g.comm:
@@ -239,12 +239,18 @@ def to_dot(c: Collapsed, title: str = "", full_nodes: list[dict] | None = None) 
             out.append(f"    {nid} [label={_dq(f'{kind} ×{cnt}')}, fillcolor={_dq(comm_color(kind))}, "
                        "shape=box, class=\"comm\"];")
             first = first or nid
+        members = ([f"g{g.index}c"] if first == f"g{g.index}c" else []) + \
+            [f"g{g.index}m{k}" for k in range(len(g.comm))]
+        if len(members) > 1:  # one row per module: keeps the layers stacked top to bottom
+            out.append(f"    {{rank=same; {'; '.join(members)};}}")
         out.append("  }")
         rep[g.index] = first
     for a, b, cnt in c.edges:
         attrs = [] if full_nodes is not None else [f"ltail=cluster_{a}", f"lhead=cluster_{b}"]
         if cnt > 1:
             attrs.append(f"label={_dq(str(cnt))}")
+        if full_nodes is None and (c.groups[a].is_io or c.groups[b].is_io):
+            attrs.append('constraint=false, style=dashed, color="#bbbbbb"')  # fan-in/out: no ranking
         out.append(f"  {rep[a]} -> {rep[b]} [{', '.join(attrs)}];")
     out.append("}")
     return "\n".join(out)
@@ -292,7 +298,7 @@ def simple_svg(c: Collapsed, title: str = "", full_nodes: list[dict] | None = No
             ck = comm_kind(full_nodes[g.node_indices[0]])
             fill = comm_color(ck) if ck else fill
         parts.append(f'<g class="group" id="{e("group-" + g.key)}"><rect x="{x0}" y="{y}" width="{W}" '
-                     f'height="{h}" rx="6" fill="{fill}" stroke="#8aa"/>')
+                     f'height="{h}" rx="6" fill="{fill}" stroke="#88aaaa"/>')
         for k, line in enumerate(lines):
             bold = ' font-weight="bold"' if k == 0 else ""
             parts.append(f'<text x="{x0 + 8}" y="{y + 14 + 14 * k}" font-size="{11 if k == 0 else 10}"'

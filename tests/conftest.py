@@ -1,0 +1,31 @@
+"""Shared fixtures: one real 2-rank CPU demo run for the record, report and CLI tests."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return subprocess.run([sys.executable, "-m", "deepcompile", *args], cwd=cwd or REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def demo_run(tmp_path_factory) -> Path:
+    """``python -m deepcompile demo --ranks 2 --steps 3`` on CPU (gloo), once per session."""
+    out = tmp_path_factory.mktemp("demo") / "run"
+    r = run_cli("demo", "--ranks", "2", "--steps", "3", "--cpu", "--out", str(out))
+    assert r.returncode == 0, f"demo failed ({r.returncode}):\nSTDOUT:\n{r.stdout}\nSTDERR:\n{r.stderr}"
+    lines = r.stdout.strip().splitlines()
+    assert lines[-1] == f"report: {out / 'report.html'}", r.stdout
+    assert sum(ln.startswith("step ") for ln in lines) == 3, r.stdout
+    return out

@@ -1,0 +1,50 @@
+"""The command line: inspect, report, and one-line errors with exit code 2."""
+from __future__ import annotations
+
+import json
+
+from tests.conftest import run_cli
+
+
+def test_inspect_mentions_graphs_and_passes(demo_run):
+    r = run_cli("inspect", str(demo_run), timeout=120)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "graph 0 forward" in out and "graph 0 backward" in out and "graph 0 dynamo" in out
+    assert "-> zero3" in out and "comm added: allgather_param" in out and "reduce_grad" in out
+    assert "steps: 3" in out and "loss: first" in out and "peak memory: rank 0" in out and "rank 1" in out
+
+
+def test_report_command(demo_run, tmp_path):
+    out = tmp_path / "r.html"
+    r = run_cli("report", str(demo_run), "-o", str(out), timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == str(out) and out.stat().st_size > 10_000
+
+
+def test_bad_dir_exits_2_with_one_line(tmp_path):
+    for cmd in ("inspect", "report"):
+        r = run_cli(cmd, str(tmp_path / "missing"), timeout=120)
+        assert r.returncode == 2
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and "no such run directory" in lines[0] and "Traceback" not in r.stderr
+
+
+def test_broken_record_exits_2(demo_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(demo_run, run)
+    m = json.loads((run / "manifest.json").read_text())
+    m["format_version"] = 99
+    (run / "manifest.json").write_text(json.dumps(m))
+    r = run_cli("inspect", str(run), timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert "manifest.json" in r.stderr and "newer" in r.stderr
+
+
+def test_bad_pass_param_exits_2(tmp_path):
+    r = run_cli("demo", "--steps", "1", "--out", str(tmp_path / "x"), "--pass-param", "nosuch.k=1", timeout=120)
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "nosuch" in r.stderr
+    r = run_cli("demo", "--steps", "1", "--out", str(tmp_path / "x"), "--passes", "zero3,nope", timeout=120)
+    assert r.returncode == 2 and "unknown pass" in r.stderr and "Traceback" not in r.stderr

@@ -1,0 +1,144 @@
+"""The run record: written by a real 2-rank demo, read back, and rejected clearly when broken."""
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+
+import pytest
+
+from deepcompile.record import schema as S
+from deepcompile.record.reader import RecordError, read_run
+from deepcompile.record.writer import RunRecorder
+
+
+def test_demo_record_reads_back(demo_run):
+    m = json.loads((demo_run / "manifest.json").read_text())
+    assert m["format_version"] == S.FORMAT_VERSION == 1
+    assert m["status"] == "complete" and m["world_size"] == 2 and m["ranks"] == [0, 1]
+    for rank in (0, 1):
+        rec = read_run(demo_run, rank)
+        assert rec.config["compiler"] == "aot_eager" and rec.config["zero_stage"] == 3
+        assert rec.environment["world_size"] == 2 and rec.environment["rank"] == rank
+        assert rec.environment["torch"]
+        assert [s["step"] for s in rec.steps] == [1, 2, 3]
+        assert all(s["time_s"] > 0 and s["mem"]["peak"] > 0 for s in rec.steps)
+        assert rec.steps[-1]["loss"] < rec.steps[0]["loss"]
+        assert rec.graph_ids == [0]
+        assert rec.kinds(0) == ["dynamo", "forward", "backward"]
+        for kind in ("forward", "backward"):
+            vs = rec.versions(0, kind)
+            assert [v.after for v in vs] == ["input", "zero3"]
+            assert not any(n["target"].startswith("dc.allgather") for n in vs[0].nodes)
+            assert any(n["target"] == "dc.allgather_param" for n in vs[1].nodes)
+            assert all({"name", "op", "target", "args", "scope"} <= set(n) for n in vs[1].nodes)
+        bw = rec.versions(0, "backward")[-1]
+        assert any(n["target"] == "dc.reduce_grad" for n in bw.nodes)
+        assert rec.schedule and {e["stream"] for e in rec.schedule["events"]} >= {"compute", "allgather", "reduce"}
+        assert rec.memory and rec.memory["samples"]
+        assert rec.profile is None  # no profiler yet: the slot stays absent
+
+
+@pytest.fixture
+def copy(demo_run, tmp_path):
+    dst = tmp_path / "run"
+    shutil.copytree(demo_run, dst)
+    return dst
+
+
+def _err(run, rank=0) -> str:
+    with pytest.raises(RecordError) as ei:
+        read_run(run, rank)
+    return str(ei.value)
+
+
+def test_truncated_gzip_graph(copy):
+    f = sorted((copy / "rank0" / "graphs").glob("g0-forward-01-*.json.gz"))[0]
+    f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+    msg = _err(copy)
+    assert str(f) in msg and "truncated" in msg
+
+
+def test_truncated_json(copy):
+    f = copy / "rank0" / "graphs" / "index.json"
+    f.write_text(f.read_text()[:-20])
+    msg = _err(copy)
+    assert str(f) in msg and "JSON" in msg
+
+
+def test_hand_edited_file_fails_schema(copy):
+    f = copy / "rank0" / "graphs" / "index.json"
+    idx = json.loads(f.read_text())
+    idx[1]["kind"] = "sideways"
+    f.write_text(json.dumps(idx))
+    msg = _err(copy)
+    assert str(f) in msg and "[1].kind" in msg and "sideways" in msg
+
+    g = sorted((copy / "rank0" / "graphs").glob("g0-backward-01-*.json.gz"))[0]
+    obj = json.loads(gzip.decompress(g.read_bytes()))
+    idx[1]["kind"] = "forward"
+    f.write_text(json.dumps(idx))
+    del obj["nodes"][3]["target"]
+    g.write_bytes(gzip.compress(json.dumps(obj).encode()))
+    msg = _err(copy)
+    assert str(g) in msg and "nodes[3].target" in msg
+
+
+def test_newer_format_version(copy):
+    f = copy / "manifest.json"
+    m = json.loads(f.read_text())
+    m["format_version"] = S.FORMAT_VERSION + 1
+    f.write_text(json.dumps(m))
+    msg = _err(copy)
+    assert str(f) in msg and "newer" in msg and "upgrade" in msg
+
+
+@pytest.mark.parametrize("rel", ["rank0/environment.json", "config.json", "rank0/steps.jsonl",
+                                 "manifest.json"])
+def test_missing_file(copy, rel):
+    (copy / rel).unlink()
+    msg = _err(copy)
+    assert str(copy / rel) in msg and "missing" in msg
+
+
+def test_bad_steps_line_and_partial_last_line(copy):
+    f = copy / "rank1" / "steps.jsonl"
+    good = f.read_text()
+    f.write_text(good + '{"step": 4, "time_s": 0.1, "lo')  # live writer mid-line
+    rec = read_run(copy, 1)
+    assert len(rec.steps) == 3 and rec.skipped_lines == 1
+    f.write_text('{"step": 1, "time_s": 0.1, "lo\n' + good)  # a broken line that is not the last
+    msg = _err(copy, 1)
+    assert str(f) in msg and "line 1" in msg
+    f.write_text(good + '{"step": "four", "time_s": 0.1}\n')
+    msg = _err(copy, 1)
+    assert str(f) in msg and "line 4.step" in msg
+
+
+def test_not_a_run_dir(tmp_path):
+    assert "no such run directory" in _err(tmp_path / "nope")
+    assert "not a deepcompile run record" in _err(tmp_path)
+
+
+def test_writer_live_and_slots(tmp_path):
+    rec = RunRecorder(tmp_path / "r", 0, 1, {"compiler": "eager"}, env={
+        "torch": "x", "python": "3", "hostname": "h", "world_size": 1, "rank": 0, "devices": []})
+    rec.graph_version({"graph_id": 0, "kind": "forward", "after": "input", "nodes": [
+        {"name": "x", "op": "placeholder", "target": "x", "args": [], "scope": ""}]})
+    rec.step(1, 0.5, 2.0, {"allocated": 1, "reserved": 2, "peak": 3})
+    live = read_run(tmp_path / "r")  # readable while running
+    assert live.manifest["status"] == "running" and len(live.steps) == 1
+    rec.profile({"graph_id": 0, "kind": "forward", "hardware": "cpu",
+                 "nodes": [{"name": "x", "latency_ms": 0.1, "mem_after_bytes": 4, "peak_bytes": 4, "out_bytes": 4}]})
+    with pytest.raises(RecordError, match="stream"):
+        rec.schedule([{"graph_id": 0, "kind": "forward", "node": "x", "stream": "warp", "start_us": 0,
+                       "end_us": 1, "source": "measured"}])
+    rec.schedule([{"graph_id": 0, "kind": "forward", "node": "x", "stream": "compute", "start_us": 0,
+                   "end_us": 1, "source": "measured"}], replace=True)
+    rec.memory([{"t_us": 0.0, "allocated_bytes": 1, "reserved_bytes": 2}])
+    rec.close()
+    done = read_run(tmp_path / "r")
+    assert done.manifest["status"] == "complete"
+    assert done.profile["graphs"][0]["nodes"][0]["latency_ms"] == 0.1
+    assert done.schedule["events"][0]["stream"] == "compute"
+    assert done.memory["samples"][0]["allocated_bytes"] == 1
