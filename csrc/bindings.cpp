@@ -22,6 +22,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     const auto& s = dc::runtime().stats();
     pybind11::dict d;
     d["allgathers"] = s.allgathers;
+    d["fused_allgathers"] = s.fused_allgathers;
     d["allgather_bytes"] = s.allgather_bytes;
     d["releases"] = s.releases;
     d["reduce_calls"] = s.reduce_calls;

@@ -32,7 +32,9 @@ struct Param {
 
 struct PendingGather {
   c10::intrusive_ptr<c10d::Work> work;
-  at::Tensor buffer;  // flat, padded, gather dtype
+  at::Tensor buffer;   // flat, padded, gather dtype; for a fused gather: [world, total] shared
+  int64_t offset = 0;  // fused: this parameter's column offset in each rank's row
+  int64_t total = 0;   // fused: columns per row (0 = not fused)
 };
 
 struct BucketEntry {
@@ -54,6 +56,7 @@ struct InFlightReduce {
 
 struct Stats {
   int64_t allgathers = 0;
+  int64_t fused_allgathers = 0;
   int64_t allgather_bytes = 0;
   int64_t releases = 0;
   int64_t reduce_calls = 0;
@@ -75,6 +78,7 @@ class Runtime {
 
   // allgather: start, then finish. The buffer lives in `pending_` in between.
   void start_allgather(const at::Tensor& shard, int64_t id);
+  void start_allgather_fused(const std::vector<at::Tensor>& shards, const std::vector<int64_t>& ids);
   at::Tensor finish_allgather(int64_t id);
   void release(int64_t id);
 

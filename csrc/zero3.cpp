@@ -27,6 +27,11 @@ at::Tensor allgather_param(const at::Tensor& shard, int64_t id) {
   return at::empty({0}, shard.options());  // a handle: orders wait_allgather after this op
 }
 
+at::Tensor allgather_params(at::TensorList shards, at::IntArrayRef ids) {
+  dc::runtime().start_allgather_fused(shards.vec(), ids.vec());
+  return at::empty({0}, shards[0].options());
+}
+
 at::Tensor wait_allgather(const at::Tensor& /*handle*/, int64_t id) {
   return dc::runtime().finish_allgather(id);
 }
@@ -43,6 +48,7 @@ TORCH_LIBRARY(dc, m) {
   m.def("unshard(Tensor shard, int id) -> Tensor");
   m.def("shard_grad(Tensor grad, int id) -> Tensor");
   m.def("allgather_param(Tensor shard, int id) -> Tensor");
+  m.def("allgather_params(Tensor[] shards, int[] ids) -> Tensor");
   m.def("wait_allgather(Tensor handle, int id) -> Tensor");
   m.def("release_param(Tensor(a!) gathered, int id) -> ()");
   m.def("reduce_grad(Tensor(a!) grad, int id) -> ()");
@@ -54,6 +60,7 @@ TORCH_LIBRARY(dc, m) {
   m.impl("shard_grad", &shard_grad);                  \
   m.impl("allgather_param", &allgather_param);        \
   m.impl("wait_allgather", &wait_allgather);          \
+  m.impl("allgather_params", &allgather_params);      \
   m.impl("release_param", &release_param);            \
   m.impl("reduce_grad", &reduce_grad);                \
   m.impl("end_backward", &end_backward);

@@ -1,0 +1,685 @@
+#!/usr/bin/env python
+"""ZeRO-3 benchmark: deepcompile against FSDP2 (eager and per-layer compiled) and a compute-bound
+single-GPU baseline, on the same Llama model and the same data, in one torchrun invocation.
+
+    torchrun --nproc-per-node=2 benchmarks/zero3.py \
+        --out benchmarks/results/zero3_h200_2gpu.json [--layers 16] [--steps 25] [--warmup 5] \
+        [--systems fsdp2_eager,fsdp2_compiled,compute_bound,dc_zero3,dc_prefetch,dc_prefetch_unshard] \
+        [--tiny] [--device cpu]
+
+Every system runs one after the other in the same processes. Between systems everything is freed
+(model, optimizer, deepcompile runtime, Dynamo caches, CUDA cache). A system that fails is recorded
+with its error and the run goes on; the JSON is rewritten after each system, so a run that dies
+part-way still leaves the systems it finished. A PNG (median step time and peak memory per system)
+is written next to the JSON, and a short table is printed last.
+
+Systems:
+  dc_zero3              deepcompile, passes ["zero3"]
+  dc_prefetch           deepcompile, passes ["zero3", "prefetch"]                       (skipped if missing)
+  dc_prefetch_unshard   deepcompile, passes ["zero3", "prefetch", "selective_unshard"]  (skipped if missing)
+  fsdp2_eager           torch.distributed.fsdp.fully_shard per decoder layer and on the root
+  fsdp2_compiled        same, each decoder layer torch.compile'd before fully_shard (torchtitan style)
+  compute_bound         the unsharded model on rank 0 only, fp32 params under bf16 autocast, decoder
+                        layers compiled, no communication (other ranks wait at a barrier)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+ALL_SYSTEMS = ["fsdp2_eager", "fsdp2_compiled", "compute_bound", "dc_zero3", "dc_prefetch",
+               "dc_prefetch_unshard"]
+DC_PASSES = {
+    "dc_zero3": ["zero3"],
+    "dc_prefetch": ["zero3", "prefetch"],
+    "dc_prefetch_unshard": ["zero3", "prefetch", "selective_unshard"],
+}
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
+GIB = 2 ** 30
+
+
+# ----------------------------------------------------------------------------------------------
+# arguments, environment
+# ----------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None,
+                   help="result JSON path (default benchmarks/results/zero3_<device>_<N>gpu.json); "
+                        "the PNG goes next to it with the same stem")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16, --tiny 2)")
+    p.add_argument("--steps", type=int, default=25, help="timed steps per system")
+    p.add_argument("--warmup", type=int, default=5,
+                   help="untimed steps first (must cover compilation and any pass-schedule recompile)")
+    p.add_argument("--systems", default=",".join(ALL_SYSTEMS),
+                   help=f"comma-separated, run in this order; known: {','.join(ALL_SYSTEMS)}")
+    p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1024, seq 128 (smoke test)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="cuda (NCCL) if available, else cpu (gloo)")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per GPU per step")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, --tiny 128)")
+    p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
+                   help="compute / gather / reduce dtype (default bfloat16 on cuda, float32 on cpu)")
+    p.add_argument("--dc-compiler", choices=("inductor", "aot_eager", "eager"), default="inductor",
+                   help="deepcompile's inner compiler")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--seed", type=int, default=0, help="model-weight seed (data seed is seed*1000+rank)")
+    p.add_argument("--pg-timeout", type=float, default=1800.0, help="process-group timeout, seconds")
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    unknown = [s for s in args.systems if s not in ALL_SYSTEMS]
+    if unknown:
+        p.error(f"unknown systems {unknown}; known: {ALL_SYSTEMS}")
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda but torch.cuda.is_available() is False")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    if args.layers is None:
+        args.layers = 2 if args.tiny else 16
+    if args.seq is None:
+        args.seq = 128 if args.tiny else 1024
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def model_config_dict(args) -> dict:
+    if args.tiny:
+        d = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_attention_heads=4,
+                 num_key_value_heads=4)
+    else:
+        d = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
+                 num_key_value_heads=16)
+    d.update(num_hidden_layers=args.layers, max_position_embeddings=max(args.seq, 128),
+             tie_word_embeddings=False, use_cache=False)
+    return d
+
+
+def device_name(args) -> str:
+    if args.device == "cuda":
+        return torch.cuda.get_device_name(torch.cuda.current_device())
+    return platform.processor() or platform.machine() or "cpu"
+
+
+def device_slug(name: str, device: str) -> str:
+    if device == "cpu":
+        return "cpu"
+    m = re.search(r"\b([A-Z]\d{2,4}[A-Z]?)\b", name.upper())  # "NVIDIA H200" -> h200
+    return (m.group(1) if m else re.sub(r"[^a-z0-9]+", "", name.lower())[:16] or "gpu").lower()
+
+
+def environment(args, world: int) -> dict:
+    env = {
+        "device": device_name(args),
+        "device_type": args.device,
+        "gpu_count": world if args.device == "cuda" else 0,
+        "world_size": world,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": None,
+        "python": platform.python_version(),
+        "host": socket.gethostname(),
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if args.device == "cuda":
+        try:
+            v = torch.cuda.nccl.version()
+            env["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception as e:  # pragma: no cover
+            env["nccl"] = f"unknown ({e})"
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env["gpu_memory_gib"] = round(props.total_memory / GIB, 1)
+    try:
+        import transformers
+        env["transformers"] = transformers.__version__
+    except Exception:
+        env["transformers"] = None
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                           text=True, timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        env["git_dirty"] = bool(dirty)
+    except Exception:
+        env["git_commit"] = None
+    return env
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------------------------
+
+def log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[zero3 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def sync(args) -> None:
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_all(args) -> None:
+    gc.collect()
+    try:
+        torch._dynamo.reset()
+    except Exception:
+        pass
+    gc.collect()
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def raise_dynamo_limits() -> None:
+    """Compiled decoder layers share one code object; give Dynamo room for them and their variants."""
+    cfg = torch._dynamo.config
+    for name in ("cache_size_limit", "recompile_limit"):
+        if hasattr(cfg, name):
+            setattr(cfg, name, max(getattr(cfg, name), 64))
+    if hasattr(cfg, "accumulated_cache_size_limit"):
+        cfg.accumulated_cache_size_limit = max(cfg.accumulated_cache_size_limit, 1024)
+    if hasattr(cfg, "accumulated_recompile_limit"):
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 1024)
+
+
+def dynamo_unique_graphs():
+    try:
+        from torch._dynamo.utils import counters
+        return int(counters["stats"]["unique_graphs"])
+    except Exception:
+        return None
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def compile_layers(model) -> None:
+    """torch.compile each decoder layer in place of the layer (torchtitan's per-block compile)."""
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = torch.compile(layers[i])
+
+
+def make_batches(args, rank: int, vocab: int, device) -> list:
+    g = torch.Generator().manual_seed(args.seed * 1000 + rank)
+    return [torch.randint(0, vocab, (args.micro_batch, args.seq), generator=g).to(device) for _ in range(4)]
+
+
+# ----------------------------------------------------------------------------------------------
+# the systems: each returns (model, optimizer, autocast context factory, notes)
+# ----------------------------------------------------------------------------------------------
+
+def build_dc(name, base_model, args, dev):
+    import deepcompile
+    cfg = {"compiler": args.dc_compiler, "passes": list(DC_PASSES[name]),
+           "mixed_precision": {"param_dtype": args.dtype, "reduce_dtype": args.dtype}}
+    model = copy.deepcopy(base_model)
+    model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), cfg)
+    notes = {"config": cfg, "optimizer": f"torch.optim.AdamW(lr={args.lr}) over the fp32 flat shards",
+             "what": "deepcompile.initialize(model, AdamW, config); the whole model is torch.compile'd "
+                     "with the deepcompile backend"}
+    return model, opt, contextlib.nullcontext, notes
+
+
+def teardown_dc() -> None:
+    try:
+        from deepcompile.runtime import ops
+        if ops.C is not None and ops.C.is_initialized():
+            ops.C.cleanup()
+        ops.PARAMS.clear()
+    except Exception:
+        pass
+
+
+_MESH = None
+
+
+def build_fsdp2(name, base_model, args, dev):
+    from torch.distributed.device_mesh import init_device_mesh
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
+    global _MESH
+    if _MESH is None:
+        _MESH = init_device_mesh(args.device, (dist.get_world_size(),))
+    dt = DTYPES[args.dtype]
+    mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=dt)
+    model = copy.deepcopy(base_model)
+    if name == "fsdp2_compiled":
+        compile_layers(model)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=_MESH, mp_policy=mp)
+    fully_shard(model, mesh=_MESH, mp_policy=mp)
+    model.to(dev)  # fully_shard already moved the managed states; this is a no-op safety net
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    notes = {"what": "fully_shard(layer, mp_policy) for every decoder layer, then fully_shard(root); "
+                     "reshard_after_forward left at its default (True)"
+                     + ("; each decoder layer wrapped with torch.compile(layer) (default inductor) "
+                        "before fully_shard, as torchtitan does" if name == "fsdp2_compiled" else ""),
+             "mp_policy": {"param_dtype": args.dtype, "reduce_dtype": args.dtype},
+             "optimizer": f"torch.optim.AdamW(lr={args.lr}) over fp32 DTensor shards"}
+    return model, opt, contextlib.nullcontext, notes
+
+
+def build_compute_bound(name, base_model, args, dev):
+    model = copy.deepcopy(base_model).to(dev)
+    compile_layers(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    dt = DTYPES[args.dtype]
+    if dt == torch.float32:
+        ac = contextlib.nullcontext
+        how = "no autocast (float32 run)"
+    else:
+        def ac():
+            return torch.autocast(device_type=args.device, dtype=dt)
+        how = f"torch.autocast({args.device!r}, dtype={args.dtype}) around the forward"
+    notes = {"what": "unsharded model on rank 0 only (other ranks wait at a barrier): fp32 parameters, "
+                     f"{how}; backward and optimizer outside autocast; every decoder layer wrapped with "
+                     "torch.compile(layer) (default inductor); no communication. Same micro-batch per "
+                     "GPU as the sharded systems, rank 0's data.",
+             "optimizer": f"torch.optim.AdamW(lr={args.lr}) over fp32 parameters"}
+    return model, opt, ac, notes
+
+
+# ----------------------------------------------------------------------------------------------
+# running one system on one rank
+# ----------------------------------------------------------------------------------------------
+
+def train_steps(model, opt, autocast, batches, args):
+    times, losses = [], []
+    total = args.warmup + args.steps
+    for s in range(total):
+        x = batches[s % len(batches)]
+        sync(args)
+        t0 = time.perf_counter()
+        with autocast():
+            out = model(input_ids=x, labels=x)
+        loss = out.loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync(args)
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss.detach().float().item()))
+        del out, loss
+        if s < args.warmup or s == total - 1:
+            log(f"  step {s}: {times[-1] * 1e3:.1f} ms loss {losses[-1]:.4f}"
+                + (" (warm-up)" if s < args.warmup else ""))
+    return times, losses
+
+
+def _inject_failure(name, rank, phase) -> None:
+    """Testing hook: ZERO3_BENCH_FAIL=system:rank:phase (rank '*' = all, phase setup|train)."""
+    spec = os.environ.get("ZERO3_BENCH_FAIL", "")
+    for item in filter(None, spec.split(",")):
+        sysname, r, ph = (item.split(":") + ["*", "setup"])[:3]
+        if sysname == name and r in ("*", str(rank)) and ph == phase:
+            raise RuntimeError(f"injected failure ({item})")
+
+
+def _all_ok(ok: bool, dev) -> bool:
+    """Every rank's verdict (a MIN all-reduce), outside any timed region."""
+    t = torch.tensor([1 if ok else 0], dtype=torch.int32, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _record_error(res, name, rank, e) -> None:
+    res["error"] = f"{type(e).__name__}: {e}"[:4000]
+    res["traceback"] = traceback.format_exc()[-6000:]
+    print(f"[zero3 rank {rank}] {name} failed: {res['error'][:500]}", file=sys.stderr, flush=True)
+
+
+def run_on_rank(name, base_model, batches, args, rank, dev, collective=True):
+    """This rank's part of one system. Never raises: errors come back in the dict.
+
+    ``collective``: all ranks run this system, and agree after setup whether to train, so a setup
+    failure on one rank does not leave the others waiting in a collective. A failure during the
+    training steps on only some ranks cannot be caught that way (the others are inside the step's
+    collectives): the process-group timeout (--pg-timeout) ends the run, and the JSON written after
+    each system keeps what finished.
+    """
+    res = {"rank": rank}
+    model = opt = None
+    if args.device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        res["alloc_before_gib"] = torch.cuda.memory_allocated() / GIB
+    graphs0 = dynamo_unique_graphs()
+    setup_ok = False
+    try:
+        t0 = time.perf_counter()
+        _inject_failure(name, rank, "setup")
+        if name.startswith("dc_"):
+            model, opt, ac, notes = build_dc(name, base_model, args, dev)
+        elif name.startswith("fsdp2_"):
+            model, opt, ac, notes = build_fsdp2(name, base_model, args, dev)
+        else:
+            model, opt, ac, notes = build_compute_bound(name, base_model, args, dev)
+        model.train()
+        sync(args)
+        res["setup_s"] = time.perf_counter() - t0
+        res["notes"] = notes
+        setup_ok = True
+    except Exception as e:  # noqa: BLE001
+        _record_error(res, name, rank, e)
+        del e
+    go = _all_ok(setup_ok, dev) if collective else setup_ok
+    if setup_ok and not go:
+        res["error"] = "not run: another rank failed during setup"
+    if go:
+        try:
+            if args.device == "cuda":
+                res["setup_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+                torch.cuda.reset_peak_memory_stats()
+            _inject_failure(name, rank, "train")
+            times, losses = train_steps(model, opt, ac, batches, args)
+            res["times_s"] = times
+            res["losses"] = losses
+            if args.device == "cuda":
+                res["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
+                res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+        except Exception as e:  # noqa: BLE001  (OOM, compile errors, anything: record and go on)
+            _record_error(res, name, rank, e)
+            del e
+    g1 = dynamo_unique_graphs()
+    if graphs0 is not None and g1 is not None:
+        res["dynamo_unique_graphs"] = g1 - graphs0
+    del model, opt
+    if name.startswith("dc_"):
+        teardown_dc()
+    free_all(args)
+    if args.device == "cuda":
+        res["alloc_after_gib"] = torch.cuda.memory_allocated() / GIB
+    return res
+
+
+def summarise(name, per_rank, args, world) -> dict:
+    """Rank 0: merge the ranks' dicts into the system's entry."""
+    ran = [r for r in per_rank if r is not None and not r.get("idle")]
+    errors = {str(r["rank"]): r["error"] for r in ran if "error" in r}
+    entry = {"notes": next((r["notes"] for r in ran if "notes" in r), None)}
+    if errors:
+        real = [v for v in errors.values() if not v.startswith("not run:")]
+        entry["error"] = (real or list(errors.values()))[0]
+        entry["errors_by_rank"] = errors
+        entry["traceback_rank"] = next((r["traceback"] for r in ran if "traceback" in r), None)
+        return entry
+    r0 = ran[0]
+    w = args.warmup
+    # a step is as slow as the slowest rank: per-step max over ranks
+    times = [max(r["times_s"][i] for r in ran) for i in range(len(r0["times_s"]))]
+    timed = times[w:]
+    med = median(timed)
+    tokens_per_gpu_step = args.micro_batch * args.seq
+    entry.update({
+        "ranks_used": len(ran),
+        "step_times_s": times,
+        "step_times_s_by_rank": {str(r["rank"]): r["times_s"] for r in ran},
+        "timed_steps": len(timed),
+        "median_step_s": med,
+        "mean_step_s": statistics.fmean(timed),
+        "min_step_s": min(timed),
+        "max_step_s": max(timed),
+        "stdev_step_s": statistics.stdev(timed) if len(timed) > 1 else 0.0,
+        "first_step_s": times[0],
+        "warmup_total_s": sum(times[:w]),
+        "compile_s": sum(times[:w]) - w * med if w else None,
+        "setup_s": max(r["setup_s"] for r in ran),
+        "slow_timed_steps": [w + i for i, t in enumerate(timed) if t > 2.0 * med],
+        "tokens_per_s_per_gpu": tokens_per_gpu_step / med,
+        "losses_rank0": r0["losses"],
+        "loss_first_mean": statistics.fmean(r["losses"][0] for r in ran),
+        "loss_last_mean": statistics.fmean(r["losses"][-1] for r in ran),
+        "dynamo_unique_graphs": r0.get("dynamo_unique_graphs"),
+    })
+    if args.device == "cuda":
+        entry["peak_mem_gib_by_rank"] = {str(r["rank"]): r["peak_alloc_gib"] for r in ran}
+        entry["peak_mem_gib"] = max(r["peak_alloc_gib"] for r in ran)
+        entry["peak_reserved_gib_by_rank"] = {str(r["rank"]): r["peak_reserved_gib"] for r in ran}
+        entry["setup_peak_gib_by_rank"] = {str(r["rank"]): r["setup_peak_gib"] for r in ran}
+        entry["alloc_before_gib_by_rank"] = {str(r["rank"]): r["alloc_before_gib"] for r in ran}
+        entry["alloc_after_gib_by_rank"] = {str(r["rank"]): r["alloc_after_gib"] for r in ran}
+    return entry
+
+
+def add_ratios(systems: dict) -> None:
+    def ok(n):
+        return n in systems and systems[n].get("median_step_s")
+    for name, e in systems.items():
+        if not e.get("median_step_s"):
+            continue
+        e["throughput_vs_fsdp2_compiled"] = (
+            e["tokens_per_s_per_gpu"] / systems["fsdp2_compiled"]["tokens_per_s_per_gpu"]
+            if ok("fsdp2_compiled") else None)
+        e["step_time_vs_compute_bound"] = (
+            e["median_step_s"] / systems["compute_bound"]["median_step_s"] if ok("compute_bound") else None)
+
+
+def skip_reason(name, args):
+    if name.startswith("dc_"):
+        try:
+            from deepcompile.passes import PASSES
+        except Exception as e:
+            return None, f"deepcompile.passes failed to import: {type(e).__name__}: {e}"
+        for p in DC_PASSES[name]:
+            if p not in PASSES:
+                return f"pass {p} not implemented", None
+    return None, None
+
+
+# ----------------------------------------------------------------------------------------------
+# output
+# ----------------------------------------------------------------------------------------------
+
+def write_json(path, result) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def status_of(e: dict) -> str:
+    if "skipped" in e:
+        return "skipped"
+    if "error" in e:
+        return "FAILED"
+    return "ok"
+
+
+def plot(path, result) -> str | None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:
+        print(f"[zero3] no plot: matplotlib unavailable ({e})", flush=True)
+        return None
+    systems = result["systems"]
+    names = list(systems)
+    env = result["environment"]
+    fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 2.2 * len(names)), 4.8))
+    panels = [("median_step_s", 1e3, "median step time (ms)"), ("peak_mem_gib", 1.0, "peak memory, max over ranks (GiB)")]
+    for ax, (key, scale, label) in zip(axes, panels):
+        vals = [(systems[n].get(key) or 0.0) * scale for n in names]
+        colors = ["#4C72B0" if n.startswith("dc_") else "#DD8452" if n.startswith("fsdp2") else "#55A868"
+                  for n in names]
+        bars = ax.bar(range(len(names)), vals, color=colors)
+        for b, n, v in zip(bars, names, vals):
+            st = status_of(systems[n])
+            txt = f"{v:.1f}" if st == "ok" and systems[n].get(key) is not None else ("n/a" if st == "ok" else st)
+            ax.text(b.get_x() + b.get_width() / 2, b.get_height(), txt, ha="center", va="bottom", fontsize=8)
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        if key == "peak_mem_gib" and env["device_type"] != "cuda":
+            label += ": not measured on CPU"
+        ax.set_title(label, fontsize=10)
+    m = result["model"]
+    fig.suptitle(f"ZeRO-3, {env['device']} x{env['world_size']}: Llama {m['params'] / 1e6:.0f}M params "
+                 f"({m['config']['num_hidden_layers']} layers), micro-batch {m['micro_batch']} x seq "
+                 f"{m['seq']} per GPU, {result['args']['dtype']}", fontsize=10)
+    fig.tight_layout()
+    png = os.path.splitext(path)[0] + ".png"
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
+
+
+def table(result) -> str:
+    hdr = f"{'system':22s} {'status':8s} {'median ms':>10s} {'tok/s/GPU':>10s} {'vs fsdp2c':>9s} " \
+          f"{'vs compute':>10s} {'peak GiB':>9s} {'warm-up s':>9s}"
+    lines = [hdr, "-" * len(hdr)]
+
+    def f(v, fmt):
+        width = int(re.match(r"\d*", fmt).group() or 0)
+        return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(width)
+    for n, e in result["systems"].items():
+        st = status_of(e)
+        lines.append(f"{n:22s} {st:8s} {f(e.get('median_step_s') and e['median_step_s'] * 1e3, '10.1f')} "
+                     f"{f(e.get('tokens_per_s_per_gpu'), '10.0f')} {f(e.get('throughput_vs_fsdp2_compiled'), '9.2f')} "
+                     f"{f(e.get('step_time_vs_compute_bound'), '10.2f')} {f(e.get('peak_mem_gib'), '9.2f')} "
+                     f"{f(e.get('warmup_total_s'), '9.1f')}")
+        if st != "ok":
+            lines.append(f"    {e.get('skipped') or e.get('error', '')[:160]}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------
+# main
+# ----------------------------------------------------------------------------------------------
+
+def main(argv=None):
+    args = parse_args(argv)
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if args.device == "cuda":
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+        backend = "nccl"
+    else:
+        dev = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.pg_timeout),
+                            **({"device_id": dev} if args.device == "cuda" else {}))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    raise_dynamo_limits()
+
+    env = environment(args, world)
+    if args.out is None:
+        args.out = os.path.join(REPO, "benchmarks", "results",
+                                f"zero3_{device_slug(env['device'], args.device)}_{world}gpu.json")
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+    mcfg_d = model_config_dict(args)
+    mcfg = LlamaConfig(**mcfg_d)
+    try:
+        mcfg._attn_implementation = "sdpa"
+    except Exception:
+        pass
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
+    base_model = LlamaForCausalLM(mcfg).float()  # on CPU, identical on every rank
+    base_model.train()
+    n_params = sum(p.numel() for p in base_model.parameters())
+    log(f"model: {n_params / 1e6:.1f}M params, built on CPU in {time.perf_counter() - t0:.1f}s; "
+        f"{world} ranks, {args.device}, {args.dtype}; systems {args.systems}")
+    batches = make_batches(args, rank, mcfg.vocab_size, dev)
+
+    result = {
+        "benchmark": "zero3",
+        "partial": True,
+        "environment": env,
+        "args": {k: v for k, v in vars(args).items()},
+        "model": {
+            "class": "transformers.LlamaForCausalLM (random init, seed %d, built on CPU)" % args.seed,
+            "config": mcfg_d, "attn_implementation": "sdpa", "params": n_params,
+            "micro_batch": args.micro_batch, "seq": args.seq,
+            "tokens_per_gpu_per_step": args.micro_batch * args.seq,
+        },
+        "data": f"4 fixed random token batches per rank, torch.Generator seeded seed*1000+rank, cycled; "
+                f"labels = input_ids; compute_bound uses rank 0's",
+        "timing": "wall time per step (forward + backward + optimizer.step + zero_grad), torch.cuda.synchronize "
+                  "before and after; per step the max over ranks; median of the timed steps after --warmup "
+                  "untimed ones. compile_s = sum(warm-up steps) - warmup * median. Peak memory = "
+                  "torch.cuda.max_memory_allocated over the training steps only (reset after setup; the setup "
+                  "peak is recorded separately), per rank.",
+        "systems": {},
+    }
+
+    for name in args.systems:
+        skipped, err = skip_reason(name, args)
+        if skipped or err:
+            result["systems"][name] = {"skipped": skipped} if skipped else {"error": err}
+            log(f"{name}: {'skipped: ' + skipped if skipped else 'error: ' + err}")
+            dist.barrier()
+            continue
+        log(f"{name}: start")
+        dist.barrier()
+        if name == "compute_bound" and rank != 0:
+            mine = {"rank": rank, "idle": True}
+        else:
+            mine = run_on_rank(name, base_model, batches, args, rank, dev,
+                               collective=(name != "compute_bound"))
+        dist.barrier()
+        gathered = [None] * world
+        dist.all_gather_object(gathered, mine)
+        if rank == 0:
+            entry = summarise(name, gathered, args, world)
+            result["systems"][name] = entry
+            add_ratios(result["systems"])
+            write_json(args.out, result)
+            if "error" in entry:
+                log(f"{name}: FAILED: {entry['error'][:300]}")
+            else:
+                log(f"{name}: median {entry['median_step_s'] * 1e3:.1f} ms, "
+                    f"{entry['tokens_per_s_per_gpu']:.0f} tok/s/GPU"
+                    + (f", peak {entry['peak_mem_gib']:.2f} GiB" if "peak_mem_gib" in entry else "")
+                    + f", warm-up {entry['warmup_total_s']:.1f}s")
+        dist.barrier()
+
+    if rank == 0:
+        add_ratios(result["systems"])
+        result["partial"] = False
+        png = None if args.no_plot else plot(args.out, result)
+        result["plot"] = os.path.relpath(png, os.path.dirname(os.path.abspath(args.out))) if png else None
+        write_json(args.out, result)
+        print(f"\nwrote {args.out}" + (f" and {png}" if png else ""), flush=True)
+        print(f"\n{env['device']} x{world}, torch {env['torch']}, nccl {env['nccl']}, "
+              f"{n_params / 1e6:.1f}M params, {args.micro_batch}x{args.seq} tokens/GPU/step, "
+              f"{args.steps} timed steps after {args.warmup} warm-up", flush=True)
+        print(table(result), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

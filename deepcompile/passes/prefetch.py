@@ -1,0 +1,144 @@
+"""prefetch: issue each allgather as early as the memory budget allows, fusing small ones.
+
+Runs after ``zero3``. Gathers are considered in the order their values are first needed. Small
+consecutive gathers are packed into one ``allgather_params`` collective while the cost model
+says one packed collective (plus its copies) is cheaper than separate ones. Then each
+collective's issue point moves back, past the waits of earlier gathers, as long as the bytes
+gathered ahead of need stay within ``budget_mb``: the collective then runs while the compute
+before it does (on GPU on NCCL's stream; on CPU on gloo's thread).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from deepcompile.params import spec
+from deepcompile.passes.registry import PassContext, register_pass
+from deepcompile.passes.zero3 import is_op
+from deepcompile.profile.cost_model import default_model
+
+DC = torch.ops.dc
+
+
+@dataclass
+class PrefetchParams:
+    budget_mb: float = spec(512.0, min=0.0, max=1e7,
+                            help="gathered memory (MiB) allowed to be in flight ahead of its first use")
+    fuse_below_kb: float = spec(1024.0, min=0.0, max=1e6,
+                                help="gathers smaller than this (KiB of output) may be packed into one collective")
+    max_fused: int = spec(32, min=1, max=1024, help="most parameters packed into one collective")
+    backend: str = spec("auto", choices=("auto", "nccl", "gloo"),
+                        help="which default communication model to use when no profile exists")
+
+
+@dataclass
+class _Gather:
+    issue: fx.Node        # allgather_param / allgather_params
+    waits: list[fx.Node]
+    pids: list[int]
+    bytes: float
+
+
+def _param_bytes(ctx: PassContext, pid: int) -> float:
+    m = ctx.param_meta[pid]
+    return float(m.chunk * ctx.world_size * torch.empty((), dtype=m.gather_dtype).element_size())
+
+
+def _collect(g: fx.Graph, ctx: PassContext) -> list[_Gather]:
+    out = []
+    for n in g.nodes:
+        if is_op(n, DC.wait_allgather.default):
+            issue = n.args[0]
+            if is_op(issue, DC.allgather_param.default):
+                pid = int(n.args[1])
+                out.append(_Gather(issue, [n], [pid], _param_bytes(ctx, pid)))
+    return out
+
+
+def _fuse(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> list[_Gather]:
+    p = ctx.params
+    model = default_model(_backend(ctx))
+    limit = p.fuse_below_kb * 1024
+    fused: list[_Gather] = []
+    run: list[_Gather] = []
+
+    def close_run():
+        if len(run) >= 2 and model.fusion_saves([x.bytes for x in run], ctx.world_size):
+            first_wait = run[0].waits[0]
+            with g.inserting_before(first_wait):
+                shards = [x.issue.args[0] for x in run]
+                pids = [x.pids[0] for x in run]
+                h = g.call_function(DC.allgather_params.default, (shards, pids))
+            h.meta["val"] = run[0].issue.meta.get("val")
+            h.meta["dc_param"] = pids[0]
+            h.meta["dc_params"] = pids
+            for x in run:
+                x.waits[0].replace_input_with(x.issue, h)
+                g.erase_node(x.issue)
+            fused.append(_Gather(h, [x.waits[0] for x in run], pids, sum(x.bytes for x in run)))
+        else:
+            fused.extend(run)
+        run.clear()
+
+    for x in gathers:
+        dtype_ok = not run or ctx.param_meta[run[0].pids[0]].gather_dtype == ctx.param_meta[x.pids[0]].gather_dtype
+        if x.bytes < limit and dtype_ok and len(run) < p.max_fused:
+            run.append(x)
+        else:
+            close_run()
+            if x.bytes < limit:
+                run.append(x)
+            else:
+                fused.append(x)
+    close_run()
+    return fused
+
+
+def _backend(ctx: PassContext) -> str:
+    if ctx.params.backend != "auto":
+        return ctx.params.backend
+    import torch.distributed as dist
+
+    return str(dist.get_backend()) if dist.is_initialized() else "gloo"
+
+
+def _hoist(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> int:
+    budget = ctx.params.budget_mb * 2**20
+    moved = 0
+    for i, x in enumerate(gathers):
+        ahead = x.bytes
+        j = i
+        while j > 0 and ahead + gathers[j - 1].bytes <= budget:
+            j -= 1
+            ahead += gathers[j].bytes
+        if j == i:
+            continue
+        # issue right after the first wait of gathers[j-1] (or at the top of the graph)
+        anchor = gathers[j - 1].waits[0] if j > 0 else None
+        if any(i.op != "placeholder" for i in x.issue.all_input_nodes):
+            continue  # a shard computed inside the graph: keep it where its input exists
+        if anchor is None:
+            first = next(n for n in g.nodes if n.op != "placeholder")
+            first.prepend(x.issue)
+        else:
+            anchor.append(x.issue)
+        moved += 1
+    return moved
+
+
+@register_pass("prefetch", PrefetchParams)
+def prefetch(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Move allgathers earlier within a memory budget and fuse small ones."""
+    g = gm.graph
+    gathers = _collect(g, ctx)
+    before = len(gathers)
+    if ctx.params.fuse_below_kb > 0:
+        gathers = _fuse(g, gathers, ctx)
+    moved = _hoist(g, gathers, ctx)
+    ctx.notes.append(f"collectives: {before} -> {len(gathers)}; issued earlier: {moved}; "
+                     f"budget {ctx.params.budget_mb:g} MiB")
+    g.lint()
+    gm.recompile()
+    return gm
