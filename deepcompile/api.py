@@ -34,9 +34,25 @@ class DeepCompileModel(nn.Module):
         object.__setattr__(self, "dc_group", group)
         object.__setattr__(self, "dc_state_keys", state_keys)
         object.__setattr__(self, "_dc_compiled", torch.compile(module, backend=backend))
+        object.__setattr__(self, "dc_step", 0)
+        object.__setattr__(self, "_dc_passes", config.passes)
 
     def forward(self, *args, **kwargs):
+        passes = self.dc_config.passes_at(self.dc_step)
+        if passes is not self._dc_passes:
+            self._recompile(passes)
         return self._dc_compiled(*args, **kwargs)
+
+    def _recompile(self, passes) -> None:
+        # Drop every compiled graph before compiling the new pass list: the old graphs (and
+        # the memory their code objects pin) must not survive the switch.
+        compat.reset_dynamo(self.module)
+        self.dc_backend.use_passes(passes, self.dc_step)
+        object.__setattr__(self, "_dc_passes", passes)
+        object.__setattr__(self, "_dc_compiled", torch.compile(self.module, backend=self.dc_backend))
+
+    def _dc_on_optimizer_step(self, *_args) -> None:
+        object.__setattr__(self, "dc_step", self.dc_step + 1)
 
     @property
     def dc_graphs(self):
@@ -113,7 +129,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
             "original module (compiled_model._orig_mod) and let deepcompile compile it.")
     if not isinstance(model, nn.Module):
         raise TypeError(f"deepcompile.initialize: model must be an nn.Module, got {type(model).__name__}")
-    if isinstance(model, DeepCompileModel) or any(isinstance(m, type(None)) for m in ()):
+    if isinstance(model, DeepCompileModel):
         raise TypeError("deepcompile.initialize: this model is already initialized by deepcompile")
     from torch.nn.utils import parametrize
     if any(parametrize.is_parametrized(m) for m in model.modules()):
@@ -152,6 +168,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"deepcompile.initialize: make_optimizer returned {type(opt).__name__}, "
                         "expected a torch.optim.Optimizer")
+    opt.register_step_post_hook(wrapped._dc_on_optimizer_step)  # real steps only (not accumulation)
     return wrapped, _wrap_optimizer(opt, cfg.gradient_accumulation_steps)
 
 

@@ -26,6 +26,7 @@ class GraphVersion:
     nodes: list[dict]
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    step: int = 0    # the optimizer step whose pass list produced this version
 
 
 class Backend:
@@ -38,6 +39,15 @@ class Backend:
         self.versions: list[GraphVersion] = []
         self.observers = list(observers or [])
         self.compiled: dict[tuple[int, str], fx.GraphModule] = {}
+        self.passes = config.passes
+        self.step = 0
+
+    def use_passes(self, passes: list, step: int) -> None:
+        """Switch the pass list (a scheduled re-compile): graph ids restart so the same segment
+        keeps its id across compiles; versions carry the step they were compiled at."""
+        self.passes, self.step = passes, step
+        self.next_graph_id = 0
+        self.compiled.clear()
 
     def _observe(self, v: GraphVersion) -> None:
         self.versions.append(v)
@@ -45,22 +55,22 @@ class Backend:
             o(v)
 
     def run_passes(self, gm: fx.GraphModule, graph_id: int, kind: str) -> fx.GraphModule:
-        self._observe(GraphVersion(graph_id, kind, "input", serialize(gm)))
-        for entry in self.config.passes:
+        self._observe(GraphVersion(graph_id, kind, "input", serialize(gm), step=self.step))
+        for entry in self.passes:
             pdef = PASSES[entry.name]
             ctx = PassContext(graph_id=graph_id, kind=kind, params=make_params(entry),
                               param_meta=self.param_meta, world_size=self.world_size, rank=self.rank)
             t0 = time.perf_counter()
             gm = pdef.fn(gm, ctx)
             self._observe(GraphVersion(graph_id, kind, entry.name, serialize(gm), ctx.notes,
-                                       time.perf_counter() - t0))
+                                       time.perf_counter() - t0, step=self.step))
         self.compiled[(graph_id, kind)] = gm
         return gm
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
         graph_id = self.next_graph_id
         self.next_graph_id += 1
-        self._observe(GraphVersion(graph_id, "dynamo", "input", serialize(gm)))
+        self._observe(GraphVersion(graph_id, "dynamo", "input", serialize(gm), step=self.step))
         compiler = self.config.compiler
         if compiler == "inductor":
             return compat.inductor_compile(

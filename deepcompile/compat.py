@@ -137,6 +137,23 @@ def interpret(gm: fx.GraphModule) -> Callable:
     return run
 
 
-def reset_dynamo() -> None:
-    """Drop compiled graphs (re-initialising, tests). torch._dynamo.reset is public-ish."""
+def reset_dynamo(model=None) -> None:
+    """Drop every compiled graph (scheduled re-compile, re-initialising).
+
+    ``torch._dynamo.reset()`` clears the code caches, but Dynamo also installs each compiled
+    graph as a global ``__compiled_fn_<n>_<uuid>`` in the module whose frame it compiled
+    (checked in 2.11 and 2.13), and reset leaves those behind: every old forward/backward
+    graph stayed alive. After a reset no guarded code refers to them any more, so we delete
+    them from the modules the model's code lives in.
+    """
+    import sys
+
     torch._dynamo.reset()
+    names = {type(m).__module__ for m in model.modules()} if model is not None else set(sys.modules)
+    for name in names:
+        mod = sys.modules.get(name)
+        g = getattr(mod, "__dict__", None)
+        if not isinstance(g, dict):
+            continue
+        for k in [k for k in g if k.startswith("__compiled_fn_")]:
+            del g[k]

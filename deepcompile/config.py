@@ -38,12 +38,20 @@ class PassEntry:
 
 
 @dataclass
+class ScheduleEntry:
+    step: int = spec(help="optimizer step from which these passes are used (re-compiles once there)", min=1)
+    passes: list[Any] = spec(default_factory=lambda: ["zero3"], help="pass list, like `passes`")
+
+
+@dataclass
 class Config:
     zero_stage: int = spec(3, choices=(1, 2, 3), help="ZeRO stage: 3 shards parameters, gradients and optimizer state")
     compiler: str = spec("inductor", choices=("inductor", "aot_eager", "eager"),
                          help="inner compiler for the rewritten graphs; eager interprets node by node")
     passes: list[Any] = spec(default_factory=lambda: ["zero3"],
                              help="passes run on every captured graph, in order: a name or {name, params}")
+    schedule: list[ScheduleEntry] = spec(default_factory=list,
+                                         help="later pass lists: [{step, passes}]; `passes` runs from step 0")
     gradient_accumulation_steps: int = spec(1, min=1, max=1 << 20,
                                             help="micro-batches per optimizer step; optimizer.step() is a no-op in between")
     mixed_precision: MixedPrecision = spec(default_factory=MixedPrecision, help="compute and reduce dtypes")
@@ -53,16 +61,35 @@ class Config:
     def validate(self, path: str = "config") -> None:
         if self.zero_stage in (1, 2):
             raise ConfigError(f"{path}.zero_stage: stage {self.zero_stage} is not implemented yet; use 3")
+        self.passes = self._check_passes(self.passes, f"{path}.passes")
+        last = 0
+        for i, e in enumerate(self.schedule):
+            if e.step <= last:
+                raise ConfigError(f"{path}.schedule[{i}].step: steps must increase and start above 0, got {e.step} after {last}")
+            last = e.step
+            e.passes = self._check_passes(e.passes, f"{path}.schedule[{i}].passes")
+
+    @staticmethod
+    def _check_passes(entries: list, path: str) -> list:
         from deepcompile.passes import PASSES, normalize_entry
 
-        self.passes = [normalize_entry(e, f"{path}.passes[{i}]") for i, e in enumerate(self.passes)]
-        names = [e.name for e in self.passes]
+        entries = [normalize_entry(e, f"{path}[{i}]") for i, e in enumerate(entries)]
+        names = [e.name for e in entries]
         if not names or names[0] != "zero3":
             raise ConfigError(
-                f"{path}.passes: ZeRO-3 needs 'zero3' as the first pass (it inserts the communication), got {names}")
-        for i, e in enumerate(self.passes):
+                f"{path}: ZeRO-3 needs 'zero3' as the first pass (it inserts the communication), got {names}")
+        for i, e in enumerate(entries):
             if e.name not in PASSES:
-                raise ConfigError(f"{path}.passes[{i}].name: unknown pass {e.name!r}; known: {sorted(PASSES)}")
+                raise ConfigError(f"{path}[{i}].name: unknown pass {e.name!r}; known: {sorted(PASSES)}")
+        return entries
+
+    def passes_at(self, step: int) -> list:
+        """The pass list in force at optimizer step ``step``."""
+        current = self.passes
+        for e in self.schedule:
+            if step >= e.step:
+                current = e.passes
+        return current
 
     @classmethod
     def load(cls, cfg: "Config | dict | str | os.PathLike | None") -> "Config":

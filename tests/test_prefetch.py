@@ -79,3 +79,43 @@ def test_prefetch_moves_gathers_earlier_within_budget():
     # ... and in measured gathered memory (the runtime tracks every live gathered storage)
     assert r_small["stats"]["peak_live_gathered_bytes"] < r_large["stats"]["peak_live_gathered_bytes"]
     assert r_small["losses"] == r_large["losses"]
+
+
+def _scheduled(rank, world):
+    import gc
+    import weakref
+
+    import deepcompile
+    from tests.workloads import LOCAL_BATCH, global_batch, make_model, make_optimizer
+
+    cfg = {"compiler": "aot_eager", "passes": ["zero3"],
+           "schedule": [{"step": 2, "passes": ["zero3", _prefetch(64.0, 64.0)]}]}
+    model, opt = deepcompile.initialize(make_model(), make_optimizer, cfg)
+    old_graphs = []
+    losses = []
+    for s in range(4):
+        x, y = global_batch(s, 0, world)
+        sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        loss = model(x[sl], y[sl])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if s == 0:
+            old_graphs = [weakref.ref(g) for g in model.dc_backend.compiled.values()]
+    gc.collect()
+    alive = sum(r() is not None for r in old_graphs)
+    versions = sorted({(v.step, v.after) for v in model.dc_graphs})
+    return losses, alive, len(old_graphs), versions
+
+
+def test_pass_schedule_recompiles_without_leaking():
+    from tests.workloads import train_reference
+
+    results = run_ranks(_scheduled, 2, timeout=300)
+    ref_losses, _ = train_reference(2, 4, 1)
+    mean = torch.tensor([r[0] for r in results]).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=mean.dtype), rtol=1e-5, atol=1e-6)
+    for losses, alive, n_old, versions in results:
+        assert n_old >= 2 and alive == 0, f"{alive} of {n_old} step-0 graphs survived the re-compile"
+        assert (0, "zero3") in versions and (2, "prefetch") in versions and (0, "prefetch") not in versions
