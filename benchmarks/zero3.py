@@ -158,8 +158,9 @@ def environment(args, world: int) -> dict:
     except Exception:
         env["transformers"] = None
     try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                                           text=True, timeout=10).stdout.strip() or None
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        env["git_commit"] = head if re.fullmatch(r"[0-9a-f]{40}", head) else None
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                capture_output=True, text=True, timeout=10).stdout.strip()
         env["git_dirty"] = bool(dirty)
@@ -244,6 +245,23 @@ def build_dc(name, base_model, args, dev):
              "what": "deepcompile.initialize(model, AdamW, config); the whole model is torch.compile'd "
                      "with the deepcompile backend"}
     return model, opt, contextlib.nullcontext, notes
+
+
+def release_dc(model, opt) -> None:
+    """Drop the shards' storage and the optimizer state before the model goes.
+
+    The deepcompile model's parametrized modules are kept alive after ``del`` (seen on torch 2.11
+    and 2.13: the class that ``torch.nn.utils.parametrize`` creates per module holds a property
+    whose closure refers to the module, and something keeps that class alive), and with them every
+    shard; without this each deepcompile system leaks its shards into the next system's memory.
+    """
+    if opt is not None:
+        opt.state.clear()
+    if model is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.grad = None
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
 def teardown_dc() -> None:
@@ -410,6 +428,11 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True):
     g1 = dynamo_unique_graphs()
     if graphs0 is not None and g1 is not None:
         res["dynamo_unique_graphs"] = g1 - graphs0
+    if name.startswith("dc_"):
+        try:
+            release_dc(model, opt)
+        except Exception as e:  # noqa: BLE001
+            res["release_error"] = f"{type(e).__name__}: {e}"
     del model, opt
     if name.startswith("dc_"):
         teardown_dc()
@@ -461,6 +484,8 @@ def summarise(name, per_rank, args, world) -> dict:
     if args.device == "cuda":
         entry["peak_mem_gib_by_rank"] = {str(r["rank"]): r["peak_alloc_gib"] for r in ran}
         entry["peak_mem_gib"] = max(r["peak_alloc_gib"] for r in ran)
+        # memory still allocated from earlier systems (a leak) would count in the peak: also net of it
+        entry["peak_mem_net_gib"] = max(r["peak_alloc_gib"] - r["alloc_before_gib"] for r in ran)
         entry["peak_reserved_gib_by_rank"] = {str(r["rank"]): r["peak_reserved_gib"] for r in ran}
         entry["setup_peak_gib_by_rank"] = {str(r["rank"]): r["setup_peak_gib"] for r in ran}
         entry["alloc_before_gib_by_rank"] = {str(r["rank"]): r["alloc_before_gib"] for r in ran}
@@ -631,7 +656,9 @@ def main(argv=None):
                   "before and after; per step the max over ranks; median of the timed steps after --warmup "
                   "untimed ones. compile_s = sum(warm-up steps) - warmup * median. Peak memory = "
                   "torch.cuda.max_memory_allocated over the training steps only (reset after setup; the setup "
-                  "peak is recorded separately), per rank.",
+                  "peak is recorded separately), per rank; peak_mem_net_gib subtracts what was still allocated "
+                  "before the system started. Inductor's on-disk caches are left on, so a system compiled "
+                  "after a similar one may show a shorter compile time.",
         "systems": {},
     }
 

@@ -12,9 +12,11 @@ SEQ = 16
 LR = 3e-3
 
 
-def make_model(seed: int = 0) -> GPT:
+def make_model(seed: int = 0, **overrides) -> GPT:
+    from dataclasses import replace
+
     torch.manual_seed(seed)
-    return GPT(MODEL)
+    return GPT(replace(MODEL, **overrides))
 
 
 def make_optimizer(params):
@@ -59,14 +61,15 @@ def live_gathered_settled(timeout_s: float = 2.0) -> list[int]:
     return live
 
 
-def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: dict):
+def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: dict,
+                  model_overrides: dict | None = None):
     """One rank of a deepcompile run: plain loop, step()/zero_grad() after every micro-batch."""
     import deepcompile
     from deepcompile.runtime import ops
 
     cfg = dict(config)
     cfg["gradient_accumulation_steps"] = accumulation
-    model, opt = deepcompile.initialize(make_model(), make_optimizer, cfg)
+    model, opt = deepcompile.initialize(make_model(**(model_overrides or {})), make_optimizer, cfg)
     device = next(model.parameters()).device
     losses, live_after_fwd, live_after_bwd = [], [], []
     for s in range(steps):

@@ -22,6 +22,7 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 64
     freeze_pos_emb: bool = True
+    graph_break_after: int = -1  # >= 0: a torch._dynamo graph break after that block (tests segments)
 
 
 class Attention(nn.Module):
@@ -89,8 +90,10 @@ class GPT(nn.Module):
     def forward(self, idx, targets=None):
         T = idx.shape[1]
         x = self.tok_emb(idx) + self.pos_emb[:T]
-        for b in self.blocks[:-1]:
+        for i, b in enumerate(self.blocks[:-1]):
             x = b(x)
+            if i == self.config.graph_break_after:
+                torch._dynamo.graph_break()
         x = self.ln_f(x)              # ln_f's parameters are used here ...
         x = self.blocks[-1](x)
         logits = self.lm_head(self.ln_f(x))  # ... and again here

@@ -1,0 +1,23 @@
+"""The Jupyter layer of deepcompile (importable as ``deepcompile.widgets``).
+
+``Inspector(run_dir)`` browses a run record; ``Inspector.launch(...)`` starts a job and follows
+it. The state of every view lives in plain-Python models (``graph_view.GraphModel``,
+``timeline_view.ScheduleModel`` / ``MemoryModel`` / ``StepsModel``, ``passes_view.PassesModel``,
+``launcher.Job``) that tests drive without a browser; ``inspector.py`` is the ipywidgets face.
+"""
+from .graph_view import GraphModel
+from .launcher import Job, demo_command
+from .passes_view import PassesModel
+from .timeline_view import MemoryModel, ScheduleModel, StepsModel
+
+
+def __getattr__(name):
+    # the ipywidgets face is imported lazily: the models work without ipywidgets/plotly
+    if name in ("Inspector", "InspectorModel", "RunView"):
+        from . import inspector
+        return getattr(inspector, name)
+    raise AttributeError(name)
+
+
+__all__ = ["Inspector", "InspectorModel", "GraphModel", "ScheduleModel", "MemoryModel", "StepsModel",
+           "PassesModel", "Job", "demo_command"]

@@ -1,0 +1,595 @@
+"""The Inspector: ipywidgets face over the plain-Python models of this package.
+
+``Inspector(run_dir)`` shows a finished (or still running) run; ``Inspector.launch(...)`` starts
+the CLI demo (or a script under torchrun) in the background and follows it. Tabs: Graph,
+Schedule, Memory, Steps (live), Passes & runs (controls from the passes' declared parameters;
+Run re-launches with the edited values and adds the new run beside the old one).
+
+State lives in :class:`InspectorModel` (and the models it holds); the widget callbacks only call
+model methods and re-render, so tests drive the same methods without a browser. A missing or
+broken record is shown as a message (the :class:`RecordError` text), never a traceback.
+"""
+from __future__ import annotations
+
+import html
+import json
+import statistics
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Iterable
+
+from deepcompile.record import estimate as E
+from deepcompile.record.reader import RecordError, read_run
+
+from .graph_view import COLOR_MODES, GraphModel
+from .launcher import Job, demo_command, job_env, script_command
+from .passes_view import PassesModel, make_control, new_run_dir
+from .timeline_view import MemoryModel, ScheduleModel, StepsModel
+
+esc = html.escape
+
+
+def _timings(rec) -> dict:
+    """(graph_id, kind, node) -> latency µs: the profile's where recorded, else the schedule's."""
+    out = {}
+    for e in (rec.schedule or {}).get("events", []):
+        out[(e["graph_id"], e["kind"], e["node"])] = e["end_us"] - e["start_us"]
+    for g in (rec.profile or {}).get("graphs", []):
+        for n in g["nodes"]:
+            if n.get("latency_ms") is not None:
+                out[(g["graph_id"], g["kind"], n["name"])] = n["latency_ms"] * 1e3
+    return out
+
+
+class InspectorModel:
+    """Runs known to the inspector, the one shown, and the models of its views."""
+
+    def __init__(self, run_dir: str | Path | None, rank: int = 0, *, use_dot: bool | None = None):
+        self.runs: list[Path] = []
+        self.rank = rank
+        self.use_dot = use_dot
+        self.run_dir: Path | None = None
+        self.record = None
+        self.error: str | None = None
+        self.graph: GraphModel | None = None
+        self.schedule: ScheduleModel | None = None
+        self.memory: MemoryModel | None = None
+        self.steps: StepsModel | None = None
+        self.passes: PassesModel | None = None
+        self.jobs: dict[Path, Job] = {}
+        if run_dir is not None:
+            self.open(run_dir)
+
+    def add_run(self, run_dir: str | Path) -> Path:
+        p = Path(run_dir)
+        if p not in self.runs:
+            self.runs.append(p)
+        return p
+
+    def open(self, run_dir: str | Path, rank: int | None = None) -> bool:
+        """Load ``run_dir``; False (and ``error`` set) when the record cannot be read."""
+        self.run_dir = self.add_run(run_dir)
+        if rank is not None:
+            self.rank = rank
+        self.steps = StepsModel(self.run_dir)
+        self.steps.poll()
+        try:
+            rec = read_run(self.run_dir, self.rank)
+        except RecordError as e:
+            self.record, self.error = None, str(e)
+            self.graph = self.schedule = self.memory = None
+            if self.passes is None:
+                self.passes = PassesModel(None)
+            return False
+        except Exception as e:  # never a traceback in the widget
+            self.record, self.error = None, f"{self.run_dir}: cannot be read ({type(e).__name__}: {e})"
+            self.graph = self.schedule = self.memory = None
+            return False
+        self.record, self.error = rec, None
+        self.graph = GraphModel(rec, timings=_timings(rec), use_dot=self.use_dot)
+        self.schedule = ScheduleModel(self.run_dir, rec)
+        self.memory = MemoryModel(rec, pscopes=self.graph.pscopes)
+        self.passes = PassesModel(rec.config)
+        return True
+
+    def reload(self) -> bool:
+        return self.open(self.run_dir) if self.run_dir is not None else False
+
+    # ------------------------------------------------------------ linking
+    def select_node(self, name: str | None) -> None:
+        """Select a node in every view (graph box outlined, schedule bars outlined)."""
+        if self.graph:
+            self.graph.select_node(name)
+        if self.schedule:
+            self.schedule.select_node(name)
+
+    def set_graph(self, graph_id: int, kind: str | None = None) -> None:
+        self.graph.set_graph(graph_id)
+        if kind is not None:
+            self.graph.set_kind(kind)
+        key = (self.graph.graph_id, self.graph.kind)
+        if self.schedule and key in self.schedule.keys:
+            self.schedule.set_graph(*key)
+        if self.memory and key in self.memory.keys:
+            self.memory.set_graph(*key)
+
+    # ------------------------------------------------------------ re-runs
+    def rerun_command(self, out: str | Path | None = None, *, steps: int | None = None,
+                      ranks: int | None = None, cpu: bool = True) -> tuple[Path, list[str]]:
+        base = self.run_dir or Path("runs/inspector")
+        out = Path(out) if out is not None else new_run_dir(base)
+        if steps is None:
+            steps = max(1, self.steps.n_steps()) if self.steps and self.steps.n_steps() else 20
+        if ranks is None:
+            ranks = int(self.record.manifest["world_size"]) if self.record else 2
+        return out, self.passes.command(out, ranks=ranks, steps=steps, cpu=cpu)
+
+    def run_summary(self, run_dir: Path) -> dict:
+        """One row of the runs table (readable even for a broken or unfinished record)."""
+        row: dict[str, Any] = {"run": str(run_dir), "status": "", "passes": "", "median_step_s": None,
+                               "peak_bytes": None, "steps": 0}
+        job = self.jobs.get(run_dir)
+        try:
+            m = json.loads((run_dir / "manifest.json").read_text())
+            row["status"] = m.get("status", "")
+            cfg = json.loads((run_dir / "config.json").read_text())
+            row["passes"] = ", ".join(
+                p["name"] + (f"({', '.join(f'{k}={v}' for k, v in p.get('params', {}).items())})" if p.get("params") else "")
+                if isinstance(p, dict) else str(p) for p in cfg.get("passes", []))
+            sm = StepsModel(run_dir)
+            sm.poll()
+            times = [s["time_s"] for ss in sm.steps.values() for s in ss[1:]] or \
+                [s["time_s"] for ss in sm.steps.values() for s in ss]
+            row["steps"] = sm.n_steps()
+            row["median_step_s"] = statistics.median(times) if times else None
+            row["peak_bytes"] = max(((s.get("mem") or {}).get("peak", 0) for ss in sm.steps.values() for s in ss),
+                                    default=None)
+        except (OSError, ValueError, KeyError, TypeError):
+            row["status"] = row["status"] or "no record yet"
+        if job is not None and job.running:
+            row["status"] = f"running ({job.step}/{job.total or '?'})"
+        elif job is not None and job.status not in ("finished",):
+            row["status"] = job.status
+        return row
+
+
+# --------------------------------------------------------------------------- the widget
+class Inspector:
+    """Browse a run record in a notebook. ``Inspector(run_dir)``; ``Inspector.launch(...)``."""
+
+    def __init__(self, run_dir: str | Path | None = None, rank: int = 0, *, poll_interval: float = 3.0,
+                 follow: bool = True, use_dot: bool | None = None):
+        import ipywidgets as W
+
+        self.W = W
+        self.model = InspectorModel(None, rank, use_dot=use_dot)
+        self.poll_interval = poll_interval
+        self._stop = threading.Event()
+        self._poller: threading.Thread | None = None
+        self._lock = threading.RLock()
+        self.job: Job | None = None
+        self._build()
+        if run_dir is not None:
+            self.open(run_dir)
+        if follow:
+            self.follow()
+
+    # ------------------------------------------------------------ construction
+    def _build(self) -> None:
+        W = self.W
+        self.message = W.HTML()
+        self.message.add_class("dc-message")
+        self.run_select = W.Dropdown(description="run", options=[], layout=W.Layout(width="520px"))
+        self.rank_select = W.Dropdown(description="rank", options=[0], layout=W.Layout(width="160px"))
+        self.run_select.observe(lambda ch: self._on_run(ch["new"]), names="value")
+        self.rank_select.observe(lambda ch: self._on_rank(ch["new"]), names="value")
+        # graph tab
+        lay = W.Layout(width="220px")
+        self.g_graph = W.Dropdown(description="graph", layout=lay)
+        self.g_kind = W.Dropdown(description="kind", layout=lay)
+        self.g_pass = W.Dropdown(description="after pass", layout=W.Layout(width="260px"))
+        self.g_diff = W.Dropdown(description="diff vs", layout=W.Layout(width="260px"))
+        for w, cls in ((self.g_graph, "dc-graph-id"), (self.g_kind, "dc-graph-kind"), (self.g_pass, "dc-pass"),
+                       (self.g_diff, "dc-diff-pass")):
+            w.add_class(cls)
+        self.g_color = W.ToggleButtons(options=list(COLOR_MODES), description="colour by")
+        self.g_search = W.Text(description="search", placeholder="name, op or module", continuous_update=False)
+        self.g_module = W.Dropdown(description="module", layout=W.Layout(width="300px"))
+        self.g_toggle = W.Button(description="expand / collapse", tooltip="open or close the selected module box")
+        self.g_collapse_all = W.Button(description="collapse all")
+        self.g_module.add_class("dc-module")
+        self.g_toggle.add_class("dc-expand")
+        self.g_summary = W.HTML()
+        self.g_svg = W.HTML(layout=W.Layout(max_height="720px", overflow="auto", border="1px solid #ddd"))
+        self.g_svg.add_class("dc-graph-view")
+        self.g_matches = W.HTML()
+        self._muted = False
+        self.g_graph.observe(lambda ch: self._ui(lambda: self.model.set_graph(ch["new"]), full=True), names="value")
+        self.g_kind.observe(lambda ch: self._ui(lambda: self.model.graph.set_kind(ch["new"]), full=True), names="value")
+        self.g_pass.observe(lambda ch: self._ui(lambda: self._set_pass(ch["new"])), names="value")
+        self.g_diff.observe(lambda ch: self._ui(lambda: self.model.graph.set_diff(ch["new"])), names="value")
+        self.g_color.observe(lambda ch: self._ui(lambda: self.model.graph.set_color(ch["new"])), names="value")
+        self.g_search.observe(lambda ch: self._ui(lambda: self.model.graph.set_search(ch["new"])), names="value")
+        self.g_toggle.on_click(lambda _: self._ui(lambda: self.model.graph.click(self.g_module.value))
+                               if self.g_module.value else None)
+        self.g_collapse_all.on_click(lambda _: self._ui(self.model.graph.collapse_all))
+        graph_tab = W.VBox([W.HBox([self.g_graph, self.g_kind, self.g_pass, self.g_diff]),
+                            W.HBox([self.g_color, self.g_search]),
+                            W.HBox([self.g_module, self.g_toggle, self.g_collapse_all]),
+                            self.g_summary, self.g_svg, self.g_matches])
+        # schedule tab
+        self.s_node = W.Combobox(description="select node", placeholder="node name", ensure_option=False,
+                                 continuous_update=False)
+        self.s_node.observe(lambda ch: self._ui(lambda: self.model.select_node(ch["new"] or None)), names="value")
+        self.s_out = W.Output()
+        self.s_out.add_class("dc-schedule")
+        self.s_note = W.HTML()
+        schedule_tab = W.VBox([self.s_note, self.s_node, self.s_out])
+        # memory tab
+        self.m_sort = W.Dropdown(description="sort by", options=["index", "name", "target", "module", "latency_us",
+                                                                 "out_bytes", "mem_after_bytes"])
+        self.m_desc = W.ToggleButton(description="descending", value=False)
+        self.m_sort.observe(lambda ch: self._ui(lambda: self.model.memory.set_sort(ch["new"], self.m_desc.value)),
+                            names="value")
+        self.m_desc.observe(lambda ch: self._ui(lambda: self.model.memory.set_sort(self.m_sort.value, ch["new"])),
+                            names="value")
+        self.m_out = W.Output()
+        self.m_out.add_class("dc-memory")
+        self.m_peak = W.HTML()
+        self.m_table = W.HTML()
+        memory_tab = W.VBox([self.m_out, self.m_peak, W.HBox([self.m_sort, self.m_desc]), self.m_table])
+        # steps tab
+        self.st_out = W.Output()
+        self.st_out.add_class("dc-steps")
+        self.st_note = W.HTML()
+        steps_tab = W.VBox([self.st_note, self.st_out])
+        # passes & runs tab
+        self.p_box = W.VBox()
+        self.p_steps = W.BoundedIntText(value=5, min=1, max=100000, description="steps")
+        self.p_ranks = W.BoundedIntText(value=2, min=1, max=64, description="ranks")
+        self.p_run = W.Button(description="Run", button_style="primary", tooltip="re-run the job with these values")
+        self.p_predict = W.Button(description="Predict", tooltip="predict step time and memory from the recorded profile")
+        self.p_cancel = W.Button(description="Cancel", button_style="danger", disabled=True)
+        self.p_run.add_class("dc-run")
+        self.p_run.on_click(lambda _: self.run())
+        self.p_predict.on_click(lambda _: self._predict())
+        self.p_cancel.on_click(lambda _: self.cancel())
+        self.p_progress = W.IntProgress(value=0, min=0, max=1, description="progress")
+        self.p_msg = W.HTML()
+        self.p_cmd = W.HTML()
+        self.p_log = W.Output(layout=W.Layout(max_height="240px", overflow="auto", border="1px solid #ddd"))
+        self.p_runs = W.HTML()
+        passes_tab = W.VBox([self.p_box, W.HBox([self.p_steps, self.p_ranks]),
+                             W.HBox([self.p_run, self.p_predict, self.p_cancel, self.p_progress]),
+                             self.p_msg, self.p_cmd, self.p_log, W.HTML("<b>runs</b>"), self.p_runs])
+        self.tabs = W.Tab(children=[graph_tab, schedule_tab, memory_tab, steps_tab, passes_tab])
+        for i, t in enumerate(("Graph", "Schedule", "Memory", "Steps", "Passes & runs")):
+            self.tabs.set_title(i, t)
+        self.widget = W.VBox([W.HBox([self.run_select, self.rank_select]), self.message, self.tabs])
+        self.widget.add_class("dc-inspector")
+
+    # ------------------------------------------------------------ display
+    def _ipython_display_(self):
+        from IPython.display import display
+
+        display(self.widget)
+
+    def _repr_mimebundle_(self, **kw):
+        return self.widget._repr_mimebundle_(**kw)
+
+    # ------------------------------------------------------------ helpers
+    def _ui(self, fn, full: bool = False) -> None:
+        """Run a model change from a widget event, then re-render; errors become a message."""
+        if self._muted or self.model.graph is None:
+            return
+        try:
+            fn()
+        except (ValueError, KeyError) as e:
+            self._say(str(e), error=True)
+            return
+        self.render(full=full)
+
+    def _say(self, text: str, error: bool = False) -> None:
+        color = "#b00020" if error else "#37474f"
+        self.message.value = f"<div style='color:{color};font-size:13px;white-space:pre-wrap'>{esc(text)}</div>" if text else ""
+
+    def _set_pass(self, v) -> None:
+        self.model.graph.set_pass(v)
+        if self.model.memory and (self.model.graph.graph_id, self.model.graph.kind) == self.model.memory.key:
+            self.model.memory.set_pass(v)
+
+    @staticmethod
+    def _plot(out, fig) -> None:
+        """Put a plotly figure in an Output widget (thread-safe: sets the outputs directly)."""
+        import plotly.io as pio
+
+        spec = json.loads(pio.to_json(fig, validate=False))
+        out.outputs = ({"output_type": "display_data", "metadata": {},
+                        "data": {"application/vnd.plotly.v1+json": spec,
+                                 "text/plain": f"<plotly figure: {len(spec.get('data', []))} traces>"}},)
+
+    # ------------------------------------------------------------ open / render
+    def open(self, run_dir: str | Path, rank: int | None = None) -> bool:
+        with self._lock:
+            ok = self.model.open(run_dir, rank)
+            self._muted = True
+            try:
+                self.run_select.options = [str(p) for p in self.model.runs]
+                self.run_select.value = str(self.model.run_dir)
+                ranks = self.model.record.manifest["ranks"] if self.model.record else [self.model.rank]
+                self.rank_select.options = list(ranks)
+                self.rank_select.value = self.model.rank
+            finally:
+                self._muted = False
+            self.render(full=True)
+            return ok
+
+    def _on_run(self, value) -> None:
+        if not self._muted and value and Path(value) != self.model.run_dir:
+            self.open(value)
+
+    def _on_rank(self, value) -> None:
+        if not self._muted and value is not None and value != self.model.rank:
+            self.open(self.model.run_dir, value)
+
+    def render(self, full: bool = False) -> None:
+        with self._lock:
+            try:
+                self._render(full)
+            except Exception as e:  # a view that fails says so; the others stay usable
+                self._say(f"rendering failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}", error=True)
+
+    def _render(self, full: bool) -> None:
+        m = self.model
+        self._render_passes_tab(full)
+        self._render_steps()
+        if m.record is None:
+            waiting = self.job is not None and self.job.running
+            self._say(("waiting for the run record… " if waiting else "cannot show this run: ") + (m.error or ""),
+                      error=not waiting)
+            for w in (self.g_svg, self.g_summary, self.m_table, self.m_peak, self.g_matches):
+                w.value = ""
+            self.s_out.outputs = ()
+            self.m_out.outputs = ()
+            return
+        rec = m.record
+        self._say(f"{rec.path}: {rec.manifest['status']}, {rec.manifest['world_size']} rank(s), "
+                  f"{len(rec.graph_ids)} graph(s), {len(rec.steps)} step(s) on rank {rec.rank}; "
+                  f"torch {rec.environment['torch']} on {rec.environment['hostname']}")
+        g = m.graph
+        self._muted = True
+        try:
+            if full:
+                self.g_graph.options = g.graph_ids
+                self.g_graph.value = g.graph_id
+                self.g_kind.options = g.kinds
+                self.g_kind.value = g.kind
+                opts = [(f"{i}: {n}", i) for i, n in enumerate(g.pass_names)]
+                self.g_pass.options = opts
+                self.g_diff.options = [("(no diff)", None)] + opts
+            if g.pass_names:
+                self.g_pass.value = g.version
+            self.g_diff.value = g.compare
+            self.g_color.value = g.color_by
+            keys = g.group_keys()
+            self.g_module.options = keys
+            if self.g_module.value not in keys:
+                self.g_module.value = next((k for k in keys if any(c.isdigit() for c in k)), keys[0] if keys else None)
+            if m.schedule:
+                self.s_node.options = tuple(m.schedule.nodes_at()[:2000])
+        finally:
+            self._muted = False
+        r = g.render()
+        self.g_summary.value = f"<div class='dc-graph-summary' style='font-size:12px'>{esc(r.summary)}</div>"
+        self.g_svg.value = r.svg
+        self.g_matches.value = "" if not r.matches else (
+            "<div style='font-size:11px'><b>matches</b>: " + ", ".join(
+                f"{esc(x['name'])} <i>({esc(x['target'])}, {esc(x['group'])})</i>" for x in r.matches[:60])
+            + (" …" if len(r.matches) > 60 else "") + "</div>")
+        # schedule
+        if m.schedule:
+            self.s_note.value = f"<div style='font-size:12px'>{esc(m.schedule.source_note)}</div>"
+            self._plot(self.s_out, m.schedule.figure())
+        # memory
+        if m.memory:
+            self._plot(self.m_out, m.memory.figure())
+            pk = m.memory.peak()
+            if pk:
+                self.m_peak.value = (f"<div style='font-size:12px'><b>peak</b> {E.fmt_bytes(pk['value'])} at node "
+                                     f"{pk['index']} ({esc(pk['node'])}, {esc(pk['series'])}); largest tensors live "
+                                     "there: " + ", ".join(f"{esc(n)} {E.fmt_bytes(b)}" for n, b in pk["holders"])
+                                     + "</div>")
+            self.m_table.value = m.memory.table_html()
+
+    def _render_steps(self) -> None:
+        st = self.model.steps
+        if st is None:
+            return
+        if st.error and not st.steps:
+            self.st_note.value = f"<div style='font-size:12px;color:#b00020'>{esc(st.error)}</div>"
+            return
+        following = self._poller is not None and self._poller.is_alive() and st.live
+        self.st_note.value = (f"<div style='font-size:12px'>{st.status}; {st.n_steps()} step(s)"
+                              + (f"; following live, every {self.poll_interval:g} s" if following else "") + "</div>")
+        self._plot(self.st_out, st.figure())
+
+    def _render_passes_tab(self, full: bool) -> None:
+        pm = self.model.passes
+        if pm is None:
+            return
+        if full or not self.p_box.children:
+            rows = []
+            for name in pm.order:
+                cb = self.W.Checkbox(value=pm.enabled[name], description=f"pass {name}",
+                                     tooltip=pm.registry[name].help, indent=False)
+                cb.add_class(f"dc-pass-enable-{name}")
+                cb.observe(lambda ch, n=name: pm.enable(n, ch["new"]), names="value")
+                ctrls = [make_control(s)[1] for s in pm.specs[name]]
+                help_ = self.W.HTML(f"<span style='font-size:11px;color:#666'>{esc(pm.registry[name].help)}</span>")
+                rows.append(self.W.VBox([self.W.HBox([cb, help_])] + ctrls,
+                                        layout=self.W.Layout(border="1px solid #eee", padding="4px")))
+            self.p_box.children = rows
+            if self.model.steps and self.model.steps.n_steps():
+                self.p_steps.value = self.model.steps.n_steps()
+            if self.model.record:
+                self.p_ranks.value = int(self.model.record.manifest["world_size"])
+        self.p_runs.value = self._runs_table()
+
+    def _runs_table(self) -> str:
+        rows = [self.model.run_summary(p) for p in self.model.runs]
+        head = "<tr><th>run</th><th>status</th><th>passes</th><th>steps</th><th>median step</th><th>peak memory</th></tr>"
+        body = []
+        for r in rows:
+            med = "" if r["median_step_s"] is None else f"{r['median_step_s'] * 1e3:.1f} ms"
+            peak = "" if not r["peak_bytes"] else E.fmt_bytes(r["peak_bytes"])
+            body.append(f"<tr><td>{esc(Path(r['run']).name)}</td><td>{esc(str(r['status']))}</td>"
+                        f"<td>{esc(r['passes'])}</td><td>{r['steps']}</td><td>{med}</td><td>{peak}</td></tr>")
+        body = "".join(body)
+        return f"<table class='dc-runs' style='font-size:12px'>{head}{body}</table>"
+
+    # ------------------------------------------------------------ live following
+    def follow(self) -> None:
+        """Poll the shown run's steps (and its record until complete) every ``poll_interval`` s,
+        on a daemon thread: the kernel stays free."""
+        if self._poller is not None and self._poller.is_alive():
+            return
+        self._stop.clear()
+        self._poller = threading.Thread(target=self._poll_loop, name="deepcompile-inspector-poll", daemon=True)
+        self._poller.start()
+
+    def stop(self) -> None:
+        """Stop following (the job, if any, keeps running; see :meth:`cancel`)."""
+        self._stop.set()
+
+    def _poll_loop(self) -> None:
+        while not self._stop.wait(self.poll_interval):
+            try:
+                self.poll_once()
+            except Exception:  # keep polling; the message shows on the next render
+                pass
+
+    def poll_once(self) -> bool:
+        """One polling round (what the thread does): re-read steps, reload the record when it
+        appears or completes. True when something changed."""
+        m = self.model
+        if m.run_dir is None or m.steps is None:
+            return False
+        before = m.steps.status
+        changed = m.steps.poll()
+        if m.record is None or (before != m.steps.status and m.steps.status in ("complete", "failed")):
+            if (m.run_dir / "manifest.json").exists() and (m.record is None or changed):
+                self.open(m.run_dir)
+                return True
+        if changed:
+            with self._lock:
+                self._render_steps()
+                self.p_runs.value = self._runs_table()
+        return changed
+
+    # ------------------------------------------------------------ jobs
+    def run(self, out: str | Path | None = None) -> Job | None:
+        """Re-run the job with the passes tab's values; the new run appears in the run list."""
+        pm = self.model.passes
+        errs = pm.validate()
+        if errs:
+            self.p_msg.value = "<span style='color:#b00020'>" + esc("; ".join(errs)) + "</span>"
+            return None
+        out, argv = self.model.rerun_command(out, steps=self.p_steps.value, ranks=self.p_ranks.value)
+        return self.start_job(argv, out)
+
+    def start_job(self, argv: list[str], out: str | Path, *, cwd: str | Path | None = None, env: dict | None = None) -> Job:
+        if self.job is not None and self.job.running:
+            raise RuntimeError("a job is already running; cancel it first")
+        out = Path(out)
+        self.p_cmd.value = f"<code style='font-size:11px'>{esc(' '.join(argv))}</code>"
+        self.p_log.outputs = ()
+        self.p_progress.value, self.p_progress.max = 0, 1
+        self.p_progress.bar_style = ""
+
+        def on_line(line: str) -> None:
+            self.p_log.append_stdout(line + "\n")
+            if self.job is not None and self.job.total:
+                self.p_progress.max = self.job.total
+                self.p_progress.value = self.job.step
+
+        def on_exit(job: Job) -> None:
+            self.p_cancel.disabled = True
+            self.p_run.disabled = False
+            self.p_progress.bar_style = "success" if job.returncode == 0 else "danger"
+            self.p_msg.value = f"<span>job {esc(job.status)}: {esc(str(out))}</span>"
+            if self.model.run_dir == out:
+                self.open(out)
+            with self._lock:
+                self.p_runs.value = self._runs_table()
+
+        self.job = Job(argv, cwd=cwd, env=env, out_dir=out, on_line=on_line, on_exit=on_exit)
+        self.model.jobs[out] = self.job
+        self.model.add_run(out)
+        self._muted = True
+        try:
+            self.run_select.options = [str(p) for p in self.model.runs]
+            if self.model.run_dir is not None:
+                self.run_select.value = str(self.model.run_dir)
+        finally:
+            self._muted = False
+        self.p_cancel.disabled = False
+        self.p_run.disabled = True
+        self.p_msg.value = f"<span>job running → {esc(str(out))}</span>"
+        self.job.start()
+        self.p_runs.value = self._runs_table()
+        return self.job
+
+    def cancel(self) -> None:
+        if self.job is not None:
+            self.job.cancel()
+
+    def wait(self, timeout: float | None = 600) -> int | None:
+        """Block until the current job ends (then show its run when it is the one opened)."""
+        if self.job is None:
+            return None
+        rc = self.job.wait(timeout)
+        if rc is not None and self.model.run_dir == self.job.out_dir:
+            time.sleep(0.05)
+            self.open(self.job.out_dir)
+        return rc
+
+    def _predict(self) -> None:
+        self.p_msg.value = f"<span>{esc(self.model.passes.predict(self.model.record))}</span>"
+
+    @classmethod
+    def launch(cls, out: str | Path | None = None, *, ranks: int = 2, steps: int = 20,
+               passes: Iterable[str] = ("zero3",), pass_params: dict[str, dict] | None = None,
+               script: str | Path | None = None, script_args: Iterable[str] = (), compiler: str | None = None,
+               cpu: bool = False, batch: int | None = None, poll_interval: float = 2.0,
+               cwd: str | Path | None = None, **kw) -> "Inspector":
+        """Start a job in the background and return an Inspector that follows it.
+
+        Without ``script``: the CLI demo (``python -m deepcompile demo``; GPUs when present,
+        else gloo on the CPU). With ``script``: ``torchrun --nproc-per-node=ranks script
+        script_args`` (the script writes its record to ``out``, e.g. from an argument)."""
+        out = Path(out) if out is not None else Path(f"runs/inspector-{time.strftime('%Y%m%d-%H%M%S')}")
+        if script is None:
+            argv = demo_command(out, passes=passes, pass_params=pass_params, ranks=ranks, steps=steps,
+                                compiler=compiler, cpu=cpu, batch=batch)
+        else:
+            argv = script_command(script, ranks=ranks, args=script_args)
+        self = cls(None, poll_interval=poll_interval, **kw)
+        self.model.run_dir = self.model.add_run(out)
+        self.model.steps = StepsModel(out)
+        self.model.error = f"{out}: job starting"
+        self.start_job(argv, out, cwd=cwd, env=job_env())
+        self.p_steps.value, self.p_ranks.value = steps, ranks
+        self.render(full=True)
+        self.follow()
+        return self
+
+    def export_html(self, path: str | Path) -> Path:
+        """A static, self-contained HTML file of the shown run (the CLI report: graphs, schedule,
+        memory, sortable tables; no controls that would not work without a kernel)."""
+        from deepcompile.report.html import render_report
+
+        if self.model.run_dir is None:
+            raise RecordError("no run to export")
+        return render_report(self.model.run_dir, path, rank=self.model.rank)

@@ -1,0 +1,212 @@
+"""The passes view's model: the pass schedule of a run, every pass's declared parameters as
+control specs (from ``deepcompile.params.describe``), the edited values, and the command line
+that re-runs the job with them. :func:`make_control` turns a spec into an ipywidget.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from deepcompile.params import ConfigError, build, describe
+
+from .launcher import demo_command
+
+SLIDER_MAX_SPAN = 1e4   # wider bounded ranges get a bounded number box (a slider would be unusable)
+
+
+@dataclass
+class ControlSpec:
+    pass_name: str
+    name: str
+    widget: str          # "float_slider" | "int_slider" | "dropdown" | "toggle" | "float_box" | "int_box" | "text"
+    value: Any
+    default: Any
+    help: str
+    min: float | None = None
+    max: float | None = None
+    step: float | None = None
+    choices: tuple | None = None
+
+    @property
+    def key(self) -> str:
+        return f"{self.pass_name}.{self.name}"
+
+
+def control_spec(pass_name: str, p) -> ControlSpec:
+    """The control for one ``ParamInfo``: dropdown for choices, toggle for bools, slider for
+    bounded numbers (a bounded box when the range is too wide for a slider), text otherwise."""
+    kw = dict(pass_name=pass_name, name=p.name, value=p.default, default=p.default, help=p.help,
+              min=p.min, max=p.max, choices=tuple(p.choices) if p.choices else None)
+    if p.choices:
+        return ControlSpec(widget="dropdown", **kw)
+    if p.type == "bool":
+        return ControlSpec(widget="toggle", **kw)
+    if p.type in ("int", "float"):
+        bounded = p.min is not None and p.max is not None
+        is_int = p.type == "int"
+        if bounded and (p.max - p.min) <= SLIDER_MAX_SPAN:
+            step = 1 if is_int else (p.max - p.min) / 200
+            return ControlSpec(widget="int_slider" if is_int else "float_slider", step=step, **kw)
+        return ControlSpec(widget="int_box" if is_int else "float_box", **kw)
+    return ControlSpec(widget="text", **kw)
+
+
+class PassesModel:
+    """Pass schedule + parameter values of one run; ``command()`` for a re-run."""
+
+    def __init__(self, config: dict | None, *, registry: dict | None = None):
+        if registry is None:
+            from deepcompile.passes import PASSES as registry
+        self.registry = registry
+        config = config or {}
+        self.compiler = config.get("compiler")
+        entries = []
+        for e in config.get("passes") or ["zero3"]:
+            if isinstance(e, str):
+                entries.append((e, {}))
+            elif isinstance(e, dict) and "name" in e:
+                entries.append((e["name"], dict(e.get("params") or {})))
+        self.recorded = [n for n, _ in entries]
+        self.recorded_values = {n: dict(p) for n, p in entries}
+        # the schedule: the recorded passes, then every other registered pass (disabled)
+        order = [n for n in self.recorded if n in registry] + [n for n in registry if n not in self.recorded]
+        self.order = order
+        self.enabled = {n: n in self.recorded for n in order}
+        self.specs: dict[str, list[ControlSpec]] = {}
+        for n in order:
+            specs = [control_spec(n, p) for p in describe(registry[n].params_cls)]
+            for s in specs:
+                if s.name in self.recorded_values.get(n, {}):
+                    s.value = self.recorded_values[n][s.name]
+            self.specs[n] = specs
+
+    # ------------------------------------------------------------ edits
+    def spec(self, pass_name: str, name: str) -> ControlSpec:
+        for s in self.specs.get(pass_name, []):
+            if s.name == name:
+                return s
+        raise KeyError(f"pass {pass_name!r} has no parameter {name!r}")
+
+    def set_value(self, pass_name: str, name: str, value: Any) -> None:
+        self.spec(pass_name, name).value = value
+
+    def enable(self, pass_name: str, on: bool = True) -> None:
+        if pass_name not in self.enabled:
+            raise KeyError(f"unknown pass {pass_name!r}; known: {self.order}")
+        self.enabled[pass_name] = bool(on)
+
+    def reset(self) -> None:
+        for n, specs in self.specs.items():
+            for s in specs:
+                s.value = self.recorded_values.get(n, {}).get(s.name, s.default)
+            self.enabled[n] = n in self.recorded
+
+    @property
+    def passes(self) -> list[str]:
+        return [n for n in self.order if self.enabled[n]]
+
+    def values(self, only_changed: bool = False) -> dict[str, dict]:
+        out = {}
+        for n in self.passes:
+            d = {}
+            for s in self.specs[n]:
+                if only_changed and s.value == s.default:
+                    continue
+                v = s.value
+                if s.widget in ("int_slider", "int_box") and isinstance(v, float) and v.is_integer():
+                    v = int(v)
+                d[s.name] = v
+            if d:
+                out[n] = d
+        return out
+
+    def validate(self) -> list[str]:
+        """Errors (with key paths) for the current values; empty when the config is valid."""
+        errs = []
+        if not self.passes:
+            errs.append("no pass enabled")
+        for n, d in self.values().items():
+            try:
+                build(self.registry[n].params_cls, d, f"passes.{n}.params")
+            except ConfigError as e:
+                errs.append(str(e))
+        return errs
+
+    def command(self, out: str | os.PathLike, *, ranks: int = 2, steps: int = 20, cpu: bool = False,
+                batch: int | None = None) -> list[str]:
+        """``python -m deepcompile demo`` re-running with the edited passes and values."""
+        return demo_command(out, passes=self.passes, pass_params=self.values(only_changed=True),
+                            ranks=ranks, steps=steps, compiler=self.compiler, cpu=cpu, batch=batch)
+
+    def predict(self, record) -> str:
+        """What a prediction can say for ``record``; never invents numbers."""
+        if record is None or not getattr(record, "profile", None):
+            return ("no profile in this record: a prediction needs the measured per-operator profile "
+                    "of a previous iteration (Run instead, or record a profile)")
+        return ("this record has a profile, but the cost-model prediction of step time and memory is "
+                "not available in this version of deepcompile (deepcompile.profile.cost_model models "
+                "communication only); use Run to measure")
+
+
+def new_run_dir(base: str | os.PathLike, stem: str = "rerun") -> Path:
+    """A fresh run directory beside ``base`` (``<base>-rerun1``, ``-rerun2``, ...)."""
+    base = Path(base)
+    i = 1
+    while True:
+        p = base.with_name(f"{base.name}-{stem}{i}")
+        if not p.exists():
+            return p
+        i += 1
+
+
+# --------------------------------------------------------------------------- ipywidgets
+def make_control(spec: ControlSpec, on_change=None):
+    """An ipywidget for ``spec``; help text as tooltip; edits write back into ``spec.value``."""
+    import ipywidgets as W
+
+    common = dict(description=spec.name, tooltip=spec.help, style={"description_width": "110px"},
+                  layout=W.Layout(width="420px"))
+    w = spec.widget
+    if w == "dropdown":
+        c = W.Dropdown(options=list(spec.choices), value=spec.value, **common)
+    elif w == "toggle":
+        c = W.ToggleButton(value=bool(spec.value), description=spec.name, tooltip=spec.help)
+    elif w == "int_slider":
+        c = W.IntSlider(value=int(spec.value), min=int(spec.min), max=int(spec.max), step=1,
+                        continuous_update=False, **common)
+    elif w == "float_slider":
+        c = W.FloatSlider(value=float(spec.value), min=spec.min, max=spec.max, step=spec.step,
+                          continuous_update=False, **common)
+    elif w == "int_box":
+        lo = int(spec.min) if spec.min is not None else -(2 ** 31)
+        hi = int(spec.max) if spec.max is not None else 2 ** 31
+        c = W.BoundedIntText(value=int(spec.value), min=lo, max=hi, **common)
+    elif w == "float_box":
+        lo = spec.min if spec.min is not None else -1e30
+        hi = spec.max if spec.max is not None else 1e30
+        c = W.BoundedFloatText(value=float(spec.value), min=lo, max=hi, **common)
+    else:
+        c = W.Text(value=str(spec.value), **common)
+    c.add_class("dc-param")
+    c.add_class(f"dc-param-{spec.pass_name}-{spec.name}")
+
+    def _changed(ch):
+        spec.value = ch["new"]
+        if on_change is not None:
+            on_change(spec)
+
+    c.observe(_changed, names="value")
+    bounds = ""
+    if spec.min is not None or spec.max is not None:
+        bounds = f" [{spec.min if spec.min is not None else '−∞'} … {spec.max if spec.max is not None else '∞'}]"
+    helptext = W.HTML(f"<span style='font-size:11px;color:#666'>{_esc(spec.help)}{_esc(bounds)}; "
+                      f"default {_esc(repr(spec.default))}</span>")
+    return c, W.HBox([c, helptext])
+
+
+def _esc(s: str) -> str:
+    import html
+
+    return html.escape(str(s))

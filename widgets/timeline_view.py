@@ -1,0 +1,408 @@
+"""Models of the schedule, memory and step-metrics views, and their plotly figures.
+
+* :class:`ScheduleModel`: the record's schedule events of every rank (measured and predicted,
+  as recorded; the naive order-based estimate when the record has none), one timeline lane per
+  (rank, stream, source); a selected node is drawn outlined.
+* :class:`MemoryModel`: the memory timeline of one graph (recorded samples, plus the naive
+  liveness estimate of the selected pass and the one before it), the peak marked and the
+  tensors live at the peak listed; a per-operator table sortable by any column.
+* :class:`StepsModel`: time, loss and memory per step and rank, read from ``steps.jsonl``;
+  :meth:`StepsModel.poll` re-reads only files that changed, so following a live run is cheap.
+
+Figures are built with plotly's ``graph_objects`` (no network: the JupyterLab plotly extension
+renders them offline).
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from deepcompile.record import estimate as E
+from deepcompile.record import schema as S
+from deepcompile.record.reader import RecordError, load_json, read_run, read_steps
+
+STREAM_ORDER = ["compute", "allgather", "reduce", "copy"]
+STREAM_COLORS = {"compute": "#4e79a7", "allgather": "#f28e2b", "reduce": "#9c6ade", "copy": "#59a14f"}
+RANK_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"]
+
+
+def _final_versions(rec) -> dict[tuple[int, str], Any]:
+    last = {}
+    for v in rec.graphs:
+        if v.kind != "dynamo":
+            last[(v.graph_id, v.kind)] = v
+    return last
+
+
+# --------------------------------------------------------------------------- schedule
+class ScheduleModel:
+    def __init__(self, run_dir: str | Path, rec, *, ranks: list[int] | None = None):
+        self.run_dir = Path(run_dir)
+        self.rec = rec
+        self.events: list[dict] = []      # each with "rank"
+        self.source_note = ""
+        ranks = ranks if ranks is not None else list(rec.manifest["ranks"])
+        recorded = False
+        for r in ranks:
+            sched = rec.schedule if r == rec.rank else self._schedule_of(r)
+            for e in (sched or {}).get("events", []):
+                self.events.append(dict(e, rank=r))
+                recorded = True
+        if recorded:
+            srcs = sorted({e["source"] for e in self.events})
+            self.source_note = "recorded schedule (" + ", ".join(srcs) + ")"
+        else:
+            ev, _ = E.estimate_versions([vars(v) for v in _final_versions(rec).values()])
+            self.events = [dict(e, rank=rec.rank) for e in ev]
+            self.source_note = "no schedule in the record: naive order-based estimate (predicted)"
+        self.keys = sorted({(e["graph_id"], e["kind"]) for e in self.events},
+                           key=lambda k: (k[0], k[1] != "forward"))
+        self.key = self.keys[0] if self.keys else None
+        self.selected_node: str | None = None
+
+    def _schedule_of(self, rank: int) -> dict | None:
+        p = self.run_dir / S.rank_dir_name(rank) / S.SCHEDULE
+        try:
+            obj = load_json(p, optional=True)
+            return None if obj is None else S.check_schedule(str(p), obj)
+        except RecordError:
+            return None
+
+    def set_graph(self, graph_id: int, kind: str) -> None:
+        if (graph_id, kind) not in self.keys:
+            raise ValueError(f"no schedule for graph {graph_id} {kind} (have {self.keys})")
+        self.key = (graph_id, kind)
+
+    def select_node(self, name: str | None) -> None:
+        self.selected_node = name
+
+    def current(self) -> list[dict]:
+        return [e for e in self.events if (e["graph_id"], e["kind"]) == self.key]
+
+    def lanes(self) -> list[str]:
+        ev = self.current()
+        out = []
+        for r in sorted({e["rank"] for e in ev}):
+            for s in STREAM_ORDER:
+                for src in ("measured", "predicted"):
+                    if any(e["rank"] == r and e["stream"] == s and e["source"] == src for e in ev):
+                        out.append(f"rank {r} · {s} · {src}")
+        return out
+
+    def nodes_at(self, lane: str | None = None) -> list[str]:
+        return list(dict.fromkeys(e["node"] for e in self.current()))
+
+    def figure(self):
+        import plotly.graph_objects as go
+
+        ev = self.current()
+        fig = go.Figure()
+        groups: dict[tuple, list[dict]] = defaultdict(list)
+        for e in ev:
+            groups[(e["rank"], e["stream"], e["source"])].append(e)
+        lanes = self.lanes()
+        for (r, s, src), es in sorted(groups.items(), key=lambda kv: lanes.index(f"rank {kv[0][0]} · {kv[0][1]} · {kv[0][2]}")):
+            lane = f"rank {r} · {s} · {src}"
+            fig.add_trace(go.Bar(
+                orientation="h", base=[e["start_us"] for e in es], x=[max(e["end_us"] - e["start_us"], 0.05) for e in es],
+                y=[lane] * len(es), name=f"{s} ({src}, rank {r})", customdata=[e["node"] for e in es],
+                marker=dict(color=STREAM_COLORS.get(s, "#888"), opacity=1.0 if src == "measured" else 0.55,
+                            line=dict(width=0)),
+                hovertemplate="%{customdata}<br>%{base:.1f} → %{x:.1f} µs<extra>" + lane + "</extra>"))
+        if self.selected_node:
+            sel = [e for e in ev if e["node"] == self.selected_node]
+            if sel:
+                fig.add_trace(go.Bar(
+                    orientation="h", base=[e["start_us"] for e in sel],
+                    x=[max(e["end_us"] - e["start_us"], 0.05) for e in sel],
+                    y=[f"rank {e['rank']} · {e['stream']} · {e['source']}" for e in sel],
+                    name=f"selected: {self.selected_node}", customdata=[e["node"] for e in sel],
+                    marker=dict(color="rgba(0,0,0,0)", line=dict(color="#ff00aa", width=3)),
+                    hovertemplate="%{customdata}<extra>selected</extra>"))
+        title = "schedule"
+        if self.key:
+            title = f"schedule · graph {self.key[0]} · {self.key[1]} — {self.source_note}"
+        fig.update_layout(barmode="overlay", title=dict(text=title, font=dict(size=13)),
+                          height=140 + 34 * max(1, len(lanes)), margin=dict(l=10, r=10, t=40, b=40),
+                          xaxis_title="µs from the start of the graph", legend=dict(orientation="h", y=-0.25),
+                          yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes))))
+        return fig
+
+
+# --------------------------------------------------------------------------- memory
+OP_COLUMNS = ("index", "name", "target", "module", "latency_us", "out_bytes", "mem_after_bytes")
+
+
+class MemoryModel:
+    def __init__(self, rec, *, pscopes: dict | None = None):
+        from deepcompile.report import graph_layout as L
+
+        self.rec = rec
+        self.pscopes = pscopes if pscopes is not None else L.param_scopes(rec.graphs)
+        self.keys = [k for k in sorted(_final_versions(rec), key=lambda k: (k[0], k[1] != "forward"))]
+        self.key = self.keys[0] if self.keys else None
+        self.version: int | None = None   # index into versions; None: the final one
+        self.sort_by = "index"
+        self.descending = False
+
+    def versions(self):
+        return self.rec.versions(*self.key) if self.key else []
+
+    def set_graph(self, graph_id: int, kind: str) -> None:
+        if (graph_id, kind) not in self.keys:
+            raise ValueError(f"no graph {graph_id} {kind} (have {self.keys})")
+        self.key = (graph_id, kind)
+        self.version = None
+
+    def set_pass(self, which: int | str | None) -> None:
+        names = [v.after for v in self.versions()]
+        if which is None:
+            self.version = None
+        elif isinstance(which, str):
+            if which not in names:
+                raise ValueError(f"no version after {which!r} (versions {names})")
+            self.version = names.index(which)
+        else:
+            self.version = int(which)
+
+    def set_sort(self, column: str, descending: bool | None = None) -> None:
+        """Sort the operator table; clicking the same column again flips the direction."""
+        if column not in OP_COLUMNS:
+            raise ValueError(f"cannot sort by {column!r}; columns {OP_COLUMNS}")
+        if descending is None:
+            descending = (not self.descending) if column == self.sort_by else column not in ("index", "name", "target", "module")
+        self.sort_by, self.descending = column, descending
+
+    def _vi(self) -> int:
+        vs = self.versions()
+        return len(vs) - 1 if self.version is None else self.version
+
+    def series(self) -> list[dict]:
+        """[{label, source, x, y, nodes}] : recorded samples of the graph, then the estimate of the
+        selected version and of the version before it."""
+        out = []
+        if not self.key:
+            return out
+        gid, kind = self.key
+        vs = self.versions()
+        rec_s = [s for s in (self.rec.memory or {}).get("samples", [])
+                 if s.get("graph_id") == gid and s.get("kind") == kind]
+        if rec_s:
+            src = rec_s[0].get("source", "measured")
+            xk = "node_index" if all("node_index" in s for s in rec_s) else "t_us"
+            out.append({"label": f"record ({src}, after {vs[-1].after})", "source": src, "x": [s.get(xk, 0) for s in rec_s],
+                        "y": [s["allocated_bytes"] for s in rec_s], "nodes": [s.get("node", "") for s in rec_s],
+                        "xaxis": xk})
+        vi = self._vi()
+        for j in ([vi - 1] if vi > 0 else []) + [vi]:
+            v = vs[j]
+            _, samples = E.estimate(v.nodes, gid, kind)
+            out.append({"label": f"estimate after {v.after}", "source": "predicted",
+                        "x": [s["node_index"] for s in samples], "y": [s["allocated_bytes"] for s in samples],
+                        "nodes": [s["node"] for s in samples], "xaxis": "node_index"})
+        return out
+
+    def peak(self) -> dict | None:
+        """The peak of the selected version's estimate (or the recorded one when it is the final
+        version): {value, index, node, holders: [(name, bytes)] largest tensors live there}."""
+        ss = self.series()
+        if not ss:
+            return None
+        s = ss[-1]
+        if not s["y"]:
+            return None
+        i = max(range(len(s["y"])), key=lambda k: s["y"][k])
+        nodes = self.versions()[self._vi()].nodes
+        return {"value": s["y"][i], "index": s["x"][i], "node": s["nodes"][i], "series": s["label"],
+                "holders": self.live_at(nodes, s["x"][i])}
+
+    @staticmethod
+    def live_at(nodes: list[dict], at: int, top: int = 8) -> list[tuple[str, int]]:
+        """The largest tensors alive at node index ``at`` (defined before, used at or after it;
+        gathered parameters until their release)."""
+        last = {}
+        for i, n in enumerate(nodes):
+            for r in E.inputs_of(n):
+                last[r] = i
+        live = []
+        for i, n in enumerate(nodes[: at + 1]):
+            if n["op"] == "output":
+                continue
+            alive = n["op"] in ("placeholder", "get_attr") or last.get(n["name"], -1) >= at or i == at
+            if alive:
+                b = E.node_bytes(n)
+                if b:
+                    live.append((n["name"], b))
+        live.sort(key=lambda t: -t[1])
+        return live[:top]
+
+    def op_rows(self, latency: dict | None = None) -> list[dict]:
+        """Per-operator rows of the selected version, sorted as set by :meth:`set_sort`."""
+        from deepcompile.report import graph_layout as L
+
+        if not self.key:
+            return []
+        gid, kind = self.key
+        v = self.versions()[self._vi()]
+        prof = {}
+        for g in (self.rec.profile or {}).get("graphs", []):
+            if (g["graph_id"], g["kind"]) == (gid, kind):
+                prof = {n["name"]: n for n in g["nodes"]}
+        events, samples = E.estimate(v.nodes, gid, kind)
+        est_lat = {e["node"]: e["end_us"] - e["start_us"] for e in events}
+        est_mem = {s["node"]: s["allocated_bytes"] for s in samples}
+        keys, _ = L.node_groups(v.nodes, None, self.pscopes)
+        rows = []
+        for i, (n, grp) in enumerate(zip(v.nodes, keys)):
+            if n["op"] in ("placeholder", "output", "get_attr"):
+                continue
+            p = prof.get(n["name"])
+            if p:
+                lat = None if p.get("latency_ms") is None else p["latency_ms"] * 1e3
+                after, src = p.get("mem_after_bytes"), "measured"
+                outb = p.get("out_bytes", E.node_bytes(n))
+            else:
+                lat = (latency or {}).get(n["name"], est_lat.get(n["name"]))
+                after, src, outb = est_mem.get(n["name"]), "predicted", E.node_bytes(n)
+            rows.append({"index": i, "name": n["name"], "target": n["target"], "module": grp,
+                         "latency_us": lat, "out_bytes": outb, "mem_after_bytes": after, "source": src,
+                         "comm": E.comm_kind(n)})
+        col = self.sort_by
+        num = col not in ("name", "target", "module")
+        rows.sort(key=lambda r: (r[col] is None, r[col] if r[col] is not None else (0 if num else "")),
+                  reverse=False)
+        if self.descending:
+            none = [r for r in rows if r[col] is None]
+            rows = [r for r in rows if r[col] is not None][::-1] + none
+        return rows
+
+    def table_html(self, limit: int = 400) -> str:
+        import html
+
+        rows = self.op_rows()
+        arrow = "▼" if self.descending else "▲"
+        head = "".join(f"<th data-col='{c}'>{c}{' ' + arrow if c == self.sort_by else ''}</th>" for c in OP_COLUMNS)
+        body = []
+        for r in rows[:limit]:
+            cells = []
+            for c in OP_COLUMNS:
+                v = r[c]
+                if c == "latency_us":
+                    s = "" if v is None else f"{v:.1f}" + ("" if r["source"] == "measured" else "*")
+                elif c in ("out_bytes", "mem_after_bytes"):
+                    s = "" if v is None else E.fmt_bytes(v)
+                else:
+                    s = str(v)
+                cells.append(f"<td>{html.escape(s)}</td>")
+            style = " style='background:#fff3e0'" if r["comm"] else ""
+            body.append(f"<tr{style}>{''.join(cells)}</tr>")
+        more = f"<p>… {len(rows) - limit} more rows</p>" if len(rows) > limit else ""
+        return ("<div style='max-height:360px;overflow:auto'><table class='dc-ops' style='font-size:11px;"
+                "border-collapse:collapse'><thead><tr>" + head + "</tr></thead><tbody>" + "".join(body)
+                + "</tbody></table></div>" + more + "<p style='font-size:11px;color:#666'>* predicted by the "
+                "naive order-based estimate (no profile for this node)</p>")
+
+    def figure(self):
+        import plotly.graph_objects as go
+
+        fig = go.Figure()
+        colors = ["#4e79a7", "#bab0ac", "#f28e2b"]
+        ss = self.series()
+        for k, s in enumerate(ss):
+            fig.add_trace(go.Scatter(x=s["x"], y=s["y"], mode="lines", name=s["label"], customdata=s["nodes"],
+                                     line=dict(color=colors[k % 3], dash="solid" if s["source"] == "measured" else "dot"
+                                               if k < len(ss) - 1 else "solid", width=2),
+                                     hovertemplate="%{customdata}<br>%{y:,} B<extra>" + s["label"] + "</extra>"))
+        pk = self.peak()
+        if pk:
+            fig.add_trace(go.Scatter(x=[pk["index"]], y=[pk["value"]], mode="markers+text", name="peak",
+                                     marker=dict(symbol="star", size=14, color="#e15759"),
+                                     text=[f"peak {E.fmt_bytes(pk['value'])} at {pk['node']}"],
+                                     textposition="top center"))
+        title = "memory" if not self.key else f"memory · graph {self.key[0]} · {self.key[1]}"
+        fig.update_layout(title=dict(text=title, font=dict(size=13)), height=340, margin=dict(l=10, r=10, t=40, b=40),
+                          xaxis_title="node index", yaxis_title="bytes allocated",
+                          legend=dict(orientation="h", y=-0.25))
+        return fig
+
+
+# --------------------------------------------------------------------------- steps (live)
+class StepsModel:
+    """Per-rank step lines of a (possibly live) run, re-read when the files change."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+        self.steps: dict[int, list[dict]] = {}
+        self.status = "unknown"
+        self.error: str | None = None
+        self._sig: dict[int, tuple] = {}
+        self.ranks: list[int] = []
+
+    def poll(self) -> bool:
+        """Re-read what changed; True when anything did."""
+        changed = False
+        mpath = self.run_dir / S.MANIFEST
+        try:
+            m = load_json(mpath, optional=True)
+            if m is None:
+                self.error = f"{mpath}: no record yet"
+                return False
+            m = S.check_manifest(str(mpath), m)
+        except RecordError as e:
+            self.error = str(e)
+            return False
+        self.error = None
+        if m["status"] != self.status:
+            self.status, changed = m["status"], True
+        self.ranks = list(m["ranks"])
+        for r in self.ranks:
+            p = self.run_dir / S.rank_dir_name(r) / S.STEPS
+            try:
+                st = p.stat()
+            except OSError:
+                continue
+            sig = (st.st_size, st.st_mtime_ns)
+            if self._sig.get(r) == sig:
+                continue
+            try:
+                self.steps[r] = read_steps(p)[0]
+            except RecordError as e:
+                self.error = str(e)
+                continue
+            self._sig[r] = sig
+            changed = True
+        return changed
+
+    @property
+    def live(self) -> bool:
+        return self.status == "running"
+
+    def n_steps(self) -> int:
+        return max((len(v) for v in self.steps.values()), default=0)
+
+    def figure(self):
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (s)", "loss", "memory (MiB)"))
+        for r, ss in sorted(self.steps.items()):
+            c = RANK_COLORS[r % len(RANK_COLORS)]
+            xs = [s["step"] for s in ss]
+            fig.add_trace(go.Scatter(x=xs, y=[s["time_s"] for s in ss], name=f"rank {r} time", mode="lines+markers",
+                                     line=dict(color=c), legendgroup=f"r{r}"), row=1, col=1)
+            fig.add_trace(go.Scatter(x=xs, y=[s.get("loss") for s in ss], name=f"rank {r} loss", mode="lines+markers",
+                                     line=dict(color=c), legendgroup=f"r{r}"), row=1, col=2)
+            for key, dash in (("allocated", "solid"), ("reserved", "dot"), ("peak", "dash")):
+                ys = [((s.get("mem") or {}).get(key) or 0) / 2 ** 20 for s in ss]
+                if any(ys):
+                    fig.add_trace(go.Scatter(x=xs, y=ys, name=f"rank {r} {key}", mode="lines",
+                                             line=dict(color=c, dash=dash), legendgroup=f"r{r}"), row=1, col=3)
+        live = " (live)" if self.live else ""
+        fig.update_layout(title=dict(text=f"steps · {self.status}{live} · {self.n_steps()} step(s)", font=dict(size=13)),
+                          height=320, margin=dict(l=10, r=10, t=60, b=30), legend=dict(orientation="h", y=-0.2))
+        return fig
+
+
+def read_rank(run_dir: str | Path, rank: int):
+    return read_run(run_dir, rank)
