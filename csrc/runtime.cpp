@@ -113,36 +113,27 @@ void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
 
 void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const std::vector<int64_t>& ids) {
   TORCH_CHECK(shards.size() == ids.size() && !ids.empty(), "deepcompile: fused allgather needs one id per shard");
-  // One collective for many small parameters: pack this rank's shards side by side, gather
-  // [world, total], and let each wait_allgather cut its parameter's column block out.
-  int64_t total = 0;
-  at::ScalarType dtype = param(ids[0]).gather_dtype;
+  // One coalesced collective for many parameters (one NCCL group / one gloo call): each
+  // parameter still lands in its own buffer, so nothing is packed or unpacked, and the host
+  // pays one launch instead of one per parameter.
+  std::vector<at::Tensor> ins, outs;
   for (size_t i = 0; i < ids.size(); ++i) {
     const Param& p = param(ids[i]);
     TORCH_CHECK(shards[i].numel() == p.chunk, "deepcompile: allgather of '", p.name, "' got a shard of ",
                 shards[i].numel(), " elements, the registry holds ", p.chunk);
-    TORCH_CHECK(p.gather_dtype == dtype, "deepcompile: fused allgather mixes dtypes ('", p.name, "')");
     TORCH_CHECK(pending_.find(ids[i]) == pending_.end(), "deepcompile: allgather of '", p.name,
                 "' started twice without wait_allgather in between");
-    total += p.chunk;
+    ins.push_back(shards[i].to(p.gather_dtype).contiguous());
+    outs.push_back(at::empty({p.chunk * world_}, ins.back().options()));
   }
-  at::Tensor packed = at::empty({total}, shards[0].options().dtype(dtype));
-  int64_t off = 0;
+  auto work = pg_->allgather_into_tensor_coalesced(outs, ins);
   for (size_t i = 0; i < ids.size(); ++i) {
-    packed.narrow(0, off, shards[i].numel()).copy_(shards[i].reshape({-1}));
-    off += shards[i].numel();
-  }
-  at::Tensor buffer = at::empty({world_ * total}, packed.options());
-  auto work = pg_->_allgather_base(buffer, packed);
-  track_live(buffer, ids[0]);
-  off = 0;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    pending_[ids[i]] = PendingGather{work, buffer, off, total};
-    off += param(ids[i]).chunk;
+    pending_[ids[i]] = PendingGather{work, outs[i]};
+    track_live(outs[i], ids[i]);
+    stats_.allgather_bytes += outs[i].nbytes();
   }
   stats_.allgathers += static_cast<int64_t>(ids.size());
   stats_.fused_allgathers += 1;
-  stats_.allgather_bytes += buffer.nbytes();
 }
 
 at::Tensor Runtime::finish_allgather(int64_t id) {
@@ -153,11 +144,6 @@ at::Tensor Runtime::finish_allgather(int64_t id) {
   PendingGather pg = std::move(it->second);
   pending_.erase(it);
   pg.work->wait();  // a fused gather's later waits return at once
-  if (pg.total > 0) {
-    at::Tensor full = pg.buffer.view({world_, pg.total}).narrow(1, pg.offset, p.chunk).contiguous().view({-1});
-    track_live(full, id);
-    return full.narrow(0, 0, p.numel).view(p.shape);
-  }
   // Ownership passes to the graph: the runtime keeps only a weak reference, so the memory is
   // returned as soon as the graph drops its last use (release_param marks that point).
   return pg.buffer.narrow(0, 0, p.numel).view(p.shape);

@@ -32,9 +32,7 @@ struct Param {
 
 struct PendingGather {
   c10::intrusive_ptr<c10d::Work> work;
-  at::Tensor buffer;   // flat, padded, gather dtype; for a fused gather: [world, total] shared
-  int64_t offset = 0;  // fused: this parameter's column offset in each rank's row
-  int64_t total = 0;   // fused: columns per row (0 = not fused)
+  at::Tensor buffer;  // flat, padded, gather dtype
 };
 
 struct BucketEntry {

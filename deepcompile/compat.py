@@ -94,8 +94,12 @@ def inductor_compile(gm: fx.GraphModule, example_inputs, run_passes: Callable[[f
     def joint_pass(graph: fx.Graph):
         tag_unshard_for_recompute(graph.owning_module)
 
+    # reorder_for_peak_memory (on by default in 2.11 and 2.13) moves each allgather down to
+    # just before its wait, since that lowers peak memory, which undoes the prefetch pass. Our
+    # passes own where communication happens, within their own memory budget.
     return cfx.compile_fx(gm, example_inputs, inner_compile=inner,
-                          config_patches={"joint_custom_pre_pass": _JointPass(joint_pass)})
+                          config_patches={"joint_custom_pre_pass": _JointPass(joint_pass),
+                                          "reorder_for_peak_memory": False})
 
 
 try:  # the base class exists in 2.11 and 2.13; Inductor hashes uuid() into its cache key

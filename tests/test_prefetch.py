@@ -9,8 +9,8 @@ from tests.test_zero3_parity import _compare
 from tests.workloads import train_sharded
 
 
-def _prefetch(budget_mb, fuse_kb=0.0):
-    return {"name": "prefetch", "params": {"budget_mb": budget_mb, "fuse_below_kb": fuse_kb}}
+def _prefetch(budget_mb, fuse_mb=0.0):
+    return {"name": "prefetch", "params": {"budget_mb": budget_mb, "fuse_mb": fuse_mb}}
 
 
 def _graph(result, kind, after):

@@ -1,8 +1,7 @@
 """prefetch: issue each allgather as early as the memory budget allows, fusing small ones.
 
-Runs after ``zero3``. Gathers are considered in the order their values are first needed. Small
-consecutive gathers are packed into one ``allgather_params`` collective while the cost model
-says one packed collective (plus its copies) is cheaper than separate ones. Then each
+Runs after ``zero3``. Gathers are considered in the order their values are first needed. Consecutive gathers are coalesced into one ``allgather_params`` collective (one NCCL group, each
+parameter in its own buffer) up to ``fuse_mb`` while the cost model says it is cheaper. Then each
 collective's issue point moves back, past the waits of earlier gathers, as long as the bytes
 gathered ahead of need stay within ``budget_mb``: the collective then runs while the compute
 before it does (on GPU on NCCL's stream; on CPU on gloo's thread).
@@ -26,9 +25,9 @@ DC = torch.ops.dc
 class PrefetchParams:
     budget_mb: float = spec(512.0, min=0.0, max=1e7,
                             help="gathered memory (MiB) allowed to be in flight ahead of its first use")
-    fuse_below_kb: float = spec(1024.0, min=0.0, max=1e6,
-                                help="gathers smaller than this (KiB of output) may be packed into one collective")
-    max_fused: int = spec(32, min=1, max=1024, help="most parameters packed into one collective")
+    fuse_mb: float = spec(128.0, min=0.0, max=1e6,
+                          help="consecutive gathers are coalesced into one collective of up to this many MiB (0: never)")
+    max_fused: int = spec(64, min=1, max=1024, help="most parameters in one coalesced collective")
     backend: str = spec("auto", choices=("auto", "nccl", "gloo"),
                         help="which default communication model to use when no profile exists")
 
@@ -60,7 +59,7 @@ def _collect(g: fx.Graph, ctx: PassContext) -> list[_Gather]:
 def _fuse(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> list[_Gather]:
     p = ctx.params
     model = default_model(_backend(ctx))
-    limit = p.fuse_below_kb * 1024
+    limit = p.fuse_mb * 2**20
     fused: list[_Gather] = []
     run: list[_Gather] = []
 
@@ -83,15 +82,9 @@ def _fuse(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> list[_Gather
         run.clear()
 
     for x in gathers:
-        dtype_ok = not run or ctx.param_meta[run[0].pids[0]].gather_dtype == ctx.param_meta[x.pids[0]].gather_dtype
-        if x.bytes < limit and dtype_ok and len(run) < p.max_fused:
-            run.append(x)
-        else:
+        if run and (sum(r.bytes for r in run) + x.bytes > limit or len(run) >= p.max_fused):
             close_run()
-            if x.bytes < limit:
-                run.append(x)
-            else:
-                fused.append(x)
+        run.append(x)
     close_run()
     return fused
 
@@ -134,7 +127,7 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     g = gm.graph
     gathers = _collect(g, ctx)
     before = len(gathers)
-    if ctx.params.fuse_below_kb > 0:
+    if ctx.params.fuse_mb > 0:
         gathers = _fuse(g, gathers, ctx)
     moved = _hoist(g, gathers, ctx)
     ctx.notes.append(f"collectives: {before} -> {len(gathers)}; issued earlier: {moved}; "

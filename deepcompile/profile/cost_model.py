@@ -1,8 +1,7 @@
 """Predicted costs. For now the communication model only: an alpha-beta line per collective
 (latency + bytes / bandwidth), with defaults per backend until a measured profile replaces them.
 
-The fusion decision compares n separate collectives against one packed collective plus the
-pack/unpack copies it costs.
+The fusion decision compares n separate collectives against one coalesced collective.
 """
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ class CommModel:
         return self.alpha_us + out_bytes / self.bytes_per_us
 
     def fused_allgather_us(self, out_bytes: list[float], world: int) -> float:
-        total = sum(out_bytes)
-        copies = (total / world + total) / self.copy_bytes_per_us  # pack shards, unpack columns
-        return self.allgather_us(total) + copies
+        # a coalesced collective: one launch, each parameter in its own buffer (no copies)
+        return self.allgather_us(sum(out_bytes))
 
     def fusion_saves(self, out_bytes: list[float], world: int) -> bool:
         separate = sum(self.allgather_us(b) for b in out_bytes)
