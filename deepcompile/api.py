@@ -229,3 +229,20 @@ def load_full_state_dict(model: DeepCompileModel, state_dict: dict[str, torch.Te
                     sp.shard.copy_(shard_tensor(v.to(sp.shard.device, sp.shard.dtype), world, rank))
             else:
                 model.module.get_buffer(key).copy_(v)
+
+
+def destroy(model: DeepCompileModel) -> None:
+    """Free everything ``initialize`` built for ``model``: compiled graphs, the runtime (its
+    registry and buckets) and the shards. Needed to run a second model in the same process
+    without the first one's memory: Dynamo keeps compiled graphs (and through them the
+    parameters) alive until they are dropped explicitly."""
+    if not isinstance(model, DeepCompileModel):
+        raise TypeError("deepcompile.destroy expects the model returned by deepcompile.initialize")
+    compat.reset_dynamo(model.module)
+    C = ops.ensure_registered()
+    C.cleanup()
+    ops.PARAMS.clear()
+    for sp in model.dc_sharded:
+        sp.shard.grad = None
+        sp.shard.data = torch.empty(0, dtype=sp.shard.dtype, device=sp.shard.device)
+    object.__setattr__(model, "_dc_compiled", None)
