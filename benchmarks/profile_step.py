@@ -20,30 +20,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def intervals_union(iv):
-    iv = sorted(iv)
-    out = []
-    for s, e in iv:
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return out
-
-
-def overlap(a, b):
-    """Total length of the intersection of two unions of intervals."""
-    i = j = 0
-    tot = 0.0
-    while i < len(a) and j < len(b):
-        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if e > s:
-            tot += e - s
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return tot
+from deepcompile.profile.trace import intersection_length as overlap  # noqa: E402
+from deepcompile.profile.trace import union as intervals_union  # noqa: E402
 
 
 def analyse(trace: dict) -> dict:

@@ -1,0 +1,158 @@
+"""The measured schedule: one training step under the PyTorch profiler, mapped back to
+graph ids, graph kinds and streams (compute, allgather, reduce, copy).
+
+On GPU every CUDA kernel becomes an event on its stream class (NCCL AllGather kernels on
+``allgather``, ReduceScatter on ``reduce``, memcpy on ``copy``, the rest ``compute``), attributed to
+the compiled forward/backward graph whose host-side call launched it, and named after the
+innermost operator that launched it. Without CUDA the host-side operators themselves are the
+events (time spent blocked in ``wait_allgather`` shows as the exposed allgather).
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import os
+import tempfile
+from typing import Callable
+
+import torch
+
+
+def union(intervals):
+    out: list[list[float]] = []
+    for s, e in sorted(intervals):
+        if out and s <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], e)
+        else:
+            out.append([s, e])
+    return out
+
+
+def intersection_length(a, b) -> float:
+    i = j = 0
+    tot = 0.0
+    while i < len(a) and j < len(b):
+        s, e = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if e > s:
+            tot += e - s
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tot
+
+
+def overlap_summary(events: list[dict]) -> dict:
+    comm = union([(e["start_us"], e["end_us"]) for e in events if e["stream"] in ("allgather", "reduce")])
+    comp = union([(e["start_us"], e["end_us"]) for e in events if e["stream"] == "compute"])
+    comm_t = sum(e - s for s, e in comm)
+    ov = intersection_length(comm, comp)
+    return {"compute_busy_us": sum(e - s for s, e in comp), "comm_busy_us": comm_t,
+            "comm_overlapped_us": ov, "overlap_fraction": (ov / comm_t) if comm_t else None}
+
+
+def _stream_of(name: str) -> str:
+    n = name.lower()
+    if "allgather" in n or "all_gather" in n:
+        return "allgather"
+    if "reducescatter" in n or "reduce_scatter" in n or "reduce_grad" in n or "end_backward" in n:
+        return "reduce"
+    if "memcpy" in n:
+        return "copy"
+    return "compute"
+
+
+def schedule_from_trace(trace: dict) -> list[dict]:
+    evs = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and "dur" in e and "ts" in e]
+    cpu = [e for e in evs if e.get("cat") == "cpu_op"]
+    fw = sorted((e for e in cpu if e["name"] == "CompiledFunction"), key=lambda e: e["ts"])
+    bw = sorted((e for e in cpu if e["name"] == "CompiledFunctionBackward"), key=lambda e: e["ts"])
+    regions = [(e["ts"], e["ts"] + e["dur"], i, "forward") for i, e in enumerate(fw)]
+    regions += [(e["ts"], e["ts"] + e["dur"], len(bw) - 1 - i, "backward") for i, e in enumerate(bw)]
+    regions.sort()
+    starts = [r[0] for r in regions]
+
+    def region_of(ts):
+        k = bisect.bisect_right(starts, ts) - 1
+        return regions[k] if k >= 0 and ts <= regions[k][1] else None
+
+    # innermost host operator containing a timestamp, per thread
+    by_tid: dict = {}
+    for e in cpu:
+        by_tid.setdefault(e.get("tid"), []).append(e)
+    tid_starts = {}
+    for tid, v in by_tid.items():
+        v.sort(key=lambda e: e["ts"])
+        tid_starts[tid] = [e["ts"] for e in v]
+
+    def innermost(tid, ts):
+        # nested host ranges: the innermost one containing ts is the latest-starting container
+        ops, st = by_tid.get(tid, ()), tid_starts.get(tid, ())
+        k = bisect.bisect_right(st, ts) - 1
+        while k >= 0:
+            e = ops[k]
+            if ts <= e["ts"] + e["dur"] and e["name"] not in ("CompiledFunction", "CompiledFunctionBackward"):
+                return e
+            k -= 1
+            if ts - ops[k]["ts"] > 5e6 if k >= 0 else True:
+                break
+        return None
+
+    kernels = [e for e in evs if e.get("cat") in ("kernel", "gpu_memcpy")]
+    out: list[dict] = []
+    if kernels:
+        launch = {e["args"]["correlation"]: e for e in evs if e.get("cat") == "cuda_runtime"
+                  and isinstance(e.get("args"), dict) and "correlation" in e["args"]}
+        for k in kernels:
+            rt = launch.get((k.get("args") or {}).get("correlation"))
+            if rt is None:
+                continue
+            reg = region_of(rt["ts"])
+            if reg is None:
+                continue  # the optimizer step and anything else outside compiled graphs
+            op = innermost(rt.get("tid"), rt["ts"])
+            stream = _stream_of(k["name"]) if k.get("cat") == "kernel" else "copy"
+            out.append({"graph_id": reg[2], "kind": reg[3], "node": (op["name"] if op else k["name"])[:120],
+                        "kernel": k["name"][:120], "stream": stream, "start_us": float(k["ts"]),
+                        "end_us": float(k["ts"] + k["dur"]), "source": "measured"})
+    else:
+        for tid, ops in by_tid.items():
+            for e in ops:
+                reg = region_of(e["ts"])
+                if reg is None or e["name"] in ("CompiledFunction", "CompiledFunctionBackward"):
+                    continue
+                inner = innermost(tid, e["ts"] + e["dur"] / 2)
+                if inner is not e:
+                    continue  # keep leaf operators only
+                out.append({"graph_id": reg[2], "kind": reg[3], "node": e["name"][:120],
+                            "stream": _stream_of(e["name"]) if e["name"].startswith("dc::") else "compute",
+                            "start_us": float(e["ts"]), "end_us": float(e["ts"] + e["dur"]), "source": "measured"})
+    if out:
+        t0 = min(e["start_us"] for e in out)
+        for e in out:
+            e["start_us"] -= t0
+            e["end_us"] -= t0
+    return out
+
+
+def measure_step(step: Callable[[], None]) -> tuple[list[dict], dict]:
+    """Run ``step`` once under the profiler; return (schedule events, overlap summary)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        acts.append(ProfilerActivity.CUDA)
+    with profile(activities=acts) as prof:
+        step()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    fd, path = tempfile.mkstemp(suffix=".json")
+    os.close(fd)
+    try:
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            trace = json.load(f)
+    finally:
+        os.remove(path)
+    events = schedule_from_trace(trace)
+    return events, overlap_summary(events)
