@@ -98,10 +98,22 @@ def schedule_from_trace(trace: dict) -> list[dict]:
                 break
         return None
 
+    def enclosing_dc(tid, ts):
+        ops, st = by_tid.get(tid, ()), tid_starts.get(tid, ())
+        k = bisect.bisect_right(st, ts) - 1
+        for _ in range(64):
+            if k < 0:
+                return None
+            e = ops[k]
+            if e["name"].startswith("dc::") and ts <= e["ts"] + e["dur"]:
+                return e
+            k -= 1
+        return None
+
     kernels = [e for e in evs if e.get("cat") in ("kernel", "gpu_memcpy")]
     out: list[dict] = []
     if kernels:
-        launch = {e["args"]["correlation"]: e for e in evs if e.get("cat") == "cuda_runtime"
+        launch = {e["args"]["correlation"]: e for e in evs if e.get("cat") in ("cuda_runtime", "cuda_driver")
                   and isinstance(e.get("args"), dict) and "correlation" in e["args"]}
         for k in kernels:
             rt = launch.get((k.get("args") or {}).get("correlation"))
@@ -111,6 +123,8 @@ def schedule_from_trace(trace: dict) -> list[dict]:
             if reg is None:
                 continue  # the optimizer step and anything else outside compiled graphs
             op = innermost(rt.get("tid"), rt["ts"])
+            if op is not None and not op["name"].startswith(("aten::", "dc::")):
+                op = enclosing_dc(rt.get("tid"), rt["ts"]) or op  # name comm by our op, not c10d's
             stream = _stream_of(k["name"]) if k.get("cat") == "kernel" else "copy"
             out.append({"graph_id": reg[2], "kind": reg[3], "node": (op["name"] if op else k["name"])[:120],
                         "kernel": k["name"][:120], "stream": stream, "start_us": float(k["ts"]),

@@ -1,0 +1,52 @@
+"""Mapping a profiler trace to the measured schedule (streams, graph ids, overlap)."""
+from deepcompile.profile.trace import overlap_summary, schedule_from_trace
+
+
+def _op(name, ts, dur, tid=1):
+    return {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur, "tid": tid}
+
+
+def _launch(corr, ts, cat="cuda_runtime"):
+    return {"cat": cat, "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": 1, "args": {"correlation": corr}}
+
+
+def _kernel(corr, name, ts, dur, stream):
+    return {"cat": "kernel", "name": name, "ts": ts, "dur": dur, "tid": stream, "args": {"correlation": corr}}
+
+
+def test_gpu_trace_maps_kernels_to_graphs_streams_and_ops():
+    trace = {"traceEvents": [
+        _op("CompiledFunction", 0, 100),
+        _op("dc::allgather_param", 10, 10), _op("record_param_comms", 11, 5), _launch(1, 12, "cuda_driver"),
+        _op("aten::mm", 30, 10), _launch(2, 31),
+        _op("CompiledFunctionBackward", 200, 100),
+        _op("dc::reduce_grad", 210, 10), _launch(3, 211, "cuda_driver"),
+        _op("aten::mm", 230, 5), _launch(4, 231),
+        _op("Optimizer.step", 400, 50), _launch(5, 401),
+        _kernel(1, "ncclDevKernel_AllGather_RING_LL", 1000, 50, 20),
+        _kernel(2, "nvjet_gemm", 1030, 40, 7),           # overlaps the allgather for 20 us
+        _kernel(3, "ncclDevKernel_ReduceScatter_Sum", 1200, 30, 20),
+        _kernel(4, "nvjet_gemm", 1240, 10, 7),            # after the reduce: no overlap
+        _kernel(5, "multi_tensor_apply_kernel", 1300, 10, 7),  # optimizer: not in a graph
+    ]}
+    ev = schedule_from_trace(trace)
+    assert [(e["graph_id"], e["kind"], e["stream"], e["node"]) for e in ev] == [
+        (0, "forward", "allgather", "dc::allgather_param"),
+        (0, "forward", "compute", "aten::mm"),
+        (0, "backward", "reduce", "dc::reduce_grad"),
+        (0, "backward", "compute", "aten::mm"),
+    ]
+    assert ev[0]["start_us"] == 0.0 and all(e["source"] == "measured" for e in ev)
+    s = overlap_summary(ev)
+    assert s["comm_busy_us"] == 80 and s["comm_overlapped_us"] == 20
+    assert abs(s["overlap_fraction"] - 0.25) < 1e-9
+
+
+def test_cpu_trace_uses_leaf_host_ops():
+    trace = {"traceEvents": [
+        _op("CompiledFunction", 0, 100),
+        _op("dc::wait_allgather", 10, 20),
+        _op("aten::addmm", 40, 30), _op("aten::mm", 45, 10),  # addmm's child is the leaf
+    ]}
+    ev = schedule_from_trace(trace)
+    assert [(e["stream"], e["node"]) for e in ev] == [("allgather", "dc::wait_allgather"), ("compute", "aten::mm")]
