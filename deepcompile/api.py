@@ -39,20 +39,40 @@ class DeepCompileModel(nn.Module):
 
     def forward(self, *args, **kwargs):
         passes = self.dc_config.passes_at(self.dc_step)
-        if passes is not self._dc_passes:
-            self._recompile(passes)
+        profiling = self.dc_step == self.dc_config.profile_step
+        if passes is not self._dc_passes or profiling != self.dc_backend.profiling:
+            self._recompile(passes, profiling)
         return self._dc_compiled(*args, **kwargs)
 
-    def _recompile(self, passes) -> None:
+    def _recompile(self, passes, profiling: bool = False) -> None:
         # Drop every compiled graph before compiling the new pass list: the old graphs (and
         # the memory their code objects pin) must not survive the switch.
         compat.reset_dynamo(self.module)
-        self.dc_backend.use_passes(passes, self.dc_step)
+        self.dc_backend.use_passes(passes, self.dc_step, profiling)
         object.__setattr__(self, "_dc_passes", passes)
         object.__setattr__(self, "_dc_compiled", torch.compile(self.module, backend=self.dc_backend))
 
+    @property
+    def dc_profile(self):
+        """The agreed profile of the profiling step (None before it has run)."""
+        return self.dc_backend.profile
+
     def _dc_on_optimizer_step(self, *_args) -> None:
+        if self.dc_backend.profiling and self.dc_backend.measured:
+            self._finish_profile()
         object.__setattr__(self, "dc_step", self.dc_step + 1)
+
+    def _finish_profile(self) -> None:
+        from deepcompile.profile.profiler import GraphProfile, Profile, agree, benchmark_comm
+
+        b = self.dc_backend
+        prof = Profile(graphs={k: GraphProfile(k[0], k[1], v) for k, v in sorted(b.measured.items())},
+                       hardware=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                       step=self.dc_step)
+        device = next(iter(self.dc_sharded)).shard.device if self.dc_sharded else torch.device("cpu")
+        prof.comm = benchmark_comm(self.dc_group, device)
+        b.profile = agree(prof, self.dc_group)
+        b.measured = {}
 
     @property
     def dc_graphs(self):

@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from deepcompile import compat
 from deepcompile.passes import PASSES, PassContext, make_params
+from deepcompile.profile.profiler import profiled_callable
 from deepcompile.record.graph import serialize
 
 
@@ -41,11 +42,14 @@ class Backend:
         self.compiled: dict[tuple[int, str], fx.GraphModule] = {}
         self.passes = config.passes
         self.step = 0
+        self.profiling = False          # compile for the profiling interpreter instead
+        self.profile = None             # the agreed Profile, once a profiling step has run
+        self.measured = {}              # (graph_id, kind) -> node records of the profiling step
 
-    def use_passes(self, passes: list, step: int) -> None:
+    def use_passes(self, passes: list, step: int, profiling: bool = False) -> None:
         """Switch the pass list (a scheduled re-compile): graph ids restart so the same segment
         keeps its id across compiles; versions carry the step they were compiled at."""
-        self.passes, self.step = passes, step
+        self.passes, self.step, self.profiling = passes, step, profiling
         self.next_graph_id = 0
         self.compiled.clear()
 
@@ -59,7 +63,8 @@ class Backend:
         for entry in self.passes:
             pdef = PASSES[entry.name]
             ctx = PassContext(graph_id=graph_id, kind=kind, params=make_params(entry),
-                              param_meta=self.param_meta, world_size=self.world_size, rank=self.rank)
+                              param_meta=self.param_meta, world_size=self.world_size, rank=self.rank,
+                              profile=self.profile)
             t0 = time.perf_counter()
             gm = pdef.fn(gm, ctx)
             self._observe(GraphVersion(graph_id, kind, entry.name, serialize(gm), ctx.notes,
@@ -72,6 +77,8 @@ class Backend:
         self.next_graph_id += 1
         self._observe(GraphVersion(graph_id, "dynamo", "input", serialize(gm), step=self.step))
         compiler = self.config.compiler
+        if self.profiling:
+            compiler = "profile"
         if compiler == "inductor":
             return compat.inductor_compile(
                 gm, example_inputs, lambda g, inputs, kind: self.run_passes(g, graph_id, kind))
@@ -79,6 +86,10 @@ class Backend:
         def make(kind: str):
             def compile_one(g: fx.GraphModule, inputs):
                 g = self.run_passes(g, graph_id, kind)
+                if compiler == "profile":
+                    def sink(records, key=(graph_id, kind)):
+                        self.measured[key] = records
+                    return profiled_callable(g, sink)
                 if compiler == "eager":
                     return compat.interpret(g)
                 return compat.boxed(g.forward)

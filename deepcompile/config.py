@@ -52,6 +52,8 @@ class Config:
                              help="passes run on every captured graph, in order: a name or {name, params}")
     schedule: list[ScheduleEntry] = spec(default_factory=list,
                                          help="later pass lists: [{step, passes}]; `passes` runs from step 0")
+    profile_step: int | None = spec(None, min=0, max=1 << 30,
+                                    help="optimizer step run node by node under the profiler; compiles after it give passes the profile")
     gradient_accumulation_steps: int = spec(1, min=1, max=1 << 20,
                                             help="micro-batches per optimizer step; optimizer.step() is a no-op in between")
     mixed_precision: MixedPrecision = spec(default_factory=MixedPrecision, help="compute and reduce dtypes")

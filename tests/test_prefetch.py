@@ -119,3 +119,55 @@ def test_pass_schedule_recompiles_without_leaking():
     for losses, alive, n_old, versions in results:
         assert n_old >= 2 and alive == 0, f"{alive} of {n_old} step-0 graphs survived the re-compile"
         assert (0, "zero3") in versions and (2, "prefetch") in versions and (0, "prefetch") not in versions
+
+
+def _profiled(rank, world):
+    import deepcompile
+    from deepcompile.profile import profiler
+    from tests.workloads import LOCAL_BATCH, global_batch, make_model, make_optimizer
+
+    # ranks measure slightly different latencies (as real ranks do); decisions must still agree
+    orig = profiler.ProfilingInterpreter.run_node
+
+    def jittered(self, n):
+        out = orig(self, n)
+        if self.records and self.records[-1].name == n.name:
+            self.records[-1].latency_ms *= 1.0 + 0.05 * (rank + 1) * ((hash(n.name) % 7) / 7)
+        return out
+
+    profiler.ProfilingInterpreter.run_node = jittered
+    cfg = {"compiler": "aot_eager", "passes": ["zero3"], "profile_step": 1,
+           "schedule": [{"step": 2, "passes": ["zero3", _prefetch(64.0, 0.0)]}]}
+    model, opt = deepcompile.initialize(make_model(), make_optimizer, cfg)
+    losses = []
+    for s in range(4):
+        x, y = global_batch(s, 0, world)
+        sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        loss = model(x[sl], y[sl])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    prof = model.dc_profile
+    flat = [(k, n.name, n.latency_ms, n.peak_bytes) for k, gp in sorted(prof.graphs.items()) for n in gp.nodes]
+    final = [v.nodes for v in model.dc_graphs if v.step == 2 and v.after == "prefetch"]
+    return losses, flat, final, (prof.comm.alpha_us, prof.comm.bytes_per_us)
+
+
+def test_profile_step_trains_agrees_across_ranks_and_guides_prefetch():
+    from tests.workloads import train_reference
+
+    results = run_ranks(_profiled, 2, timeout=300)
+    ref_losses, _ = train_reference(2, 4, 1)
+    mean = torch.tensor([r[0] for r in results]).mean(0)
+    # the profiling step is a real training step: numerics unchanged
+    torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=mean.dtype), rtol=1e-5, atol=1e-6)
+    (_, flat0, final0, comm0), (_, flat1, final1, comm1) = results
+    kinds = {k for k, *_ in flat0}
+    assert ((0, "forward") in kinds) and ((0, "backward") in kinds)
+    assert sum(lat for _, _, lat, _ in flat0) > 0 and all(lat >= 0 for _, _, lat, _ in flat0)
+    assert flat0 == flat1, "ranks hold different profiles after agreement"
+    assert comm0 == comm1 and comm0[1] > 0
+    assert final0 and final0 == final1, "ranks compiled different graphs from the profile"
+    moved = _issue_distance(final0[0])
+    assert max(moved.values()) > 1, "the profile-guided prefetch moved nothing"

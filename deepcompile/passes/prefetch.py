@@ -28,6 +28,8 @@ class PrefetchParams:
     fuse_mb: float = spec(128.0, min=0.0, max=1e6,
                           help="consecutive gathers are coalesced into one collective of up to this many MiB (0: never)")
     max_fused: int = spec(64, min=1, max=1024, help="most parameters in one coalesced collective")
+    cover: float = spec(1.2, min=0.0, max=100.0,
+                        help="with a profile: hoist until measured compute covers this multiple of the predicted collective time")
     backend: str = spec("auto", choices=("auto", "nccl", "gloo"),
                         help="which default communication model to use when no profile exists")
 
@@ -58,7 +60,7 @@ def _collect(g: fx.Graph, ctx: PassContext) -> list[_Gather]:
 
 def _fuse(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> list[_Gather]:
     p = ctx.params
-    model = default_model(_backend(ctx))
+    model = ctx.profile.comm if (ctx.profile is not None and ctx.profile.comm is not None) else default_model(_backend(ctx))
     limit = p.fuse_mb * 2**20
     fused: list[_Gather] = []
     run: list[_Gather] = []
@@ -98,25 +100,43 @@ def _backend(ctx: PassContext) -> str:
 
 
 def _hoist(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> int:
+    """Move each collective's issue point back past earlier waits.
+
+    Without a profile: as far as the budget allows. With one: only as far as needed for the
+    measured compute between issue and wait to cover the collective's predicted time (less
+    memory held for the same overlap), still within the budget.
+    """
     budget = ctx.params.budget_mb * 2**20
+    gp = ctx.profile.get(ctx.graph_id, ctx.kind) if ctx.profile is not None else None
+    comm = ctx.profile.comm if ctx.profile is not None else None
+    lat = {n.name: n.latency_ms * 1e3 for n in gp.nodes} if (gp is not None and comm is not None) else None
     moved = 0
     for i, x in enumerate(gathers):
-        ahead = x.bytes
-        j = i
-        while j > 0 and ahead + gathers[j - 1].bytes <= budget:
-            j -= 1
-            ahead += gathers[j].bytes
-        if j == i:
+        ahead, j_min = x.bytes, i
+        while j_min > 0 and ahead + gathers[j_min - 1].bytes <= budget:
+            j_min -= 1
+            ahead += gathers[j_min].bytes
+        j = j_min
+        if lat is not None:
+            order = list(g.nodes)
+            pos = {n: k for k, n in enumerate(order)}
+            need = comm.allgather_us(x.bytes) * ctx.params.cover
+            end = pos[x.waits[0]]
+            for cand in range(i, j_min - 1, -1):
+                start = pos[gathers[cand - 1].waits[0]] + 1 if cand > 0 else 0
+                covered = sum(lat.get(n.name, 0.0) for n in order[start:end]
+                              if n.op == "call_function" and not str(n.target).startswith("dc."))
+                if covered >= need:
+                    j = cand
+                    break
+        elif j == i:
             continue
-        # issue right after the first wait of gathers[j-1] (or at the top of the graph)
-        anchor = gathers[j - 1].waits[0] if j > 0 else None
-        if any(i.op != "placeholder" for i in x.issue.all_input_nodes):
+        if any(inp.op != "placeholder" for inp in x.issue.all_input_nodes):
             continue  # a shard computed inside the graph: keep it where its input exists
-        if anchor is None:
-            first = next(n for n in g.nodes if n.op != "placeholder")
-            first.prepend(x.issue)
+        if j > 0:
+            gathers[j - 1].waits[0].append(x.issue)
         else:
-            anchor.append(x.issue)
+            next(n for n in g.nodes if n.op != "placeholder").prepend(x.issue)
         moved += 1
     return moved
 

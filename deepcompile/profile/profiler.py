@@ -1,0 +1,192 @@
+"""The measured profile: one iteration of each rewritten graph, node by node.
+
+A profiling step runs every graph through :class:`ProfilingInterpreter` instead of its compiled
+code. That *is* the training step (its outputs and gradients are used), so nothing runs twice,
+and the interpreter frees each value after its last use exactly like the compiled graph, so a
+model that trains does not run out of memory while being profiled. Per node it records latency
+(CUDA-synchronised on GPU, a monotonic timer on CPU), memory allocated after it and the peak
+during it (the CUDA allocator on GPU; on CPU the bytes of the tensors the interpreter holds),
+and its output size. A micro-benchmark times allgather and reduce-scatter by message size on
+the actual process group and fits the alpha-beta :class:`~deepcompile.profile.cost_model.CommModel`.
+
+Profiles are agreed across ranks (element-wise maximum) before any pass reads them: a rank
+that decided differently would issue different collectives and deadlock the job.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from deepcompile.profile.cost_model import CommModel
+
+
+@dataclass
+class NodeProfile:
+    name: str
+    latency_ms: float
+    mem_after_bytes: int
+    peak_bytes: int
+    out_bytes: int
+
+
+@dataclass
+class GraphProfile:
+    graph_id: int
+    kind: str
+    nodes: list[NodeProfile]
+
+    def by_name(self) -> dict[str, NodeProfile]:
+        return {n.name: n for n in self.nodes}
+
+
+@dataclass
+class Profile:
+    graphs: dict[tuple[int, str], GraphProfile] = field(default_factory=dict)
+    comm: CommModel | None = None
+    hardware: str = ""
+    step: int = -1
+
+    def get(self, graph_id: int, kind: str) -> GraphProfile | None:
+        return self.graphs.get((graph_id, kind))
+
+    def to_records(self) -> list[dict]:
+        return [{"graph_id": g.graph_id, "kind": g.kind, "hardware": self.hardware,
+                 "nodes": [n.__dict__ for n in g.nodes]} for g in self.graphs.values()]
+
+
+def _bytes(v) -> int:
+    if isinstance(v, torch.Tensor):
+        return v.numel() * v.element_size()
+    if isinstance(v, (list, tuple)):
+        return sum(_bytes(x) for x in v)
+    return 0
+
+
+def _storages(v, out: dict) -> None:
+    if isinstance(v, torch.Tensor) and v.device.type != "meta":
+        try:
+            st = v.untyped_storage()
+            out[st.data_ptr()] = st.nbytes()
+        except RuntimeError:
+            pass
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            _storages(x, out)
+
+
+class ProfilingInterpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm, garbage_collect_values=True)
+        self.cuda = torch.cuda.is_available()
+        self.records: list[NodeProfile] = []
+
+    def _held(self) -> int:
+        seen: dict = {}
+        for v in self.env.values():
+            _storages(v, seen)
+        return sum(seen.values())
+
+    def run_node(self, n: fx.Node):
+        if n.op in ("placeholder", "output", "get_attr"):
+            return super().run_node(n)
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+        else:
+            before = self._held()
+        t0 = time.perf_counter()
+        out = super().run_node(n)
+        if self.cuda:
+            torch.cuda.synchronize()
+        dt = (time.perf_counter() - t0) * 1e3
+        ob = _bytes(out)
+        if self.cuda:
+            after, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        else:
+            after = before + ob  # the interpreter frees dead inputs after this node returns
+            peak = after
+        self.records.append(NodeProfile(n.name, dt, int(after), int(max(peak, before)), int(ob)))
+        return out
+
+
+def profiled_callable(gm: fx.GraphModule, sink) -> callable:
+    """A boxed callable that runs ``gm`` under the profiler and hands the node records to ``sink``."""
+    def run(args):
+        interp = ProfilingInterpreter(gm)
+        out = interp.boxed_run(args)
+        sink(interp.records)
+        return out
+    run._boxed_call = True
+    return run
+
+
+def agree(profile: Profile, group=None) -> Profile:
+    """Element-wise maximum of every rank's measurements, so all ranks decide alike."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return profile
+    keys = sorted(profile.graphs)
+    shape = [(k, len(profile.graphs[k].nodes)) for k in keys]
+    shapes: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shapes, shape, group=group)
+    if any(s != shapes[0] for s in shapes):
+        raise RuntimeError(f"deepcompile profiler: ranks profiled different graphs ({shapes}); "
+                           "every rank must run the same model and inputs shapes")
+    flat = [x for k in keys for n in profile.graphs[k].nodes
+            for x in (n.latency_ms, float(n.mem_after_bytes), float(n.peak_bytes), float(n.out_bytes))]
+    backend = dist.get_backend(group)
+    dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
+    t = torch.tensor(flat, dtype=torch.float64, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    vals = t.cpu().tolist()
+    i = 0
+    for k in keys:
+        for n in profile.graphs[k].nodes:
+            n.latency_ms, n.mem_after_bytes, n.peak_bytes, n.out_bytes = (
+                vals[i], int(vals[i + 1]), int(vals[i + 2]), int(vals[i + 3]))
+            i += 4
+    if profile.comm is not None:
+        c = torch.tensor([profile.comm.alpha_us, 1.0 / profile.comm.bytes_per_us], dtype=torch.float64, device=dev)
+        dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)
+        a, inv_b = c.cpu().tolist()
+        profile.comm = CommModel(alpha_us=a, bytes_per_us=1.0 / inv_b,
+                                 copy_bytes_per_us=profile.comm.copy_bytes_per_us)
+    return profile
+
+
+def benchmark_comm(group=None, device=None, sizes=None, reps: int = 3) -> CommModel:
+    """Time allgather by output size on the real process group; fit latency + bytes/bandwidth."""
+    world = dist.get_world_size(group)
+    device = device or torch.device("cpu")
+    if sizes is None:
+        top = 64 << 20 if device.type == "cuda" else 4 << 20
+        sizes = [1 << k for k in range(16, top.bit_length())]
+    xs, ys = [], []
+    for nbytes in sizes:
+        n = max(world, nbytes // 2 // world * world)
+        out = torch.empty(n, dtype=torch.bfloat16, device=device)
+        inp = torch.ones(n // world, dtype=torch.bfloat16, device=device)
+        times = []
+        for r in range(reps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dist.all_gather_into_tensor(out, inp, group=group)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if r:
+                times.append((time.perf_counter() - t0) * 1e6)
+        xs.append(float(out.numel() * out.element_size()))
+        ys.append(sorted(times)[len(times) // 2])
+    # least squares y = alpha + x / beta
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs) or 1.0
+    slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx, 1e-12)
+    alpha = max(my - slope * mx, 0.0)
+    copy_bw = 2e6 if device.type == "cuda" else 5e3
+    return CommModel(alpha_us=alpha, bytes_per_us=1.0 / slope, copy_bytes_per_us=copy_bw)
