@@ -106,7 +106,9 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
             rec.step(step, dt, lv, memory_stats())
             if rank == 0:
                 print(f"step {step:>4}/{steps}  loss {lv:.4f}  {dt * 1e3:8.1f} ms", flush=True)
-        events, samples = estimate.estimate_versions(model.dc_graphs)
+        if model.dc_profile is not None:
+            rec.profile(model.dc_profile.to_records())
+        events, samples = estimate.estimate_versions(model.dc_graphs, model.dc_profile)
         rec.schedule(events + measured, replace=True)
         if rank == 0 and overlap.get("overlap_fraction") is not None:
             print(f"measured step {steps}: compute busy {overlap['compute_busy_us'] / 1e3:.1f} ms, communication "
@@ -139,6 +141,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     backend = "nccl" if use_gpu else "gloo"
     compiler = a.compiler or ("inductor" if use_gpu else "aot_eager")
     cfg = build_config(compiler, a.passes, a.pass_param)
+    if a.profile_step is not None:
+        cfg["profile_step"] = a.profile_step
     Config.load(cfg)  # ConfigError (exit 2) before any process starts
     out = Path(a.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     if (out / "manifest.json").exists():
@@ -236,6 +240,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--compiler", choices=("inductor", "aot_eager", "eager"), default=None,
                    help="inner compiler (default: aot_eager on CPU, inductor on GPU)")
     d.add_argument("--passes", default=None, help="comma-separated pass names, default zero3")
+    d.add_argument("--profile-step", type=int, default=None,
+                   help="optimizer step to run node by node under the profiler (its profile is recorded)")
     d.add_argument("--pass-param", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="a pass parameter, repeatable (value parsed as JSON when it can be)")
     d.add_argument("--out", default=None, help="run directory (default runs/demo-<timestamp>)")

@@ -151,7 +151,11 @@ def _profiled(rank, world):
     prof = model.dc_profile
     flat = [(k, n.name, n.latency_ms, n.peak_bytes) for k, gp in sorted(prof.graphs.items()) for n in gp.nodes]
     final = [v.nodes for v in model.dc_graphs if v.step == 2 and v.after == "prefetch"]
-    return losses, flat, final, (prof.comm.alpha_us, prof.comm.bytes_per_us)
+    from deepcompile.profile.cost_model import predict
+
+    before = predict([v for v in model.dc_graphs if v.step == 0 and v.after == "zero3"], prof)
+    after = predict([v for v in model.dc_graphs if v.step == 2 and v.after == "prefetch"], prof)
+    return losses, flat, final, (prof.comm.alpha_us, prof.comm.bytes_per_us), (before, after)
 
 
 def test_profile_step_trains_agrees_across_ranks_and_guides_prefetch():
@@ -162,7 +166,7 @@ def test_profile_step_trains_agrees_across_ranks_and_guides_prefetch():
     mean = torch.tensor([r[0] for r in results]).mean(0)
     # the profiling step is a real training step: numerics unchanged
     torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=mean.dtype), rtol=1e-5, atol=1e-6)
-    (_, flat0, final0, comm0), (_, flat1, final1, comm1) = results
+    (_, flat0, final0, comm0, pred0), (_, flat1, final1, comm1, pred1) = results
     kinds = {k for k, *_ in flat0}
     assert ((0, "forward") in kinds) and ((0, "backward") in kinds)
     assert sum(lat for _, _, lat, _ in flat0) > 0 and all(lat >= 0 for _, _, lat, _ in flat0)
@@ -171,3 +175,9 @@ def test_profile_step_trains_agrees_across_ranks_and_guides_prefetch():
     assert final0 and final0 == final1, "ranks compiled different graphs from the profile"
     moved = _issue_distance(final0[0])
     assert max(moved.values()) > 1, "the profile-guided prefetch moved nothing"
+
+    # the cost model, fed the agreed profile, predicts what prefetch buys and what it costs
+    before, after = pred0
+    assert before["step_ms"] > 0 and after["step_ms"] <= before["step_ms"] + 1e-9
+    assert after["peak_bytes"] >= before["peak_bytes"]
+    assert pred0[0]["step_ms"] == pred1[0]["step_ms"], "ranks predict differently from one profile"

@@ -36,3 +36,22 @@ DEFAULTS = {
 
 def default_model(backend: str) -> CommModel:
     return DEFAULTS["nccl" if "nccl" in backend else "gloo"]
+
+
+def predict(versions, profile=None) -> dict:
+    """Predicted step time and memory of the latest compiled graphs (a list of GraphVersion or
+    record dicts), from a profile where one exists: compute ops take their measured latency,
+    collectives the measured alpha-beta time, waits block compute until their collective ends,
+    buffers live from allocation (a gather's from its issue) to their last use."""
+    from deepcompile.record.estimate import estimate_versions
+
+    events, samples = estimate_versions(versions, profile)
+    step_us = 0.0
+    per_graph: dict = {}
+    for e in events:
+        k = (e["graph_id"], e["kind"])
+        per_graph[k] = max(per_graph.get(k, 0.0), e["end_us"])
+    step_us = sum(per_graph.values())
+    peak = max((s["allocated_bytes"] for s in samples), default=0)
+    return {"step_ms": step_us / 1e3, "peak_bytes": int(peak), "per_graph_ms": {f"{g}/{k}": v / 1e3 for (g, k), v in per_graph.items()},
+            "events": events, "samples": samples}

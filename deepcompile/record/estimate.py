@@ -62,15 +62,27 @@ def comm_kind(n: dict) -> str | None:
     return t[3:] if n.get("op") == "call_function" and t.startswith("dc.") else None
 
 
-def estimate(nodes: list[dict], graph_id: int, kind: str) -> tuple[list[dict], list[dict]]:
-    """(schedule events, memory samples by node index) for one graph version."""
+def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | None = None,
+             comm: Any = None) -> tuple[list[dict], list[dict]]:
+    """(schedule events, memory samples by node index) for one graph version.
+
+    ``latency_us`` (node name -> measured microseconds) and ``comm`` (a CommModel) replace the
+    fixed bandwidth assumptions where a profile exists: that is the cost model's prediction.
+    """
     by_name = {n["name"]: n for n in nodes}
     size = {n["name"]: node_bytes(n) for n in nodes}
     last_use: dict[str, int] = {}
     for i, n in enumerate(nodes):
         for r in inputs_of(n):
             last_use[r] = i
-    wait_of = {r: m for m in nodes if m.get("target") == "dc.wait_allgather" for r in inputs_of(m)}
+    waits_of: dict[str, list[dict]] = {}
+    for m in nodes:
+        if m.get("target") == "dc.wait_allgather":
+            for r in inputs_of(m):
+                waits_of.setdefault(r, []).append(m)
+
+    def comm_us(nbytes: float) -> float:
+        return comm.allgather_us(nbytes) if comm is not None else OP_OVERHEAD_US + nbytes / COMM_BYTES_PER_US
     events: list[dict] = []
     samples: list[dict] = []
     t = 0.0
@@ -89,25 +101,30 @@ def estimate(nodes: list[dict], graph_id: int, kind: str) -> tuple[list[dict], l
         c = comm_kind(n)
         if op in ("placeholder", "get_attr"):
             baseline += size[name]
-        elif c == "allgather_param":
-            w = wait_of.get(name)
-            nbytes = node_bytes(w) if w is not None else size[name]
+        elif c in ("allgather_param", "allgather_params"):
+            ws = waits_of.get(name, [])
+            nbytes = sum(node_bytes(w) for w in ws) if ws else size[name]
             start = max(t, ag_free)
-            end = start + OP_OVERHEAD_US + nbytes / COMM_BYTES_PER_US
+            end = start + comm_us(nbytes)
             ev(name, "allgather", start, end)
             ag_free = end
             ag_end[name] = end
+            live[name] = nbytes  # the gathered buffers exist from the issue on
             t += 0.5
         elif c == "wait_allgather":
             src = next((r for r in inputs_of(n) if r in ag_end), None)
             start = t
             t = max(t, ag_end.get(src, t))
             ev(name, "compute", start, max(t, start + 0.1))
+            if src in live:  # hand this parameter's share of the buffer to the wait
+                live[src] = max(0, live[src] - size[name])
+                if not live[src]:
+                    live.pop(src)
             live[name] = size[name]
         elif c == "reduce_grad":
             nbytes = sum(size.get(r, 0) for r in inputs_of(n))
             start = max(t, red_free)
-            end = start + OP_OVERHEAD_US + nbytes / COMM_BYTES_PER_US
+            end = start + comm_us(nbytes)
             ev(name, "reduce", start, end)
             red_free = end
             t += 0.5
@@ -115,8 +132,11 @@ def estimate(nodes: list[dict], graph_id: int, kind: str) -> tuple[list[dict], l
             for r in inputs_of(n):
                 live.pop(r, None)
         elif op == "call_function" or op == "call_module" or op == "call_method":
-            moved = size[name] + sum(size.get(r, 0) for r in inputs_of(n) if r in by_name)
-            d = OP_OVERHEAD_US + moved / COMPUTE_BYTES_PER_US
+            if latency_us is not None and name in latency_us:
+                d = latency_us[name]
+            else:
+                moved = size[name] + sum(size.get(r, 0) for r in inputs_of(n) if r in by_name)
+                d = OP_OVERHEAD_US + moved / COMPUTE_BYTES_PER_US
             ev(name, "compute", t, t + d)
             t += d
             live[name] = size[name]
@@ -134,9 +154,11 @@ def estimate(nodes: list[dict], graph_id: int, kind: str) -> tuple[list[dict], l
     return events, samples
 
 
-def estimate_versions(versions: Iterable[Any]) -> tuple[list[dict], list[dict]]:
+def estimate_versions(versions: Iterable[Any], profile: Any = None) -> tuple[list[dict], list[dict]]:
     """Estimate the *last* version of every (graph_id, kind) among ``versions``
-    (GraphVersion objects or dicts), skipping Dynamo's pre-split graphs."""
+    (GraphVersion objects or dicts), skipping Dynamo's pre-split graphs. With a
+    ``deepcompile.profile.profiler.Profile`` the estimate uses measured latencies and the
+    measured communication model."""
     last: dict[tuple[int, str], Any] = {}
     for v in versions:
         d = v if isinstance(v, dict) else vars(v)
@@ -144,7 +166,12 @@ def estimate_versions(versions: Iterable[Any]) -> tuple[list[dict], list[dict]]:
             last[(d["graph_id"], d["kind"])] = d
     events, samples = [], []
     for (gid, kind), d in sorted(last.items(), key=lambda kv: (kv[0][0], kv[0][1] != "forward")):
-        e, s = estimate(d["nodes"], gid, kind)
+        lat, comm = None, None
+        if profile is not None:
+            gp = profile.get(gid, kind)
+            lat = {x.name: x.latency_ms * 1e3 for x in gp.nodes} if gp is not None else None
+            comm = profile.comm
+        e, s = estimate(d["nodes"], gid, kind, lat, comm)
         events += e
         samples += s
     return events, samples
