@@ -196,14 +196,21 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
              f"graphs ({len(rec.graph_ids)}):"]
     for gid in rec.graph_ids:
         for kind in rec.kinds(gid):
-            vs = rec.versions(gid, kind)
-            parts = [f"input {len(vs[0].nodes)}"]
-            for prev, v in zip(vs, vs[1:]):
-                d = diff(prev.nodes, v.nodes)
-                comm = ", ".join(f"{k} {n}" for k, n in sorted(d["comm_added"].items()))
-                parts.append(f"{v.after} {len(v.nodes)} (+{d['added']}/-{d['removed']}"
-                             + (f"; comm added: {comm}" if comm else "") + ")")
-            lines.append(f"  graph {gid} {kind:<9} " + " -> ".join(parts))
+            # one chain per compile: a scheduled re-compile starts again from "input"
+            chains: list[list] = []
+            for v in rec.versions(gid, kind):
+                if v.after == "input" or not chains:
+                    chains.append([])
+                chains[-1].append(v)
+            for c, vs in enumerate(chains):
+                parts = [f"input {len(vs[0].nodes)}"]
+                for prev, v in zip(vs, vs[1:]):
+                    d = diff(prev.nodes, v.nodes)
+                    comm = ", ".join(f"{k} {n}" for k, n in sorted(d["comm_added"].items()))
+                    parts.append(f"{v.after} {len(v.nodes)} (+{d['added']}/-{d['removed']}"
+                                 + (f"; comm added: {comm}" if comm else "") + ")")
+                tag = f" [compile {c + 1}/{len(chains)}]" if len(chains) > 1 else ""
+                lines.append(f"  graph {gid} {kind:<9}{tag} " + " -> ".join(parts))
     st = rec.steps
     if st:
         times = [s["time_s"] for s in st]
