@@ -34,6 +34,9 @@ COLOR_MODES = ("kind", "latency", "memory")
 DIFF_COLORS = {"added": "#2a9d8f", "removed": "#e63946", "moved": "#457b9d"}
 MATCH_COLOR = "#d00000"
 SELECT_COLOR = "#ff00aa"
+# graphviz lays out clusters super-linearly: ~100 ms for 40 module boxes, ~1 s for 100 (benchmarks/
+# inspector.py). Past this many boxes the interactive view uses the order-based layout instead.
+DOT_MAX_GROUPS = 64
 
 
 # --------------------------------------------------------------------------- grouping
@@ -170,6 +173,7 @@ class Rendered:
     matches: list[dict] = field(default_factory=list)
     diff: dict | None = None
     classes: dict[str, list[str]] = field(default_factory=dict)   # group key -> dc-* classes
+    layout: str = ""                                               # "dot" or "simple"
 
 
 def _decorate_dot(dot: str, c: L.Collapsed, fills: dict[int, str], extra_label: dict[int, str],
@@ -406,18 +410,31 @@ class GraphModel:
         return (self.graph_id, self.kind, self.version, self.compare, frozenset(self.expanded),
                 self.search.lower(), self.color_by, self.selected_node)
 
-    def render(self) -> Rendered:
-        key = self.state_key()
+    def render(self, layout: str | None = None) -> Rendered:
+        """The current state drawn with ``layout`` ("dot", "simple" or None: graphviz unless the
+        picture is too big for an interactive layout). Cached per state and layout."""
+        key = self.state_key() + (layout,)
         hit = self._cache.get(key)
         if hit is not None:
             return hit
-        r = self._render()
+        r = self._render(layout)
         if len(self._cache) > 256:
             self._cache.clear()
         self._cache[key] = r
         return r
 
-    def _render(self) -> Rendered:
+    def cached(self, layout: str | None = None) -> Rendered | None:
+        return self._cache.get(self.state_key() + (layout,))
+
+    def snapshot(self) -> "GraphModel":
+        """A copy of the state (sharing the record and the cache), safe to render on another thread."""
+        import copy
+
+        g = copy.copy(self)
+        g.expanded = set(self.expanded)
+        return g
+
+    def _render(self, layout: str | None = None) -> Rendered:
         vs = self.versions()
         if not vs:
             return Rendered('<p class="empty">no graphs in this record</p>', "no graphs recorded", [])
@@ -472,7 +489,7 @@ class GraphModel:
         title = f"graph {self.graph_id} · {self.kind} · " + ("input" if v.after == "input" else f"after {v.after}")
         if self.compare is not None and self.compare != self.version:
             title += f" vs {vs[self.compare].after}"
-        svg = self._draw(c, title, fills, extra, style)
+        svg, used = self._draw(c, title, fills, extra, style, layout)
         d = None
         summary = f"{title}: {len(v.nodes)} nodes in {len(c.groups)} boxes"
         if status:
@@ -484,12 +501,13 @@ class GraphModel:
                 f" (comm: {comm})" if comm else "")
         if self.search:
             summary += f"; search {self.search!r}: {len(hits)} node(s) in {len(hit_groups)} box(es)"
-        return Rendered(svg, summary, list(dict.fromkeys(keys)), hits, d, classes)
+        return Rendered(svg, summary, list(dict.fromkeys(keys)), hits, d, classes, used)
 
-    def _draw(self, c: L.Collapsed, title: str, fills, extra, style) -> str:
-        use_dot = self.use_dot
+    def _draw(self, c: L.Collapsed, title: str, fills, extra, style, layout: str | None = None) -> tuple[str, str]:
+        use_dot = self.use_dot if layout is None else (layout == "dot" and L.have_dot())
         if use_dot is None:
-            use_dot = L.have_dot() and L._n_elements(c) <= L.DOT_MAX_ELEMENTS
+            use_dot = (L.have_dot() and L._n_elements(c) <= L.DOT_MAX_ELEMENTS
+                       and len(c.groups) <= DOT_MAX_GROUPS)
         if use_dot:
             import subprocess
 
@@ -501,9 +519,9 @@ class GraphModel:
                 i = svg.find("<svg")
                 if i >= 0:
                     svg = svg[i:].replace("<svg ", '<svg class="graph dot dc-graph" ', 1)
-                    return _classes_into_svg(svg, c, style)
+                    return _classes_into_svg(svg, c, style), "dot"
             except (OSError, subprocess.SubprocessError):
                 pass
         svg = L.simple_svg(c, title)
         svg = _decorate_simple(svg, c, fills, extra, style)
-        return svg.replace('<svg class="graph simple"', '<svg class="graph simple dc-graph"', 1)
+        return svg.replace('<svg class="graph simple"', '<svg class="graph simple dc-graph"', 1), "simple"

@@ -105,8 +105,12 @@ class InspectorModel:
         if self.schedule:
             self.schedule.select_node(name)
 
+    def set_kind(self, kind: str) -> None:
+        self.set_graph(self.graph.graph_id, kind)
+
     def set_graph(self, graph_id: int, kind: str | None = None) -> None:
-        self.graph.set_graph(graph_id)
+        if graph_id != self.graph.graph_id:
+            self.graph.set_graph(graph_id)
         if kind is not None:
             self.graph.set_kind(kind)
         key = (self.graph.graph_id, self.graph.kind)
@@ -160,8 +164,10 @@ class Inspector:
     """Browse a run record in a notebook. ``Inspector(run_dir)``; ``Inspector.launch(...)``."""
 
     def __init__(self, run_dir: str | Path | None = None, rank: int = 0, *, poll_interval: float = 3.0,
-                 follow: bool = True, use_dot: bool | None = None):
+                 follow: bool = True, use_dot: bool | None = None, lazy_layout: bool = True):
         import ipywidgets as W
+
+        self.lazy_layout = lazy_layout   # graph: order-based layout first, graphviz's when ready
 
         self.W = W
         self.model = InspectorModel(None, rank, use_dot=use_dot)
@@ -200,6 +206,9 @@ class Inspector:
         self.g_toggle = W.Button(description="expand / collapse", tooltip="open or close the selected module box")
         self.g_collapse_all = W.Button(description="collapse all")
         self.g_module.add_class("dc-module")
+        self._module_chosen = False
+        self.g_module.observe(lambda ch: setattr(self, "_module_chosen", True) if not self._muted else None,
+                              names="value")
         self.g_toggle.add_class("dc-expand")
         self.g_summary = W.HTML()
         self.g_svg = W.HTML(layout=W.Layout(max_height="720px", overflow="auto", border="1px solid #ddd"))
@@ -207,7 +216,7 @@ class Inspector:
         self.g_matches = W.HTML()
         self._muted = False
         self.g_graph.observe(lambda ch: self._ui(lambda: self.model.set_graph(ch["new"]), full=True), names="value")
-        self.g_kind.observe(lambda ch: self._ui(lambda: self.model.graph.set_kind(ch["new"]), full=True), names="value")
+        self.g_kind.observe(lambda ch: self._ui(lambda: self.model.set_kind(ch["new"]), full=True), names="value")
         self.g_pass.observe(lambda ch: self._ui(lambda: self._set_pass(ch["new"])), names="value")
         self.g_diff.observe(lambda ch: self._ui(lambda: self.model.graph.set_diff(ch["new"])), names="value")
         self.g_color.observe(lambda ch: self._ui(lambda: self.model.graph.set_color(ch["new"])), names="value")
@@ -374,20 +383,19 @@ class Inspector:
             self.g_diff.value = g.compare
             self.g_color.value = g.color_by
             keys = g.group_keys()
+            prev = self.g_module.value
             self.g_module.options = keys
-            if self.g_module.value not in keys:
+            if prev in keys and self._module_chosen:
+                self.g_module.value = prev
+            elif prev and self._module_chosen and any(k.startswith(prev + ".") or k.startswith(prev + "/") for k in keys):
+                self.g_module.value = next(k for k in keys if k.startswith(prev + ".") or k.startswith(prev + "/"))
+            else:
                 self.g_module.value = next((k for k in keys if any(c.isdigit() for c in k)), keys[0] if keys else None)
             if m.schedule:
                 self.s_node.options = tuple(m.schedule.nodes_at()[:2000])
         finally:
             self._muted = False
-        r = g.render()
-        self.g_summary.value = f"<div class='dc-graph-summary' style='font-size:12px'>{esc(r.summary)}</div>"
-        self.g_svg.value = r.svg
-        self.g_matches.value = "" if not r.matches else (
-            "<div style='font-size:11px'><b>matches</b>: " + ", ".join(
-                f"{esc(x['name'])} <i>({esc(x['target'])}, {esc(x['group'])})</i>" for x in r.matches[:60])
-            + (" …" if len(r.matches) > 60 else "") + "</div>")
+        self._show_graph(g)
         # schedule
         if m.schedule:
             self.s_note.value = f"<div style='font-size:12px'>{esc(m.schedule.source_note)}</div>"
@@ -402,6 +410,36 @@ class Inspector:
                                      "there: " + ", ".join(f"{esc(n)} {E.fmt_bytes(b)}" for n, b in pk["holders"])
                                      + "</div>")
             self.m_table.value = m.memory.table_html()
+
+    def _show_graph(self, g: GraphModel) -> None:
+        """Show the graph at once: graphviz's layout when cached or when lazy layout is off, else
+        the order-based layout now and graphviz's on a thread, swapped in if the state is unchanged."""
+        full = g.cached(None)
+        if full is None and self.lazy_layout and g.use_dot is not False:
+            r = g.render("simple")
+            self._graph_html(r)
+            key, snap = g.state_key(), g.snapshot()
+
+            def later():
+                try:
+                    rr = snap.render(None)
+                except Exception:
+                    return
+                with self._lock:
+                    if self.model.graph is g and g.state_key() == key:
+                        self._graph_html(rr)
+
+            threading.Thread(target=later, name="deepcompile-graph-layout", daemon=True).start()
+            return
+        self._graph_html(full or g.render(None))
+
+    def _graph_html(self, r) -> None:
+        self.g_summary.value = f"<div class='dc-graph-summary' style='font-size:12px'>{esc(r.summary)}</div>"
+        self.g_svg.value = r.svg
+        self.g_matches.value = "" if not r.matches else (
+            "<div style='font-size:11px'><b>matches</b>: " + ", ".join(
+                f"{esc(x['name'])} <i>({esc(x['target'])}, {esc(x['group'])})</i>" for x in r.matches[:60])
+            + (" …" if len(r.matches) > 60 else "") + "</div>")
 
     def _render_steps(self) -> None:
         st = self.model.steps
@@ -478,10 +516,18 @@ class Inspector:
             return False
         before = m.steps.status
         changed = m.steps.poll()
-        if m.record is None or (before != m.steps.status and m.steps.status in ("complete", "failed")):
-            if (m.run_dir / "manifest.json").exists() and (m.record is None or changed):
-                self.open(m.run_dir)
-                return True
+        index = m.run_dir / f"rank{m.rank}" / "graphs" / "index.json"
+        try:
+            st = index.stat()
+            isig = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            isig = None
+        new_graphs = isig is not None and isig != getattr(self, "_index_sig", None)
+        finished = before != m.steps.status and m.steps.status in ("complete", "failed")
+        if (m.run_dir / "manifest.json").exists() and (m.record is None or new_graphs or finished):
+            self._index_sig = isig
+            self.open(m.run_dir)
+            return True
         if changed:
             with self._lock:
                 self._render_steps()

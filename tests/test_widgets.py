@@ -1,0 +1,324 @@
+"""Unit tests of the inspector's models (no browser): state after simulated clicks, rendering,
+re-run wiring (the exact command line), jobs (progress, cancel), live following, broken records."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from deepcompile.record.reader import read_run
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def rec(demo_run):
+    return read_run(demo_run, 0)
+
+
+# --------------------------------------------------------------------------- import path
+def test_import_as_deepcompile_widgets():
+    import deepcompile.widgets as w
+    from deepcompile.widgets.graph_view import GraphModel
+
+    assert w.GraphModel is GraphModel
+    assert Path(sys.modules["deepcompile.widgets.graph_view"].__file__).parent == REPO / "widgets"
+    assert w.Inspector.__name__ == "Inspector"
+
+
+# --------------------------------------------------------------------------- graph model
+def test_graph_model_clicks(rec):
+    from deepcompile.widgets import GraphModel
+
+    g = GraphModel(rec)
+    assert g.kind == "forward" and g.pass_names == ["input", "zero3"] and g.version == 1
+    r = g.render()
+    assert "svg" in r.svg and "blocks.0" in r.groups and "blocks.0.attn" not in r.groups
+    assert r.diff is None and "dc-diff" not in r.svg
+    assert g.render() is r  # cached
+
+    g.select_passes("input", "zero3")
+    r = g.render()
+    assert r.diff["added"] > 0 and r.diff["comm_added"]["allgather_param"] > 0
+    assert "dc-added" in r.svg and "blocks.0" in r.classes and "dc-added" in r.classes["blocks.0"]
+
+    g.click("blocks.0")                              # expand
+    keys = g.render().groups
+    assert "blocks.0" not in keys and "blocks.0.attn" in keys and "blocks.1" in keys
+    g.click("blocks.0.attn")                         # expand one level deeper
+    assert any(k.startswith("blocks.0.attn/") for k in g.render().groups)
+    g.click("blocks.0")                              # collapse, with what was open inside
+    assert g.expanded == set() and "blocks.0" in g.render().groups
+    with pytest.raises(ValueError):
+        g.expand("no.such.module")
+
+    g.set_search("qkv")
+    r = g.render()
+    assert r.matches and all("qkv" in (m["scope"] + m["name"] + m["target"]).lower() for m in r.matches)
+    assert "dc-match" in r.svg and "search 'qkv'" in r.summary
+
+    for mode, unit in (("latency", "µs"), ("memory", "B")):
+        g.set_color(mode)
+        assert unit in g.render().svg
+    with pytest.raises(ValueError):
+        g.set_color("rainbow")
+
+    g.select_node("wait_allgather_default")
+    assert "dc-selected" in g.render().svg
+    g.set_kind("backward")
+    assert g.compare is None and g.expanded == set() and g.pass_names[-1] == "zero3"
+    with pytest.raises(ValueError):
+        g.set_pass("prefetch")
+
+
+def test_graph_model_builtin_layout(rec):
+    from deepcompile.widgets import GraphModel
+
+    g = GraphModel(rec, use_dot=False)
+    g.select_passes(0, 1)
+    g.set_search("lm_head")
+    svg = g.render().svg
+    assert 'class="graph simple dc-graph"' in svg and "dc-added" in svg and "dc-match" in svg
+
+
+def test_union_diff_marks_moved_added_removed():
+    from deepcompile.widgets.graph_view import union_diff
+
+    n = lambda name: {"name": name, "op": "call_function", "target": "aten.add", "args": [], "scope": ""}  # noqa
+    before = [n(x) for x in "abcde"]
+    after = [n(x) for x in "adbcX"]          # d moved up, e removed, X added
+    union, status = union_diff(before, after)
+    assert status == {"d": "moved", "e": "removed", "X": "added"}
+    assert [u["name"] for u in union] == list("adebcX")   # e right after d, its predecessor in `before`
+
+
+# --------------------------------------------------------------------------- schedule / memory
+def test_schedule_and_memory_models(demo_run, rec):
+    from deepcompile.widgets import MemoryModel, ScheduleModel
+
+    s = ScheduleModel(demo_run, rec)
+    assert s.key == (0, "forward")
+    lanes = s.lanes()
+    assert any(l.startswith("rank 0 · compute") for l in lanes) and any(l.startswith("rank 1 ·") for l in lanes)
+    n_traces = len(s.figure().data)
+    s.select_node(s.nodes_at()[3])
+    assert len(s.figure().data) == n_traces + 1
+    s.set_graph(0, "backward")
+    assert any("reduce" in l for l in s.lanes())
+
+    m = MemoryModel(rec)
+    pk = m.peak()
+    assert pk["value"] > 0 and pk["holders"]
+    m.set_sort("out_bytes")
+    rows = m.op_rows()
+    vals = [r["out_bytes"] for r in rows]
+    assert vals == sorted(vals, reverse=True) and len(rows) > 50
+    m.set_sort("out_bytes")                          # same column again: flips
+    assert [r["out_bytes"] for r in m.op_rows()] == sorted(vals)
+    m.set_pass("input")
+    labels = [x["label"] for x in m.series()]
+    assert labels[-1] == "estimate after input"
+    assert "<table class='dc-ops'" in m.table_html()
+    assert len(m.figure().data) >= 2
+
+
+# --------------------------------------------------------------------------- passes / re-run wiring
+def test_passes_model_controls_and_command(rec, tmp_path):
+    from deepcompile.widgets import PassesModel
+
+    pm = PassesModel(rec.config)
+    assert pm.passes == ["zero3"] and pm.order[:2] == ["zero3", "prefetch"]
+    from deepcompile.params import describe
+    from deepcompile.passes import PASSES
+    for p in describe(PASSES["prefetch"].params_cls):   # the rule, whatever the pass declares today
+        w = pm.spec("prefetch", p.name).widget
+        if p.choices:
+            assert w == "dropdown"
+        elif p.type in ("int", "float") and p.min is not None and p.max is not None:
+            assert w == (f"{p.type}_slider" if p.max - p.min <= 1e4 else f"{p.type}_box")
+    assert pm.spec("prefetch", "max_fused").widget == "int_slider"
+    assert pm.spec("prefetch", "backend").choices == ("auto", "nccl", "gloo")
+    mf = pm.spec("prefetch", "max_fused")
+    assert (mf.min, mf.max) == (1, 1024) and mf.help
+    assert pm.command(tmp_path / "r") == [
+        sys.executable, "-m", "deepcompile", "demo", "--out", str(tmp_path / "r"), "--ranks", "2", "--steps", "20",
+        "--passes", "zero3", "--compiler", "aot_eager"]
+    pm.enable("prefetch")
+    pm.set_value("prefetch", "budget_mb", 64.0)
+    pm.set_value("prefetch", "backend", "gloo")
+    pm.set_value("prefetch", "max_fused", 8)
+    argv = pm.command(tmp_path / "r", steps=3, cpu=True)
+    assert argv[argv.index("--passes") + 1] == "zero3,prefetch" and "--cpu" in argv
+    pp = [argv[i + 1] for i, a in enumerate(argv) if a == "--pass-param"]
+    assert pp == ["prefetch.budget_mb=64.0", "prefetch.max_fused=8", "prefetch.backend=gloo"]
+    # the CLI accepts exactly what we generate
+    from deepcompile.cli import build_config
+    from deepcompile.config import Config
+    cfg = build_config("aot_eager", "zero3,prefetch", pp)
+    Config.load(cfg)
+    assert cfg["passes"][1]["params"] == {"budget_mb": 64.0, "max_fused": 8, "backend": "gloo"}
+    assert pm.validate() == []
+    pm.set_value("prefetch", "max_fused", 5000)
+    assert any("max_fused" in e and "maximum" in e for e in pm.validate())
+    pm.reset()
+    assert pm.passes == ["zero3"] and pm.spec("prefetch", "max_fused").value == mf.default
+    assert "no profile in this record" in pm.predict(rec)
+
+
+def test_make_control_widgets():
+    pytest.importorskip("ipywidgets")
+    import ipywidgets as W
+    from deepcompile.widgets.passes_view import ControlSpec, make_control
+
+    c, row = make_control(ControlSpec("prefetch", "max_fused", "int_slider", 32, 32, "most params", 1, 1024, 1))
+    assert isinstance(c, W.IntSlider) and (c.min, c.max, c.value) == (1, 1024, 32) and c.tooltip == "most params"
+    spec = ControlSpec("p", "mode", "dropdown", "auto", "auto", "which", choices=("auto", "gloo"))
+    c, _ = make_control(spec)
+    c.value = "gloo"
+    assert isinstance(c, W.Dropdown) and spec.value == "gloo"
+    c, _ = make_control(ControlSpec("p", "on", "toggle", False, False, "flag"))
+    assert isinstance(c, W.ToggleButton)
+
+
+# --------------------------------------------------------------------------- jobs
+def test_job_progress_and_exit(tmp_path):
+    from deepcompile.widgets import Job
+
+    code = "import time\nfor i in range(1, 4):\n    print(f'step {i:>4}/3  loss 1.0', flush=True)\nprint('done')"
+    seen = []
+    job = Job([sys.executable, "-c", code], cwd=tmp_path, on_line=seen.append).start()
+    assert job.wait(timeout=60) == 0
+    assert job.status == "finished" and (job.step, job.total, job.progress) == (3, 3, 1.0)
+    assert seen[-1] == "done"
+
+
+def test_job_cancel_kills_process_group(tmp_path):
+    from deepcompile.widgets import Job
+
+    marker = tmp_path / "child.pid"
+    code = ("import subprocess, sys, time\n"
+            f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'])\n"
+            f"open({str(marker)!r}, 'w').write(str(p.pid))\n"
+            "print('step 1/10', flush=True)\ntime.sleep(120)\n")
+    job = Job([sys.executable, "-c", code], cwd=tmp_path).start()
+    deadline = time.time() + 30
+    while not (marker.exists() and marker.read_text()) and time.time() < deadline:
+        time.sleep(0.1)
+    child = int(marker.read_text())
+    t0 = time.time()
+    job.cancel(grace=3)
+    assert job.wait(timeout=20) is not None and job.status == "cancelled" and time.time() - t0 < 15
+    import os
+    for _ in range(50):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        try:  # a zombie child of init is gone once reaped; check its state
+            if open(f"/proc/{child}/stat").read().split()[2] == "Z":
+                break
+        except OSError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the job's child process survived cancel()")
+
+
+# --------------------------------------------------------------------------- the widget (headless)
+def test_inspector_widget_clicks(demo_run):
+    pytest.importorskip("ipywidgets")
+    from deepcompile.widgets import Inspector
+
+    insp = Inspector(demo_run, follow=False)
+    assert "complete" in insp.message.value and "svg" in insp.g_svg.value
+    assert insp.s_out.outputs and "application/vnd.plotly.v1+json" in insp.s_out.outputs[0]["data"]
+    assert insp.st_out.outputs and insp.m_out.outputs and "dc-ops" in insp.m_table.value
+    insp.g_diff.value = 0                                  # "diff vs 0: input"
+    assert "diff: +" in insp.g_summary.value and "dc-added" in insp.g_svg.value
+    insp.g_module.value = "blocks.1"
+    insp.g_toggle.click()
+    assert insp.model.graph.expanded == {"blocks.1"} and "blocks.1.attn" in insp.g_module.options
+    insp.g_collapse_all.click()
+    assert insp.model.graph.expanded == set()
+    insp.g_kind.value = "backward"
+    assert insp.model.graph.kind == "backward" and insp.model.schedule.key == (0, "backward")
+    insp.s_node.value = insp.model.schedule.nodes_at()[5]
+    assert "dc-selected" in insp.g_svg.value
+    insp.p_predict.click()
+    assert "no profile in this record" in insp.p_msg.value
+    out, argv = insp.model.rerun_command()
+    assert out.name == f"{demo_run.name}-rerun1" and argv[argv.index("--steps") + 1] == "3"
+    # controls generated from the declared parameters
+    assert "dc-param-prefetch-max_fused" in repr(insp.p_box.children[1].children[3].children[0]._dom_classes)
+
+
+@pytest.mark.parametrize("breakage", ["missing", "truncated", "newer"])
+def test_inspector_broken_record_shows_message(demo_run, tmp_path, breakage):
+    pytest.importorskip("ipywidgets")
+    from deepcompile.widgets import Inspector
+
+    run = tmp_path / "run"
+    if breakage != "missing":
+        shutil.copytree(demo_run, run)
+    if breakage == "truncated":
+        f = next((run / "rank0" / "graphs").glob("*forward-01*"))
+        f.write_bytes(f.read_bytes()[:40])
+    elif breakage == "newer":
+        m = json.loads((run / "manifest.json").read_text())
+        m["format_version"] = 99
+        (run / "manifest.json").write_text(json.dumps(m))
+    insp = Inspector(run, follow=False)
+    msg = insp.message.value
+    assert "cannot show this run" in msg and "Traceback" not in msg
+    assert {"missing": "no such run directory", "truncated": "truncated or corrupt gzip",
+            "newer": "newer than"}[breakage] in msg
+    assert insp.g_svg.value == "" and insp.model.record is None
+
+
+def test_inspector_follows_live_run(tmp_path):
+    pytest.importorskip("ipywidgets")
+    from deepcompile.record.writer import RunRecorder
+    from deepcompile.widgets import Inspector
+
+    run = tmp_path / "live"
+    recs = [RunRecorder(run, r, 2, {"compiler": "eager", "passes": ["zero3"]},
+                        env={"torch": "x", "python": "3", "hostname": "h", "world_size": 2, "rank": r,
+                             "devices": []}) for r in range(2)]
+    insp = Inspector(run, follow=False, poll_interval=0.2)
+    assert insp.model.steps.live and insp.model.steps.n_steps() == 0
+    for s in range(1, 4):
+        for r in recs:
+            r.step(s, 0.1 * s, 2.0 / s, {"allocated": 100 * s, "reserved": 200, "peak": 300})
+    assert insp.poll_once() and insp.model.steps.n_steps() == 3
+    assert "3 step(s)" in insp.st_note.value
+    assert not insp.poll_once()                      # nothing new
+    insp.follow()                                    # the thread, for real
+    for r in recs:
+        r.step(4, 0.4, 0.5, {"allocated": 1, "reserved": 2, "peak": 3})
+        r.close()
+    deadline = time.time() + 20
+    while (insp.model.steps.n_steps() < 4 or insp.model.steps.status != "complete") and time.time() < deadline:
+        time.sleep(0.1)
+    insp.stop()
+    assert insp.model.steps.n_steps() == 4 and insp.model.steps.status == "complete"
+
+
+def test_inspector_start_job_streams_and_adds_run(demo_run, tmp_path):
+    pytest.importorskip("ipywidgets")
+    from deepcompile.widgets import Inspector
+
+    insp = Inspector(demo_run, follow=False)
+    code = "for i in range(1, 5):\n    print(f'step {i}/4', flush=True)"
+    job = insp.start_job([sys.executable, "-c", code], tmp_path / "new")
+    assert job.wait(timeout=60) == 0
+    deadline = time.time() + 10
+    while insp.p_progress.bar_style != "success" and time.time() < deadline:
+        time.sleep(0.05)
+    assert (insp.p_progress.value, insp.p_progress.max) == (4, 4)
+    assert "step 4/4" in "".join(o.get("text", "") for o in insp.p_log.outputs)
+    assert str(tmp_path / "new") in insp.run_select.options and insp.model.run_dir == demo_run
+    assert "new" in insp.p_runs.value
