@@ -141,13 +141,25 @@ class PassesModel:
                             ranks=ranks, steps=steps, compiler=self.compiler, cpu=cpu, batch=batch)
 
     def predict(self, record) -> str:
-        """What a prediction can say for ``record``; never invents numbers."""
+        """The cost model's prediction for ``record``'s compiled graphs from its recorded
+        profile; without a profile it says so and never invents numbers."""
         if record is None or not getattr(record, "profile", None):
             return ("no profile in this record: a prediction needs the measured per-operator profile "
-                    "of a previous iteration (Run instead, or record a profile)")
-        return ("this record has a profile, but the cost-model prediction of step time and memory is "
-                "not available in this version of deepcompile (deepcompile.profile.cost_model models "
-                "communication only); use Run to measure")
+                    "of a previous iteration (run with a profile step, e.g. demo --profile-step 1)")
+        from deepcompile.profile.cost_model import predict
+        from deepcompile.profile.profiler import Profile
+
+        prof = Profile.from_records(record.profile)
+        versions = []
+        for gid in record.graph_ids:
+            for kind in record.kinds(gid):
+                if kind != "dynamo":
+                    versions.extend(record.versions(gid, kind))
+        p = predict(versions, prof)
+        return (f"predicted from the recorded profile ({prof.hardware or 'unknown hardware'}), for the "
+                f"pass values this run compiled with: step {p['step_ms']:.2f} ms, peak "
+                f"{p['peak_bytes'] / 2**20:.1f} MiB of graph memory. Predicting other pass values "
+                "needs the graphs re-compiled: use Run.")
 
 
 def new_run_dir(base: str | os.PathLike, stem: str = "rerun") -> Path:

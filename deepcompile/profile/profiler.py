@@ -54,8 +54,24 @@ class Profile:
         return self.graphs.get((graph_id, kind))
 
     def to_records(self) -> list[dict]:
-        return [{"graph_id": g.graph_id, "kind": g.kind, "hardware": self.hardware,
-                 "nodes": [n.__dict__ for n in g.nodes]} for g in self.graphs.values()]
+        comm = None if self.comm is None else dict(self.comm.__dict__)
+        return [{"graph_id": g.graph_id, "kind": g.kind, "hardware": self.hardware, "comm": comm,
+                 "nodes": [dict(n.__dict__) for n in g.nodes]} for g in self.graphs.values()]
+
+    @classmethod
+    def from_records(cls, records: list[dict] | dict) -> "Profile":
+        """Rebuild a profile from the run record's ``profile.json.gz`` (what ``to_records`` wrote)."""
+        if isinstance(records, dict):
+            records = records.get("graphs", [])
+        prof = cls()
+        for r in records:
+            nodes = [NodeProfile(n["name"], float(n.get("latency_ms") or 0.0), int(n.get("mem_after_bytes") or 0),
+                                 int(n.get("peak_bytes") or 0), int(n.get("out_bytes") or 0)) for n in r["nodes"]]
+            prof.graphs[(int(r["graph_id"]), r["kind"])] = GraphProfile(int(r["graph_id"]), r["kind"], nodes)
+            prof.hardware = str(r.get("hardware") or "")
+            if r.get("comm"):
+                prof.comm = CommModel(**r["comm"])
+        return prof
 
 
 def _bytes(v) -> int:
