@@ -17,6 +17,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_reduce_dtype", [](at::ScalarType d) { dc::runtime().set_reduce_dtype(d); });
   m.def("live_gathered", []() { return dc::runtime().live_gathered(); });
   m.def("check_idle", []() { dc::runtime().check_idle(); });
+  m.def("invalidate_persistent", []() { if (dc::has_runtime()) dc::runtime().invalidate_persistent(); });
+  m.def("persistent_bytes", []() { return dc::runtime().persistent_bytes(); });
   m.def("reset_stats", []() { dc::runtime().reset_stats(); });
   m.def("stats", []() {
     const auto& s = dc::runtime().stats();
@@ -25,6 +27,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["fused_allgathers"] = s.fused_allgathers;
     d["allgather_bytes"] = s.allgather_bytes;
     d["releases"] = s.releases;
+    d["persistent_hits"] = s.persistent_hits;
     d["reduce_calls"] = s.reduce_calls;
     d["reduce_scatters"] = s.reduce_scatters;
     d["reduce_bytes"] = s.reduce_bytes;

@@ -149,6 +149,24 @@ at::Tensor Runtime::finish_allgather(int64_t id) {
   return pg.buffer.narrow(0, 0, p.numel).view(p.shape);
 }
 
+at::Tensor Runtime::gather_persistent(const at::Tensor& shard, int64_t id) {
+  auto it = persistent_.find(id);
+  if (it != persistent_.end()) {
+    stats_.persistent_hits += 1;
+    return it->second;
+  }
+  start_allgather(shard, id);
+  at::Tensor full = finish_allgather(id);
+  persistent_[id] = full;
+  return full;
+}
+
+int64_t Runtime::persistent_bytes() const {
+  int64_t b = 0;
+  for (auto& kv : persistent_) b += kv.second.nbytes();
+  return b;
+}
+
 void Runtime::release(int64_t id) {
   param(id);
   stats_.releases += 1;

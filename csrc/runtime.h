@@ -62,6 +62,7 @@ struct Stats {
   int64_t reduce_bytes = 0;
   int64_t peak_live_gathered = 0;
   int64_t peak_live_gathered_bytes = 0;
+  int64_t persistent_hits = 0;
 };
 
 class Runtime {
@@ -79,6 +80,10 @@ class Runtime {
   void start_allgather_fused(const std::vector<at::Tensor>& shards, const std::vector<int64_t>& ids);
   at::Tensor finish_allgather(int64_t id);
   void release(int64_t id);
+  // selective unsharding: a gathered copy kept across micro-batches until the shards change
+  at::Tensor gather_persistent(const at::Tensor& shard, int64_t id);
+  void invalidate_persistent() { persistent_.clear(); }
+  int64_t persistent_bytes() const;
 
   // gradients: bucketed reduce-scatter, accumulated into each shard's .grad
   void add_grad(const at::Tensor& grad, int64_t id);
@@ -108,6 +113,7 @@ class Runtime {
   at::ScalarType reduce_dtype_ = at::kFloat;
   std::unordered_map<int64_t, Param> params_;
   std::unordered_map<int64_t, PendingGather> pending_;
+  std::unordered_map<int64_t, at::Tensor> persistent_;
   std::unordered_map<int, Bucket> buckets_;  // by reduce dtype
   std::deque<InFlightReduce> inflight_;
   std::vector<std::pair<int64_t, c10::weak_intrusive_ptr<c10::StorageImpl>>> live_;

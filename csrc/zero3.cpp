@@ -36,6 +36,10 @@ at::Tensor wait_allgather(const at::Tensor& /*handle*/, int64_t id) {
   return dc::runtime().finish_allgather(id);
 }
 
+at::Tensor gather_persistent(const at::Tensor& shard, int64_t id) {
+  return dc::runtime().gather_persistent(shard, id);
+}
+
 void release_param(at::Tensor& /*gathered*/, int64_t id) { dc::runtime().release(id); }
 
 void reduce_grad(at::Tensor& grad, int64_t id) { dc::runtime().add_grad(grad, id); }
@@ -50,6 +54,7 @@ TORCH_LIBRARY(dc, m) {
   m.def("allgather_param(Tensor shard, int id) -> Tensor");
   m.def("allgather_params(Tensor[] shards, int[] ids) -> Tensor");
   m.def("wait_allgather(Tensor handle, int id) -> Tensor");
+  m.def("gather_persistent(Tensor shard, int id) -> Tensor");
   m.def("release_param(Tensor(a!) gathered, int id) -> ()");
   m.def("reduce_grad(Tensor(a!) grad, int id) -> ()");
   m.def("end_backward(Tensor(a!)[] grads, int graph_id) -> ()");
@@ -62,6 +67,7 @@ TORCH_LIBRARY(dc, m) {
   m.impl("wait_allgather", &wait_allgather);          \
   m.impl("allgather_params", &allgather_params);      \
   m.impl("release_param", &release_param);            \
+  m.impl("gather_persistent", &gather_persistent);    \
   m.impl("reduce_grad", &reduce_grad);                \
   m.impl("end_backward", &end_backward);
 

@@ -58,6 +58,7 @@ class DeepCompileModel(nn.Module):
         return self.dc_backend.profile
 
     def _dc_on_optimizer_step(self, *_args) -> None:
+        ops.C.invalidate_persistent()  # the shards changed: kept gathered copies are stale
         if self.dc_backend.profiling and self.dc_backend.measured:
             self._finish_profile()
         object.__setattr__(self, "dc_step", self.dc_step + 1)

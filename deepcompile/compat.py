@@ -121,6 +121,29 @@ class _JointPass(_CGP):
         return "deepcompile-tag-unshard-recompute-v1"
 
 
+def never_reuse_output(op) -> None:
+    """Inductor must never write into the tensor ``op`` returns (a gathered parameter the runtime
+    keeps for later micro-batches): after its last use Inductor would otherwise hand its memory
+    to a later buffer of the same size. The lowering is the default fallback plus the output's
+    name in ``V.graph.never_reuse_buffers``, which ``wrapper.can_reuse`` consults (2.11, 2.13).
+    """
+    try:
+        from torch._inductor import ir
+        from torch._inductor.lowering import fallback_handler, register_lowering
+        from torch._inductor.virtualized import V
+    except ImportError:  # pragma: no cover - no Inductor: nothing can reuse the buffer
+        return
+    handler = fallback_handler(op, add_to_fallback_set=False)
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _lower(*args, **kwargs):
+        out = handler(*args, **kwargs)
+        for t in (out if isinstance(out, (list, tuple)) else [out]):
+            if isinstance(t, ir.TensorBox):
+                V.graph.never_reuse_buffers.add(t.get_name())
+        return out
+
+
 def forget_outputs(output_node: fx.Node, cleared: list[int]) -> None:
     """Tell Inductor that graph outputs we replaced by None carry no stride contract.
 

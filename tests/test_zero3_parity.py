@@ -6,8 +6,9 @@ batched reduction, so gradient elements differ by a few ulps (relative ~1e-7). A
 by sqrt(v) + eps: where a gradient element is itself near zero, rounding noise is amplified up
 to noise/eps. Observed after 10 steps at lr 3e-3 (parameters move by up to 3e-2): max
 |difference| 4e-7 .. 7e-7 without accumulation, 1.7e-5 with it (one near-zero-gradient element of
-mlp.fc.weight). We allow atol 5e-5 / rtol 1e-4 on parameters and rtol 1e-5 on losses; any real
-bug (a missing 1/N, a dropped or doubled gradient, a stale shard) moves parameters by ~lr = 3e-3.
+mlp.fc.weight), 4.9e-5 with Inductor's fused kernels and accumulation. We allow atol 1e-4 /
+rtol 1e-4 on parameters and rtol 1e-5 on losses; any real bug (a missing 1/N, a dropped or
+doubled gradient, a stale shard) moves parameters by ~lr = 3e-3, 30x more.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def _compare(world, accumulation, config, timeout=600):
     for r in results:
         assert set(r["state"]) == set(ref_state), "full_state_dict keys differ from the model's state_dict"
         for k, v in ref_state.items():
-            torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=5e-5, msg=lambda m: f"{k}: {m}")
+            torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=1e-4, msg=lambda m: f"{k}: {m}")
             d = (r["state"][k].float() - v.float()).abs().max().item()
             if d > worst:
                 worst, worst_key = d, k
@@ -90,7 +91,7 @@ def test_graph_break_gives_segments_that_each_train():
     mean = torch.tensor([r["losses"] for r in results]).mean(0)
     torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=mean.dtype), rtol=1e-5, atol=1e-6)
     for k, v in ref_state.items():
-        torch.testing.assert_close(results[0]["state"][k], v, rtol=1e-4, atol=5e-5)
+        torch.testing.assert_close(results[0]["state"][k], v, rtol=1e-4, atol=1e-4)
     ids = {gid for gid, kind, after, _ in results[0]["graphs"] if kind == "backward" and after == "zero3"}
     assert len(ids) >= 2, f"expected one backward graph per segment, got graph ids {ids}"
     for gid, kind, after, nodes in results[0]["graphs"]:

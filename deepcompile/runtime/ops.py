@@ -77,6 +77,11 @@ def ensure_registered():
         m = _meta(pid)
         return handle.new_empty(m.shape, dtype=m.gather_dtype)
 
+    @lib.register_fake("dc::gather_persistent")
+    def _(shard, pid):
+        m = _meta(pid)
+        return shard.new_empty(m.shape, dtype=m.gather_dtype)
+
     @lib.register_fake("dc::release_param")
     def _(gathered, pid):
         return None
@@ -104,5 +109,6 @@ def ensure_registered():
     for op in (torch.ops.dc.release_param.default, torch.ops.dc.reduce_grad.default,
                torch.ops.dc.end_backward.default):
         compat.mark_side_effect(op)
+    compat.never_reuse_output(torch.ops.dc.gather_persistent.default)
     _REGISTERED = True
     return C
