@@ -14,6 +14,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     dc::runtime().register_param(id, name, shard, std::move(shape), dtype);
   });
   m.def("set_grad_scale", [](double s) { dc::runtime().set_grad_scale(s); });
+  m.def("set_grad_sync", [](bool v) { dc::runtime().set_grad_sync(v); });
   m.def("set_reduce_dtype", [](at::ScalarType d) { dc::runtime().set_reduce_dtype(d); });
   m.def("live_gathered", []() { return dc::runtime().live_gathered(); });
   m.def("check_idle", []() { dc::runtime().check_idle(); });
@@ -28,6 +29,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["allgather_bytes"] = s.allgather_bytes;
     d["releases"] = s.releases;
     d["persistent_hits"] = s.persistent_hits;
+    d["local_accumulations"] = s.local_accumulations;
     d["reduce_calls"] = s.reduce_calls;
     d["reduce_scatters"] = s.reduce_scatters;
     d["reduce_bytes"] = s.reduce_bytes;

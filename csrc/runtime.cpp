@@ -187,9 +187,24 @@ at::Tensor Runtime::padded_rows(const at::Tensor& grad, const Param& p) const {
   return flat.view({world_, p.chunk});
 }
 
-void Runtime::add_grad(const at::Tensor& grad, int64_t id) {
+void Runtime::add_grad(const at::Tensor& grad_in, int64_t id) {
   const Param& p = param(id);
   stats_.reduce_calls += 1;
+  at::Tensor grad = grad_in;
+  auto lit = local_grads_.find(id);
+  if (!grad_sync_) {
+    stats_.local_accumulations += 1;
+    if (lit == local_grads_.end()) {
+      local_grads_[id] = grad.to(reduce_dtype_, /*non_blocking=*/false, /*copy=*/true);
+    } else {
+      lit->second.add_(grad);
+    }
+    return;
+  }
+  if (lit != local_grads_.end()) {  // the boundary: reduce what this rank accumulated
+    grad = lit->second.add_(grad);
+    local_grads_.erase(lit);  // freed as soon as it is in the bucket, before the optimizer step
+  }
   Bucket& b = buckets_[static_cast<int>(reduce_dtype_)];
   for (auto& e : b.entries) {
     if (e.id == id) {  // a parameter used twice in one graph: sum before reducing

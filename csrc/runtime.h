@@ -63,6 +63,7 @@ struct Stats {
   int64_t peak_live_gathered = 0;
   int64_t peak_live_gathered_bytes = 0;
   int64_t persistent_hits = 0;
+  int64_t local_accumulations = 0;
 };
 
 class Runtime {
@@ -73,6 +74,8 @@ class Runtime {
                       std::vector<int64_t> shape, at::ScalarType gather_dtype);
   void set_grad_scale(double scale) { grad_scale_ = scale; }
   void set_reduce_dtype(at::ScalarType dtype) { reduce_dtype_ = dtype; }
+  // ZeRO-1: between accumulation boundaries gradients are summed locally, not communicated
+  void set_grad_sync(bool sync) { grad_sync_ = sync; }
   const Param& param(int64_t id) const;
 
   // allgather: start, then finish. The buffer lives in `pending_` in between.
@@ -110,6 +113,8 @@ class Runtime {
   int64_t bucket_elems_;
   int64_t max_inflight_;
   double grad_scale_ = 1.0;
+  bool grad_sync_ = true;
+  std::unordered_map<int64_t, at::Tensor> local_grads_;  // ZeRO-1 accumulation, full size
   at::ScalarType reduce_dtype_ = at::kFloat;
   std::unordered_map<int64_t, Param> params_;
   std::unordered_map<int64_t, PendingGather> pending_;

@@ -108,7 +108,8 @@ def _device_for(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int) -> torch.optim.Optimizer:
+def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int, sync_only_at_boundary: bool = False
+                    ) -> torch.optim.Optimizer:
     """Plain loop, accumulated: ``step()`` / ``zero_grad()`` only act every N-th micro-batch.
 
     The user's optimizer object is kept (LR schedulers and isinstance checks still work);
@@ -119,8 +120,16 @@ def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int) -> torch.opti
     inner_step, inner_zero = opt.step, opt.zero_grad
     state = {"micro": 0, "stepped": False}
 
+    def set_sync():
+        # ZeRO-1: the next backward communicates only if it ends an accumulation window
+        if sync_only_at_boundary:
+            ops.C.set_grad_sync((state["micro"] + 1) % accumulation == 0)
+
+    set_sync()
+
     def step(*args, **kwargs):
         state["micro"] += 1
+        set_sync()
         if state["micro"] % accumulation == 0:
             state["stepped"] = True
             return inner_step(*args, **kwargs)
@@ -139,6 +148,9 @@ def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int) -> torch.opti
 def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                config: Config | dict | str | os.PathLike | None = None, *, group=None):
     """Shard ``model`` for the configured ZeRO stage and compile it with the deepcompile backend.
+
+    Every stage keeps this rank's flat shard as the optimizer's parameter. Stage 3 gathers
+    parameters around their uses; stages 1 and 2 keep them whole between optimizer steps.
 
     Returns ``(model, optimizer)`` that work in a plain loop:
     ``loss = model(x); loss.backward(); optimizer.step(); optimizer.zero_grad()``.
@@ -190,7 +202,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
         raise TypeError(f"deepcompile.initialize: make_optimizer returned {type(opt).__name__}, "
                         "expected a torch.optim.Optimizer")
     opt.register_step_post_hook(wrapped._dc_on_optimizer_step)  # real steps only (not accumulation)
-    return wrapped, _wrap_optimizer(opt, cfg.gradient_accumulation_steps)
+    return wrapped, _wrap_optimizer(opt, cfg.gradient_accumulation_steps, cfg.zero_stage == 1)
 
 
 def _gather_full(sp: ShardedParam, group) -> torch.Tensor:

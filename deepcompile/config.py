@@ -45,7 +45,8 @@ class ScheduleEntry:
 
 @dataclass
 class Config:
-    zero_stage: int = spec(3, choices=(1, 2, 3), help="ZeRO stage: 3 shards parameters, gradients and optimizer state")
+    zero_stage: int = spec(3, choices=(1, 2, 3),
+                           help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters")
     compiler: str = spec("inductor", choices=("inductor", "aot_eager", "eager"),
                          help="inner compiler for the rewritten graphs; eager interprets node by node")
     passes: list[Any] = spec(default_factory=lambda: ["zero3"],
@@ -61,25 +62,26 @@ class Config:
     max_inflight_reduces: int = spec(2, min=1, max=64, help="reduce-scatter buckets in flight before the oldest is waited for")
 
     def validate(self, path: str = "config") -> None:
-        if self.zero_stage in (1, 2):
-            raise ConfigError(f"{path}.zero_stage: stage {self.zero_stage} is not implemented yet; use 3")
-        self.passes = self._check_passes(self.passes, f"{path}.passes")
+        first = "zero3" if self.zero_stage == 3 else "zero12"
+        if self.zero_stage != 3 and [p if isinstance(p, str) else getattr(p, "name", p) for p in self.passes] == ["zero3"]:
+            self.passes = ["zero12"]  # the default pass list names stage 3's lowering
+        self.passes = self._check_passes(self.passes, f"{path}.passes", first, self.zero_stage)
         last = 0
         for i, e in enumerate(self.schedule):
             if e.step <= last:
                 raise ConfigError(f"{path}.schedule[{i}].step: steps must increase and start above 0, got {e.step} after {last}")
             last = e.step
-            e.passes = self._check_passes(e.passes, f"{path}.schedule[{i}].passes")
+            e.passes = self._check_passes(e.passes, f"{path}.schedule[{i}].passes", first, self.zero_stage)
 
     @staticmethod
-    def _check_passes(entries: list, path: str) -> list:
+    def _check_passes(entries: list, path: str, first: str = "zero3", stage: int = 3) -> list:
         from deepcompile.passes import PASSES, normalize_entry
 
         entries = [normalize_entry(e, f"{path}[{i}]") for i, e in enumerate(entries)]
         names = [e.name for e in entries]
-        if not names or names[0] != "zero3":
+        if not names or names[0] != first:
             raise ConfigError(
-                f"{path}: ZeRO-3 needs 'zero3' as the first pass (it inserts the communication), got {names}")
+                f"{path}: ZeRO-{stage} needs {first!r} as the first pass (it inserts the communication), got {names}")
         for i, e in enumerate(entries):
             if e.name not in PASSES:
                 raise ConfigError(f"{path}[{i}].name: unknown pass {e.name!r}; known: {sorted(PASSES)}")

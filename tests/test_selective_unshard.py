@@ -19,7 +19,7 @@ def test_kept_parameters_are_gathered_once_per_optimizer_step():
     assert kept["allgathers"] < base["allgathers"]
     everything = _compare(2, 2, _cfg("aot_eager", 1024.0))[0]["stats"]
     # every parameter kept: one gather per parameter per optimizer step (10 steps), nothing more
-    n_params = 28
+    n_params = 26  # tests.workloads.MODEL (the tied weight once)
     assert everything["allgathers"] <= 10 * n_params < kept["allgathers"]
 
 
