@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("live_gathered", []() { return dc::runtime().live_gathered(); });
   m.def("check_idle", []() { dc::runtime().check_idle(); });
   m.def("invalidate_persistent", []() { if (dc::has_runtime()) dc::runtime().invalidate_persistent(); });
+  m.def("local_grad_bytes", []() { return dc::runtime().local_grad_bytes(); });
   m.def("persistent_bytes", []() { return dc::runtime().persistent_bytes(); });
   m.def("reset_stats", []() { dc::runtime().reset_stats(); });
   m.def("stats", []() {

@@ -84,11 +84,12 @@ void Runtime::track_live(const at::Tensor& buffer, int64_t id) {
 }
 
 std::vector<int64_t> Runtime::live_gathered() {
+  // transient gathered buffers still alive (kept, selectively unsharded parameters excluded)
   std::vector<int64_t> ids;
   std::vector<std::pair<int64_t, c10::weak_intrusive_ptr<c10::StorageImpl>>> keep;
   for (auto& e : live_) {
     if (!e.second.expired()) {
-      ids.push_back(e.first);
+      if (persistent_.find(e.first) == persistent_.end()) ids.push_back(e.first);
       keep.push_back(e);
     }
   }

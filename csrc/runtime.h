@@ -87,6 +87,11 @@ class Runtime {
   at::Tensor gather_persistent(const at::Tensor& shard, int64_t id);
   void invalidate_persistent() { persistent_.clear(); }
   int64_t persistent_bytes() const;
+  int64_t local_grad_bytes() const {
+    int64_t b = 0;
+    for (auto& kv : local_grads_) b += kv.second.nbytes();
+    return b;
+  }
 
   // gradients: bucketed reduce-scatter, accumulated into each shard's .grad
   void add_grad(const at::Tensor& grad, int64_t id);

@@ -1,4 +1,4 @@
-"""The public API: initialize, full_state_dict, load_full_state_dict."""
+"""The public API: initialize, full_state_dict, load_full_state_dict, destroy."""
 from __future__ import annotations
 
 import os

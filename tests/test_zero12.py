@@ -20,6 +20,11 @@ def test_stage_matches_unsharded(stage, accumulation):
     assert st["persistent_hits"] > 0
     # optimizer state lives on the shard only
     assert results[0]["shard_numel"] < sum(v.numel() for v in results[0]["state"].values()) / 2 + 1000
+    # the reference design's ZeRO-1 bug (seeds/003): gradient buffers alive into the optimizer
+    # step. Here nothing but the shard-sized gradients the optimizer reads exists at that point.
+    for local_bytes, grad_numel, shard_numel in results[0]["grads_at_step"]:
+        assert local_bytes == 0 and grad_numel <= shard_numel
+    assert len(results[0]["grads_at_step"]) == STEPS
     if stage == 1 and accumulation == 2:
         # ZeRO-1 communicates only at the accumulation boundary: half the micro-batches sum locally
         assert st["local_accumulations"] == st["reduce_calls"] / 2, st

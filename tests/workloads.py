@@ -70,6 +70,12 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
     cfg = dict(config)
     cfg["gradient_accumulation_steps"] = accumulation
     model, opt = deepcompile.initialize(make_model(**(model_overrides or {})), make_optimizer, cfg)
+    # what gradient memory exists when the optimizer steps: only the shards' .grad may remain
+    at_step = []
+    opt.register_step_pre_hook(lambda *_: at_step.append(
+        (int(ops.C.local_grad_bytes()),
+         sum(p.grad.numel() for p in model.parameters() if p.grad is not None),
+         sum(p.numel() for p in model.parameters() if p.requires_grad))))
     device = next(model.parameters()).device
     losses, live_after_fwd, live_after_bwd = [], [], []
     for s in range(steps):
@@ -92,6 +98,7 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
         "live_after_fwd": live_after_fwd,
         "live_after_bwd": live_after_bwd,
         "stats": dict(ops.C.stats()),
+        "grads_at_step": at_step,
         "n_params": len(ops.PARAMS),
         "graphs": [(v.graph_id, v.kind, v.after, v.nodes) for v in model.dc_graphs],
     }
