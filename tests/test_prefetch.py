@@ -81,19 +81,12 @@ def test_prefetch_moves_gathers_earlier_within_budget():
     assert r_small["losses"] == r_large["losses"]
 
 
-def _scheduled(rank, world):
-    import gc
-    import weakref
+def _train(model, opt, rank, world, steps, after=None):
+    """The plain loop on this rank's slice of the global batch; returns the losses."""
+    from tests.workloads import LOCAL_BATCH, global_batch
 
-    import deepcompile
-    from tests.workloads import LOCAL_BATCH, global_batch, make_model, make_optimizer
-
-    cfg = {"compiler": "aot_eager", "passes": ["zero3"],
-           "schedule": [{"step": 2, "passes": ["zero3", _prefetch(64.0, 64.0)]}]}
-    model, opt = deepcompile.initialize(make_model(), make_optimizer, cfg)
-    old_graphs = []
     losses = []
-    for s in range(4):
+    for s in range(steps):
         x, y = global_batch(s, 0, world)
         sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
         loss = model(x[sl], y[sl])
@@ -101,8 +94,28 @@ def _scheduled(rank, world):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if after is not None:
+            after(s)
+    return losses
+
+
+def _scheduled(rank, world):
+    import gc
+    import weakref
+
+    import deepcompile
+    from tests.workloads import make_model, make_optimizer
+
+    cfg = {"compiler": "aot_eager", "passes": ["zero3"],
+           "schedule": [{"step": 2, "passes": ["zero3", _prefetch(64.0, 64.0)]}]}
+    model, opt = deepcompile.initialize(make_model(), make_optimizer, cfg)
+    old_graphs = []
+
+    def after(s):
         if s == 0:
-            old_graphs = [weakref.ref(g) for g in model.dc_backend.compiled.values()]
+            old_graphs.extend(weakref.ref(g) for g in model.dc_backend.compiled.values())
+
+    losses = _train(model, opt, rank, world, 4, after)
     gc.collect()
     alive = sum(r() is not None for r in old_graphs)
     versions = sorted({(v.step, v.after) for v in model.dc_graphs})
@@ -124,7 +137,7 @@ def test_pass_schedule_recompiles_without_leaking():
 def _profiled(rank, world):
     import deepcompile
     from deepcompile.profile import profiler
-    from tests.workloads import LOCAL_BATCH, global_batch, make_model, make_optimizer
+    from tests.workloads import make_model, make_optimizer
 
     # ranks measure slightly different latencies (as real ranks do); decisions must still agree
     orig = profiler.ProfilingInterpreter.run_node
@@ -139,15 +152,7 @@ def _profiled(rank, world):
     cfg = {"compiler": "aot_eager", "passes": ["zero3"], "profile_step": 1,
            "schedule": [{"step": 2, "passes": ["zero3", _prefetch(64.0, 0.0)]}]}
     model, opt = deepcompile.initialize(make_model(), make_optimizer, cfg)
-    losses = []
-    for s in range(4):
-        x, y = global_batch(s, 0, world)
-        sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-        loss = model(x[sl], y[sl])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _train(model, opt, rank, world, 4)
     prof = model.dc_profile
     flat = [(k, n.name, n.latency_ms, n.peak_bytes) for k, gp in sorted(prof.graphs.items()) for n in gp.nodes]
     final = [v.nodes for v in model.dc_graphs if v.step == 2 and v.after == "prefetch"]
