@@ -176,29 +176,27 @@ class RunRecorder:
         replaces the earlier one."""
         for g in ([graphs] if isinstance(graphs, dict) else graphs):
             self._profile[(int(g["graph_id"]), str(g["kind"]))] = dict(g)
-        path = self.dir / S.PROFILE
-        obj = {"graphs": list(self._profile.values())}
-        S.check_profile(str(path), obj)
-        write_json(path, obj)
+        self._write_checked(S.PROFILE, {"graphs": list(self._profile.values())}, S.check_profile)
 
     def schedule(self, events: Iterable[dict], *, replace: bool = False) -> None:
         """Record schedule events ``{graph_id, kind, node, stream, start_us, end_us, source}``."""
         if replace:
             self._events = []
         self._events.extend(dict(e) for e in events)
-        path = self.dir / S.SCHEDULE
-        obj = {"events": self._events}
-        S.check_schedule(str(path), obj)
-        write_json(path, obj)
+        self._write_checked(S.SCHEDULE, {"events": self._events}, S.check_schedule)
 
     def memory(self, samples: Iterable[dict], *, replace: bool = False) -> None:
         """Record memory timeline samples ``{t_us | node_index, allocated_bytes, reserved_bytes}``."""
         if replace:
             self._samples = []
         self._samples.extend(dict(s) for s in samples)
-        path = self.dir / S.MEMORY
-        obj = {"samples": self._samples}
-        S.check_memory(str(path), obj)
+        self._write_checked(S.MEMORY, {"samples": self._samples}, S.check_memory)
+
+    def _write_checked(self, name: str, obj: dict, check) -> None:
+        """Validate with the reader's own schema check before writing: a record we write is
+        always one we can read back."""
+        path = self.dir / name
+        check(str(path), obj)
         write_json(path, obj)
 
     # ------------------------------------------------------------------ end
