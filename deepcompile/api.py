@@ -12,7 +12,8 @@ from torch import nn
 from deepcompile import compat
 from deepcompile.backend import Backend
 from deepcompile.config import Config
-from deepcompile.runtime import ops
+from deepcompile.runtime import ops, optimizer_state
+from deepcompile.runtime.offload import ENGINE
 from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -48,6 +49,7 @@ class DeepCompileModel(nn.Module):
         # Drop every compiled graph before compiling the new pass list: the old graphs (and
         # the memory their code objects pin) must not survive the switch.
         compat.reset_dynamo(self.module)
+        optimizer_state.MANAGER.plan(0)  # the new pass list decides again (nothing, without offload_optimizer)
         self.dc_backend.use_passes(passes, self.dc_step, profiling)
         object.__setattr__(self, "_dc_passes", passes)
         object.__setattr__(self, "_dc_compiled", torch.compile(self.module, backend=self.dc_backend))
@@ -116,6 +118,7 @@ def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int, sync_only_at_
     only its bound ``step`` and ``zero_grad`` are wrapped on the instance.
     """
     if accumulation == 1:
+        opt.dc_next_is_boundary = lambda: True
         return opt
     inner_step, inner_zero = opt.step, opt.zero_grad
     state = {"micro": 0, "stepped": False}
@@ -142,6 +145,8 @@ def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int, sync_only_at_
 
     opt.step, opt.zero_grad = step, zero_grad
     opt.dc_micro_steps = lambda: state["micro"]
+    # the backward running now ends an accumulation window (the next step() really steps)
+    opt.dc_next_is_boundary = lambda: (state["micro"] + 1) % accumulation == 0
     return opt
 
 
@@ -202,7 +207,9 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
         raise TypeError(f"deepcompile.initialize: make_optimizer returned {type(opt).__name__}, "
                         "expected a torch.optim.Optimizer")
     opt.register_step_post_hook(wrapped._dc_on_optimizer_step)  # real steps only (not accumulation)
-    return wrapped, _wrap_optimizer(opt, cfg.gradient_accumulation_steps, cfg.zero_stage == 1)
+    opt = _wrap_optimizer(opt, cfg.gradient_accumulation_steps, cfg.zero_stage == 1)
+    optimizer_state.MANAGER.attach(opt, opt.dc_next_is_boundary)  # idle unless offload_optimizer plans
+    return wrapped, opt
 
 
 def _gather_full(sp: ShardedParam, group) -> torch.Tensor:
@@ -272,6 +279,8 @@ def destroy(model: DeepCompileModel) -> None:
     if not isinstance(model, DeepCompileModel):
         raise TypeError("deepcompile.destroy expects the model returned by deepcompile.initialize")
     compat.reset_dynamo(model.module)
+    optimizer_state.MANAGER.detach()
+    ENGINE.release_buffers()
     C = ops.ensure_registered()
     C.cleanup()
     ops.PARAMS.clear()

@@ -97,9 +97,15 @@ def inductor_compile(gm: fx.GraphModule, example_inputs, run_passes: Callable[[f
     # reorder_for_peak_memory (on by default in 2.11 and 2.13) moves each allgather down to
     # just before its wait, since that lowers peak memory, which undoes the prefetch pass. Our
     # passes own where communication happens, within their own memory budget.
-    return cfx.compile_fx(gm, example_inputs, inner_compile=inner,
-                          config_patches={"joint_custom_pre_pass": _JointPass(joint_pass),
-                                          "reorder_for_peak_memory": False})
+    # AOTAutograd's cache (on by default in 2.11 and 2.13) keys on the Dynamo graph, which is
+    # the same before and after a pass-schedule switch, and a hit skips partitioning *and*
+    # inner_compile: our passes would not run (no graph versions for the record, no offload
+    # plan) and a different pass list could get the old artifact. Inductor's FX graph cache
+    # stays on: it keys on the graph after our passes, so it is exact and keeps warm compiles fast.
+    with torch._functorch.config.patch(enable_autograd_cache=False):
+        return cfx.compile_fx(gm, example_inputs, inner_compile=inner,
+                              config_patches={"joint_custom_pre_pass": _JointPass(joint_pass),
+                                              "reorder_for_peak_memory": False})
 
 
 try:  # the base class exists in 2.11 and 2.13; Inductor hashes uuid() into its cache key
@@ -184,3 +190,22 @@ def reset_dynamo(model=None) -> None:
             continue
         for k in [k for k in g if k.startswith("__compiled_fn_")]:
             del g[k]
+
+
+def saved_outputs_start(fw: fx.GraphModule) -> int | None:
+    """Index of the first forward output that is saved for backward (None if unknown).
+
+    AOTAutograd's forward graph returns mutated inputs, user outputs and RNG offsets first and
+    the saved activations after them; ``ViewAndMutationMeta.num_forward`` counts the former and
+    sits on the tracing context while the forward compiler runs (2.11 and 2.13). Inductor also
+    records ``user_visible_output_idxs`` on the output node, used when the context is missing.
+    """
+    ctx = torch._guards.TracingContext.try_get()
+    meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
+    if meta is not None and hasattr(meta, "num_forward"):
+        return int(meta.num_forward)
+    out = next(n for n in fw.graph.nodes if n.op == "output")
+    idxs = out.meta.get("user_visible_output_idxs")
+    if idxs:
+        return max(idxs) + 1
+    return None

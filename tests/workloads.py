@@ -78,6 +78,7 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
          sum(p.numel() for p in model.parameters() if p.requires_grad))))
     device = next(model.parameters()).device
     losses, live_after_fwd, live_after_bwd = [], [], []
+    state_bytes_between_steps = []  # optimizer-state storage the device holds during fwd/bwd
     for s in range(steps):
         for j in range(accumulation):
             x, y = global_batch(s, j, world, device)
@@ -89,7 +90,12 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
             opt.step()
             opt.zero_grad()
             losses.append(loss.item())
+            state_bytes_between_steps.append(sum(
+                v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
+                if isinstance(v, torch.Tensor) and v.numel() > 1))
     full = deepcompile.full_state_dict(model)
+    from deepcompile.runtime import optimizer_state
+    from deepcompile.runtime.offload import ENGINE
     shard_numel = sum(p.numel() for p in model.parameters())
     return {
         "losses": losses,
@@ -98,6 +104,9 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
         "live_after_fwd": live_after_fwd,
         "live_after_bwd": live_after_bwd,
         "stats": dict(ops.C.stats()),
+        "state_bytes_between_steps": state_bytes_between_steps,
+        "state_total_bytes": optimizer_state.MANAGER.total_bytes(),
+        "offload_stats": {**ENGINE.stats, **optimizer_state.MANAGER.stats},
         "grads_at_step": at_step,
         "n_params": len(ops.PARAMS),
         "graphs": [(v.graph_id, v.kind, v.after, v.nodes) for v in model.dc_graphs],

@@ -110,5 +110,8 @@ def ensure_registered():
                torch.ops.dc.end_backward.default):
         compat.mark_side_effect(op)
     compat.never_reuse_output(torch.ops.dc.gather_persistent.default)
+    from deepcompile.runtime import offload
+
+    offload.define_ops()
     _REGISTERED = True
     return C

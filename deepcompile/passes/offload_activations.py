@@ -1,0 +1,180 @@
+"""offload_activations: large saved-for-backward tensors wait for backward in host memory.
+
+Forward: each chosen activation (an output of the forward graph that backward reads, at least
+``min_mb``) gets ``dc.offload_activation`` right after its last forward use, its own or a view's:
+the copy to pinned host memory starts there and the device storage is freed when it ends.
+Backward: ``dc.reload_activation`` starts the copy back ahead of the first use, early enough that
+the measured compute in between covers the transfer (``lookahead_nodes`` nodes ahead without a
+profile), and ``dc.wait_activation`` makes compute wait for it at the first use.
+
+Which ones: the earliest-produced first (backward needs them last, so their reload has the most
+time), until what stays on the device is at most ``keep_mb``. Tensors that share storage with
+another output, a view, or a graph input are never chosen: freeing their storage would destroy
+the others (the runtime checks the storage again before freeing it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from deepcompile import compat
+from deepcompile.params import spec
+from deepcompile.passes.registry import PassContext, register_pass
+from deepcompile.passes.zero3 import alias_closure, is_view
+
+DC = torch.ops.dc
+MIB = 2 ** 20
+
+# graph id -> {forward node name: activation id}, written by the forward pass, read by backward
+# (AOTAutograd names backward's saved-tensor inputs after the forward nodes that produced them).
+PLANS: dict[int, dict[str, int]] = {}
+
+
+@dataclass
+class OffloadActivationsParams:
+    min_mb: float = spec(1.0, min=0.0, max=1e9, help="only saved activations at least this large (MiB) are offloaded")
+    keep_mb: float = spec(0.0, min=0.0, max=1e9,
+                          help="saved-activation memory (MiB) that stays on the device; the earliest-produced rest is offloaded")
+    h2d_gbps: float = spec(20.0, min=0.1, max=10000.0,
+                           help="host-to-device bandwidth (GB/s) assumed when timing reloads against the profile")
+    lookahead_nodes: int = spec(8, min=0, max=100000,
+                                help="without a profile: how many backward nodes ahead of its first use a reload starts")
+
+
+def _nbytes(n: fx.Node) -> int:
+    v = n.meta.get("val")
+    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+
+
+def _root(n: fx.Node) -> fx.Node:
+    while is_view(n) and n.args and isinstance(n.args[0], fx.Node):
+        n = n.args[0]
+    return n
+
+
+def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str]:
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    start = compat.saved_outputs_start(gm)
+    if start is None:
+        return [], "cannot tell saved activations from user outputs: nothing offloaded"
+    roots: dict[fx.Node, int] = {}
+    for o in outs:
+        if isinstance(o, fx.Node):
+            r = _root(o)
+            roots[r] = roots.get(r, 0) + 1
+    chosen, seen = [], set()
+    for o in outs[start:]:
+        if not isinstance(o, fx.Node) or o in seen:
+            continue
+        seen.add(o)
+        v = o.meta.get("val")
+        if (o.op != "call_function" or is_view(o) or not isinstance(v, torch.Tensor)
+                or roots.get(o, 0) != 1 or _nbytes(o) < ctx.params.min_mb * MIB):
+            continue
+        if getattr(o.target, "namespace", None) == "dc":
+            continue  # gathered parameters belong to the runtime
+        chosen.append(o)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    chosen.sort(key=order.__getitem__)
+    keep = ctx.params.keep_mb * MIB
+    total = sum(_nbytes(n) for n in chosen)
+    picked = []
+    for n in chosen:  # earliest first, until what is left on the device fits keep_mb
+        if total <= keep:
+            break
+        picked.append(n)
+        total -= _nbytes(n)
+    return picked, f"{len(picked)} of {len(chosen)} saved activations >= {ctx.params.min_mb:g} MiB"
+
+
+def _readers(users: list[fx.Node]) -> list[fx.Node]:
+    """Tensor outputs of ``users`` (through getitem for multi-output ops)."""
+    out = []
+    for u in users:
+        v = u.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            out.append(u)
+        elif isinstance(v, (list, tuple)):
+            out.extend(g for g in u.users if isinstance(g.meta.get("val"), torch.Tensor))
+    return out
+
+
+def offload_forward(gm: fx.GraphModule, ctx: PassContext) -> None:
+    g = gm.graph
+    picked, why = candidates(gm, ctx)
+    order = {n: i for i, n in enumerate(g.nodes)}
+    plan, nbytes = {}, 0
+    for aid, n in enumerate(picked):
+        closure = alias_closure(n)
+        users = [u for a in closure for u in a.users
+                 if u.op != "output" and u not in closure and u.target is not DC.offload_activation.default]
+        readers = _readers(users)
+        last = max(users + closure + readers, key=order.__getitem__)
+        with g.inserting_after(last):
+            op = g.call_function(DC.offload_activation.default, (n, readers, aid))
+        op.meta["val"] = None
+        plan[n.name] = aid
+        nbytes += _nbytes(n)
+    PLANS[ctx.graph_id] = plan
+    ctx.notes.append(f"offloaded: {why}, {nbytes / MIB:.1f} MiB")
+
+
+def _reload_point(nodes: list[fx.Node], first: int, nbytes: int, ctx: PassContext) -> int:
+    """Index in ``nodes`` before which the reload goes."""
+    gp = ctx.profile.get(ctx.graph_id, ctx.kind) if ctx.profile is not None else None
+    if gp is None:
+        return max(0, first - ctx.params.lookahead_nodes)
+    need_ms = nbytes / (ctx.params.h2d_gbps * 1e9) * 1e3
+    lat = gp.by_name()
+    i, covered = first, 0.0
+    while i > 0 and covered < need_ms:
+        i -= 1
+        p = lat.get(nodes[i].name)
+        covered += p.latency_ms if p is not None else 0.0
+    return i
+
+
+def reload_backward(gm: fx.GraphModule, ctx: PassContext) -> None:
+    g = gm.graph
+    plan = PLANS.get(ctx.graph_id, {})
+    placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
+    found = 0
+    for name, aid in plan.items():
+        p = placeholders.get(name)
+        if p is None:
+            continue
+        nodes = [n for n in g.nodes if n.op == "call_function"]
+        index = {n: i for i, n in enumerate(nodes)}
+        users = [u for a in alias_closure(p) for u in a.users if u.op == "call_function" and u is not a]
+        users = [u for u in users if u in index]
+        out = next(n for n in g.nodes if n.op == "output")
+        first = min((index[u] for u in users), default=None)
+        at_first = nodes[first] if first is not None else out
+        with g.inserting_before(at_first):
+            w = g.call_function(DC.wait_activation.default, (p, aid))
+        w.meta["val"] = None
+        start = _reload_point(nodes, first if first is not None else len(nodes), _nbytes(p), ctx)
+        before = nodes[start] if start < len(nodes) and (first is None or start < first) else w
+        with g.inserting_before(before):
+            r = g.call_function(DC.reload_activation.default, (p, aid))
+        r.meta["val"] = None
+        found += 1
+    ctx.notes.append(f"reloads: {found} of {len(plan)} offloaded activations "
+                     f"({'profile-guided' if ctx.profile is not None else f'{ctx.params.lookahead_nodes} nodes ahead'})")
+
+
+@register_pass("offload_activations", OffloadActivationsParams)
+def offload_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Offload large saved activations to host memory between their forward and backward uses."""
+    if ctx.kind == "forward":
+        offload_forward(gm, ctx)
+    elif ctx.kind == "backward":
+        reload_backward(gm, ctx)
+    else:
+        return gm
+    gm.graph.lint()
+    gm.recompile()
+    return gm

@@ -1,0 +1,244 @@
+"""Host offload: pinned host buffers, copy streams, and the graph ops that use them.
+
+A tensor is offloaded by copying it to a host buffer and then *freeing its storage*
+(``untyped_storage().resize_(0)``) while the tensor object, its shape and its place in autograd
+or in the optimizer's state stay as they were; reloading re-allocates the storage and copies the
+bytes back. Nothing else that holds the tensor has to know. This is the same trick FSDP uses for
+unsharded parameters, and it keeps every graph's tensor metadata (device, shape, strides) intact,
+so Inductor and AOTAutograd see nothing unusual.
+
+On CUDA the copies run on two side streams (device-to-host, host-to-device) into pinned memory,
+ordered by events: an offload waits for the compute that produced the tensor, its storage goes
+back to the caching allocator only when the copy is done (``record_stream``), and compute waits
+for a reload only where the value is next used. On the CPU (gloo) there is no device memory to
+save: the same code path copies to a separate host buffer synchronously, which keeps the
+numerics and the lifetimes testable.
+
+Graph ops (Python custom ops in the ``dc`` namespace, fake impls included). Each takes the tensor
+it acts on as a mutated argument: that orders it after the tensor's producer and before its later
+readers in FX and Inductor, and no output is needed.
+
+* ``dc.offload_activation(t, after, id)``  forward, after ``t``'s last forward use: start the copy
+  out. ``after`` are the outputs of ``t``'s forward readers: Inductor computes a pointwise reader
+  lazily, and only an extern kernel's *inputs* are sure to be materialised before it runs, so
+  without them the copy could overtake a fused kernel that still reads ``t``
+* ``dc.reload_activation(t, id)``    backward, ahead of the first use: start the copy back
+* ``dc.wait_activation(t, id)``      backward, at the first use: compute waits for the copy
+* ``dc.reload_optimizer_state(anchor)``  backward: start bringing offloaded optimizer state back
+  (see :mod:`deepcompile.runtime.optimizer_state`)
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+
+_lib: torch.library.Library | None = None
+
+
+class OffloadError(RuntimeError):
+    pass
+
+
+def pinned_supported() -> bool:
+    """Whether page-locked host memory can be allocated here (CUDA build with a device)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        torch.empty(1, pin_memory=True)
+        return True
+    except RuntimeError:
+        return False
+
+
+@dataclass
+class _Pending:
+    ref: weakref.ref              # the offloaded storage (freed meanwhile); compiled code may hand
+                                  # us a different tensor object over it at reload, so match storages
+    host: torch.Tensor
+    nbytes: int
+    d2h_done: object = None       # CUDA event, or None on CPU
+    h2d_done: object = None
+    state: str = "offloaded"      # offloaded -> reloading -> resident
+
+
+@dataclass
+class CopyEngine:
+    """Streams, host buffers and in-flight copies for one process."""
+    pools: dict = field(default_factory=dict)        # nbytes -> [(host buffer, event it is free after)]
+    pending: dict = field(default_factory=dict)      # key -> list[_Pending]
+    stats: dict = field(default_factory=lambda: {"offloads": 0, "reloads": 0, "skipped": 0,
+                                                 "offloaded_bytes": 0, "peak_host_bytes": 0})
+    host_bytes: int = 0
+    _streams: dict = field(default_factory=dict)
+
+    # ---------------------------------------------------------------- buffers and streams
+    def _stream(self, device: torch.device, which: str):
+        key = (which, device.index)
+        if key not in self._streams:
+            self._streams[key] = torch.cuda.Stream(device=device)
+        return self._streams[key]
+
+    def _host_buffer(self, t: torch.Tensor):
+        """A host buffer for ``t``'s storage, and the event its previous copy-back recorded
+        (None for a new buffer): the next copy into it must wait for that event."""
+        nbytes = t.untyped_storage().nbytes()
+        pool = self.pools.setdefault(nbytes, [])
+        if pool:
+            return pool.pop()
+        cuda = t.device.type == "cuda"
+        try:
+            buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+        except RuntimeError as e:
+            raise OffloadError(
+                f"deepcompile offload: cannot allocate {nbytes / 2**20:.1f} MiB of pinned host memory "
+                f"({e}). Pinned memory needs a CUDA build with a working driver and enough lockable "
+                "host memory (ulimit -l); remove the offload pass or lower what it offloads.") from e
+        self.host_bytes += nbytes
+        self.stats["peak_host_bytes"] = max(self.stats["peak_host_bytes"], self.host_bytes)
+        return buf, None
+
+    def release_buffers(self) -> None:
+        self.pools.clear()
+        self.pending.clear()
+        self.host_bytes = 0
+
+    # ---------------------------------------------------------------- copies
+    @staticmethod
+    def offloadable(t: torch.Tensor) -> bool:
+        """Only a tensor that owns its whole storage can have it freed: freeing a storage that
+        other views share would destroy them."""
+        st = t.untyped_storage()
+        return (st.nbytes() > 0 and t.storage_offset() == 0 and t.is_contiguous()
+                and st.nbytes() == t.numel() * t.element_size())
+
+    def offload(self, t: torch.Tensor, key) -> bool:
+        """Copy ``t`` out and free its storage. Returns False (and leaves ``t`` alone) when
+        ``t`` shares its storage with other tensors."""
+        if not self.offloadable(t):
+            self.stats["skipped"] += 1
+            return False
+        self._prune(key)
+        st = t.untyped_storage()
+        nbytes = st.nbytes()
+        host, free_after = self._host_buffer(t)
+        src = t.detach().view(-1).view(torch.uint8)
+        if t.device.type == "cuda":
+            s = self._stream(t.device, "d2h")
+            s.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(s):
+                if free_after is not None:
+                    s.wait_event(free_after)  # the buffer's last copy back must have read it
+                host.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(s)
+            t.record_stream(s)  # the allocator must not hand the freed block out before the copy ends
+        else:
+            host.copy_(src)
+            ev = None
+        st.resize_(0)
+        self.pending.setdefault(key, []).append(_Pending(weakref.ref(st), host, nbytes, d2h_done=ev))
+        self.stats["offloads"] += 1
+        self.stats["offloaded_bytes"] += nbytes
+        return True
+
+    def _find(self, t: torch.Tensor, key) -> _Pending | None:
+        st = t.untyped_storage()
+        for p in self.pending.get(key, []):
+            if p.ref() is st:
+                return p
+        return None
+
+    def reload(self, t: torch.Tensor, key) -> None:
+        """Re-allocate ``t``'s storage and start copying its bytes back (no-op if not offloaded)."""
+        p = self._find(t, key)
+        if p is None or p.state != "offloaded":
+            return
+        st = t.untyped_storage()
+        st.resize_(p.nbytes)
+        dst = t.detach().view(-1).view(torch.uint8)
+        if t.device.type == "cuda":
+            s = self._stream(t.device, "h2d")
+            # the new block may still be read by compute issued before it was freed: wait for it
+            s.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(s):
+                s.wait_event(p.d2h_done)
+                dst.copy_(p.host, non_blocking=True)
+                p.h2d_done = torch.cuda.Event()
+                p.h2d_done.record(s)
+        else:
+            dst.copy_(p.host)
+        p.state = "reloading"
+        self.stats["reloads"] += 1
+
+    def wait(self, t: torch.Tensor, key) -> None:
+        """Make the current stream wait for ``t``'s reload (starting it if nobody did)."""
+        p = self._find(t, key)
+        if p is None:
+            return
+        if p.state == "offloaded":
+            self.reload(t, key)
+        if p.h2d_done is not None:
+            torch.cuda.current_stream(t.device).wait_event(p.h2d_done)
+        self._retire(key, p)
+
+    def _retire(self, key, p: _Pending) -> None:
+        p.state = "resident"
+        self.pending[key].remove(p)
+        self.pools.setdefault(p.nbytes, []).append((p.host, p.h2d_done))
+
+    def _prune(self, key) -> None:
+        """Entries whose storage died without a reload (forward without backward): recycle."""
+        live = []
+        for p in self.pending.get(key, []):
+            if p.ref() is None:
+                self.pools.setdefault(p.nbytes, []).append((p.host, p.d2h_done))
+            else:
+                live.append(p)
+        self.pending[key] = live
+
+
+ENGINE = CopyEngine()
+
+
+# -------------------------------------------------------------------- graph ops
+def _offload_activation(t: torch.Tensor, after: list[torch.Tensor], aid: int) -> None:
+    ENGINE.offload(t, ("act", aid))
+
+
+def _reload_activation(t: torch.Tensor, aid: int) -> None:
+    ENGINE.reload(t, ("act", aid))
+
+
+def _wait_activation(t: torch.Tensor, aid: int) -> None:
+    ENGINE.wait(t, ("act", aid))
+
+
+def _reload_optimizer_state(anchor: torch.Tensor) -> None:
+    from deepcompile.runtime import optimizer_state
+
+    optimizer_state.MANAGER.reload_from_graph()
+
+
+def define_ops() -> None:
+    """Define the ``dc`` offload ops (idempotent; called by ``ops.ensure_registered``)."""
+    global _lib
+    if _lib is not None:
+        return
+    from deepcompile import compat
+
+    lib = torch.library.Library("dc", "FRAGMENT")
+    defs = {
+        "offload_activation(Tensor(a!) t, Tensor[] after, int id) -> ()": _offload_activation,
+        "reload_activation(Tensor(a!) t, int id) -> ()": _reload_activation,
+        "wait_activation(Tensor(a!) t, int id) -> ()": _wait_activation,
+        "reload_optimizer_state(Tensor(a!) anchor) -> ()": _reload_optimizer_state,
+    }
+    for schema, fn in defs.items():
+        name = schema.split("(")[0]
+        lib.define(schema)
+        lib.impl(name, fn, "CompositeExplicitAutograd")
+        torch.library.register_fake(f"dc::{name}", lambda *a, **k: None, lib=lib)
+        compat.mark_side_effect(getattr(torch.ops.dc, name).default)
+    _lib = lib

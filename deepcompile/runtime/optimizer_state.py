@@ -1,0 +1,141 @@
+"""Optimizer-state offload: the optimizer's state tensors (Adam's moments) spend forward and
+backward in host memory, as much of them as the plan asks; the optimizer math stays on the device.
+
+One step's lifecycle:
+
+* ``optimizer.step()`` ends: a post-step hook copies the planned state tensors out (side stream,
+  pinned memory) and frees their device storage;
+* forward and backward run without them;
+* in the backward that ends the accumulation window, ``dc.reload_optimizer_state`` (placed by the
+  ``offload_optimizer`` pass where the profile shows the rest of backward has room) starts the
+  copies back, overlapping the remaining backward compute;
+* ``optimizer.step()`` begins: a pre-step hook makes compute wait for the copies (starting any the
+  graph did not start, so a graph without the op is still correct, only slower).
+
+The plan is a byte count set by the pass at compile time (``None``: everything); which tensors
+make it up is decided when the state exists (Adam creates it in its first step), largest first.
+The master weights are the optimizer's parameters (this rank's shard) and stay on the device:
+ZeRO-3 gathers from them in every forward and backward.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from deepcompile.runtime.offload import ENGINE
+
+MIB = 2 ** 20
+
+
+class OptimizerStateOffload:
+    def __init__(self):
+        self.opt: torch.optim.Optimizer | None = None
+        self.target: int | None = 0          # bytes to offload; None = all
+        self.offloaded: list[tuple[tuple, torch.Tensor]] = []
+        self.is_boundary: Callable[[], bool] = lambda: True
+        self._hooks: list = []
+        self.stats = {"steps_offloaded": 0, "last_offloaded_bytes": 0, "graph_reloads": 0, "late_reloads": 0}
+
+    # ------------------------------------------------------------ wiring
+    def attach(self, opt: torch.optim.Optimizer, is_boundary: Callable[[], bool] | None = None) -> None:
+        self.detach()
+        self.opt = opt
+        self.is_boundary = is_boundary or (lambda: True)
+        self._hooks = [opt.register_step_pre_hook(lambda *_: self.bring_back()),
+                       opt.register_step_post_hook(lambda *_: self.send_out()),
+                       # a checkpoint must see the real values, not freed storage
+                       opt.register_state_dict_pre_hook(lambda *_: self.bring_back()),
+                       opt.register_load_state_dict_pre_hook(lambda *_: self.bring_back())]
+
+    def detach(self) -> None:
+        if self.offloaded:
+            self.bring_back()
+        for h in self._hooks:
+            h.remove()
+        self._hooks, self.opt, self.target = [], None, 0
+        self.stats = {k: 0 for k in self.stats}
+
+    def plan(self, nbytes: int | None) -> None:
+        """Bytes of state to keep on the host between steps (``None``: all of it). Takes effect
+        at the end of the next optimizer step."""
+        self.target = None if nbytes is None else max(0, int(nbytes))
+
+    # ------------------------------------------------------------ what there is
+    def state_tensors(self) -> list[tuple[tuple, torch.Tensor]]:
+        """(key, tensor) for every offloadable state tensor, in a fixed order (scalars such as
+        Adam's ``step`` stay where they are)."""
+        if self.opt is None:
+            return []
+        out = []
+        for gi, group in enumerate(self.opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                st = self.opt.state.get(p, {})
+                for name in sorted(st):
+                    v = st[name]
+                    if isinstance(v, torch.Tensor) and v.numel() > 1:
+                        out.append((("opt", gi, pi, name), v))
+        return out
+
+    def total_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.state_tensors())
+
+    def offloaded_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.offloaded)
+
+    def resident_bytes(self) -> int:
+        """State bytes on the device during forward and backward under the current plan."""
+        return self.total_bytes() - self.offloaded_bytes()
+
+    def choose(self) -> list[tuple[tuple, torch.Tensor]]:
+        items = self.state_tensors()
+        if self.target is None:
+            return items
+        ranked = sorted(range(len(items)), key=lambda i: (-items[i][1].numel() * items[i][1].element_size(), i))
+        chosen, acc = [], 0
+        for i in ranked:
+            if acc >= self.target:
+                break
+            chosen.append(i)
+            acc += items[i][1].numel() * items[i][1].element_size()
+        return [items[i] for i in sorted(chosen)]
+
+    # ------------------------------------------------------------ the step's lifecycle
+    def send_out(self) -> None:
+        if self.target == 0:
+            return
+        moved = []
+        for key, t in self.choose():
+            if ENGINE.offload(t, key):
+                moved.append((key, t))
+        self.offloaded = moved
+        self.stats["steps_offloaded"] += 1
+        self.stats["last_offloaded_bytes"] = self.offloaded_bytes()
+
+    def reload_from_graph(self) -> None:
+        """``dc.reload_optimizer_state``: start the copies back, in the backward that ends the
+        accumulation window (the others leave the state on the host)."""
+        if not self.offloaded or not self.is_boundary():
+            return
+        started = False
+        for key, t in self.offloaded:
+            p = ENGINE._find(t, key)
+            if p is not None and p.state == "offloaded":
+                ENGINE.reload(t, key)
+                started = True
+        if started:
+            self.stats["graph_reloads"] += 1
+
+    def bring_back(self) -> None:
+        late = False
+        for key, t in self.offloaded:
+            p = ENGINE._find(t, key)
+            if p is not None and p.state == "offloaded":
+                late = True
+            ENGINE.wait(t, key)
+        if late:
+            self.stats["late_reloads"] += 1
+        self.offloaded = []
+
+
+MANAGER = OptimizerStateOffload()
