@@ -60,6 +60,8 @@ class Config:
     mixed_precision: MixedPrecision = spec(default_factory=MixedPrecision, help="compute and reduce dtypes")
     reduce_bucket_size: int = spec(25_000_000, min=1, help="elements per gradient reduce-scatter bucket")
     max_inflight_reduces: int = spec(2, min=1, max=64, help="reduce-scatter buckets in flight before the oldest is waited for")
+    auto_schedule: bool = spec(True, help="ZeRO-3 with none of passes, schedule, profile_step given: compile "
+                                          "zero3 at step 0, profile step 1, then zero3+prefetch+selective_unshard")
 
     def validate(self, path: str = "config") -> None:
         first = "zero3" if self.zero_stage == 3 else "zero12"
@@ -98,19 +100,31 @@ class Config:
     @classmethod
     def load(cls, cfg: "Config | dict | str | os.PathLike | None") -> "Config":
         if cfg is None:
-            return build(cls, {}, "config")
+            cfg = {}
         if isinstance(cfg, Config):
-            return build(cls, asdict(cfg), "config")
+            return build(cls, asdict(cfg), "config")  # every key explicit: no auto schedule
         if isinstance(cfg, (str, os.PathLike)):
             try:
                 with open(cfg) as f:
-                    data = json.load(f)
+                    cfg = json.load(f)
             except FileNotFoundError:
                 raise ConfigError(f"config file {os.fspath(cfg)!r} does not exist") from None
             except json.JSONDecodeError as e:
                 raise ConfigError(f"config file {os.fspath(cfg)!r} is not valid JSON: {e}") from None
-            return build(cls, data, "config")
-        return build(cls, cfg, "config")
+        out = build(cls, cfg, "config")
+        if (isinstance(cfg, dict) and out.zero_stage == 3 and out.auto_schedule
+                and not {"passes", "schedule", "profile_step"} & set(cfg)):
+            out.apply_default_schedule()
+        return out
+
+    def apply_default_schedule(self) -> None:
+        """The default ZeRO-3 plan: compile with ``zero3`` (step 0), profile step 1 node by node
+        (warm kernels, training's own memory discipline), and from step 2 compile
+        ``zero3, prefetch, selective_unshard`` against that profile."""
+        self.profile_step = 1
+        self.schedule = [build(ScheduleEntry, {"step": 2, "passes": ["zero3", "prefetch", "selective_unshard"]},
+                               "config.schedule[0]")]
+        self.validate()
 
     def to_dict(self) -> dict:
         return asdict(self)

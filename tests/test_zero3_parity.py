@@ -51,8 +51,15 @@ def test_parity_aot_eager(world):
     _check_memory(results, world)
 
 
-def test_parity_gradient_accumulation():
-    _compare(2, 2, {"compiler": "aot_eager"})
+def test_parity_gradient_accumulation_default_schedule():
+    """The default ZeRO-3 config: zero3, a profiling step, then prefetch and selective_unshard
+    compiled from the profile, all while accumulating; numerics unchanged throughout."""
+    results = _compare(2, 2, {"compiler": "aot_eager", "default_schedule": True})
+    by_step = {}
+    for v in results[0]["versions"]:
+        by_step.setdefault(v[0], set()).add(v[1])
+    assert by_step[0] >= {"zero3"} and "prefetch" not in by_step[0], by_step
+    assert by_step[2] >= {"zero3", "prefetch", "selective_unshard"}, by_step
 
 
 @pytest.mark.slow

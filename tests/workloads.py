@@ -68,6 +68,9 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
     from deepcompile.runtime import ops
 
     cfg = dict(config)
+    if not cfg.pop("default_schedule", False):
+        # the tests of one pass list pin it (the default ZeRO-3 config profiles and re-compiles)
+        cfg.setdefault("passes", ["zero3"])
     cfg["gradient_accumulation_steps"] = accumulation
     model, opt = deepcompile.initialize(make_model(**(model_overrides or {})), make_optimizer, cfg)
     # what gradient memory exists when the optimizer steps: only the shards' .grad may remain
@@ -110,4 +113,5 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
         "grads_at_step": at_step,
         "n_params": len(ops.PARAMS),
         "graphs": [(v.graph_id, v.kind, v.after, v.nodes) for v in model.dc_graphs],
+        "versions": [(v.step, v.after) for v in model.dc_graphs],
     }
