@@ -56,6 +56,7 @@ DC_PASSES = {
 }
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 GIB = 2 ** 30
+TAG = "zero3"  # log prefix; benchmarks that import these helpers set their own
 
 
 # ----------------------------------------------------------------------------------------------
@@ -175,7 +176,7 @@ def environment(args, world: int) -> dict:
 
 def log(msg: str) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[zero3 {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+        print(f"[{TAG} {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
 def sync(args) -> None:
@@ -235,10 +236,12 @@ def make_batches(args, rank: int, vocab: int, device) -> list:
 # the systems: each returns (model, optimizer, autocast context factory, notes)
 # ----------------------------------------------------------------------------------------------
 
-def build_dc(name, base_model, args, dev):
+def build_dc(name, base_model, args, dev, extra=None):
+    """``extra``: config keys that override / add to the default (e.g. zero_stage, passes)."""
     import deepcompile
-    cfg = {"compiler": args.dc_compiler, "passes": list(DC_PASSES[name]),
+    cfg = {"compiler": args.dc_compiler, "passes": list(DC_PASSES.get(name, ["zero3"])),
            "mixed_precision": {"param_dtype": args.dtype, "reduce_dtype": args.dtype}}
+    cfg.update(copy.deepcopy(extra or {}))
     model = copy.deepcopy(base_model)
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), cfg)
     notes = {"config": cfg, "optimizer": f"torch.optim.AdamW(lr={args.lr}) over the fp32 flat shards",
@@ -255,6 +258,11 @@ def release_dc(model, opt) -> None:
     whose closure refers to the module, and something keeps that class alive), and with them every
     shard; without this each deepcompile system leaks its shards into the next system's memory.
     """
+    try:  # optimizer-state offload (offload_optimizer pass): unhook it from this optimizer first
+        from deepcompile.runtime import optimizer_state
+        optimizer_state.MANAGER.detach()
+    except Exception:  # noqa: BLE001  (not there in this version, or the state could not come back)
+        pass
     if opt is not None:
         opt.state.clear()
     if model is not None:
@@ -272,12 +280,19 @@ def teardown_dc() -> None:
         ops.PARAMS.clear()
     except Exception:
         pass
+    try:  # pinned host buffers of the offload engine
+        from deepcompile.runtime.offload import ENGINE
+        ENGINE.release_buffers()
+    except Exception:
+        pass
 
 
 _MESH = None
 
 
-def build_fsdp2(name, base_model, args, dev):
+def build_fsdp2(name, base_model, args, dev, offload_policy=None, opt_kwargs=None):
+    """``offload_policy``: passed to every fully_shard (e.g. CPUOffloadPolicy()); ``opt_kwargs``:
+    extra AdamW arguments (e.g. fused=True)."""
     from torch.distributed.device_mesh import init_device_mesh
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -291,11 +306,13 @@ def build_fsdp2(name, base_model, args, dev):
     model = copy.deepcopy(base_model)
     if name == "fsdp2_compiled":
         compile_layers(model)
+    extra = {} if offload_policy is None else {"offload_policy": offload_policy}
     for layer in model.model.layers:
-        fully_shard(layer, mesh=_MESH, mp_policy=mp)
-    fully_shard(model, mesh=_MESH, mp_policy=mp)
-    model.to(dev)  # fully_shard already moved the managed states; this is a no-op safety net
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        fully_shard(layer, mesh=_MESH, mp_policy=mp, **extra)
+    fully_shard(model, mesh=_MESH, mp_policy=mp, **extra)
+    if offload_policy is None:
+        model.to(dev)  # fully_shard already moved the managed states; this is a no-op safety net
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, **(opt_kwargs or {}))
     notes = {"what": "fully_shard(layer, mp_policy) for every decoder layer, then fully_shard(root); "
                      "reshard_after_forward left at its default (True)"
                      + ("; each decoder layer wrapped with torch.compile(layer) (default inductor) "
@@ -371,11 +388,15 @@ def _all_ok(ok: bool, dev) -> bool:
 def _record_error(res, name, rank, e) -> None:
     res["error"] = f"{type(e).__name__}: {e}"[:4000]
     res["traceback"] = traceback.format_exc()[-6000:]
-    print(f"[zero3 rank {rank}] {name} failed: {res['error'][:500]}", file=sys.stderr, flush=True)
+    print(f"[{TAG} rank {rank}] {name} failed: {res['error'][:500]}", file=sys.stderr, flush=True)
 
 
-def run_on_rank(name, base_model, batches, args, rank, dev, collective=True):
+def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, build=None, after_train=None):
     """This rank's part of one system. Never raises: errors come back in the dict.
+
+    ``build(name, base_model, args, dev) -> (model, opt, autocast, notes)`` replaces the built-in
+    choice by name prefix; ``after_train(model, opt, res)`` runs after the timed steps succeeded
+    (to read counters into ``res``).
 
     ``collective``: all ranks run this system, and agree after setup whether to train, so a setup
     failure on one rank does not leave the others waiting in a collective. A failure during the
@@ -393,7 +414,9 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True):
     try:
         t0 = time.perf_counter()
         _inject_failure(name, rank, "setup")
-        if name.startswith("dc_"):
+        if build is not None:
+            model, opt, ac, notes = build(name, base_model, args, dev)
+        elif name.startswith("dc_"):
             model, opt, ac, notes = build_dc(name, base_model, args, dev)
         elif name.startswith("fsdp2_"):
             model, opt, ac, notes = build_fsdp2(name, base_model, args, dev)
@@ -422,6 +445,8 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True):
             if args.device == "cuda":
                 res["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
                 res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+            if after_train is not None:
+                after_train(model, opt, res)
         except Exception as e:  # noqa: BLE001  (OOM, compile errors, anything: record and go on)
             _record_error(res, name, rank, e)
             del e
@@ -544,7 +569,7 @@ def plot(path, result) -> str | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except Exception as e:
-        print(f"[zero3] no plot: matplotlib unavailable ({e})", flush=True)
+        print(f"[{TAG}] no plot: matplotlib unavailable ({e})", flush=True)
         return None
     systems = result["systems"]
     names = list(systems)
@@ -600,8 +625,8 @@ def table(result) -> str:
 # main
 # ----------------------------------------------------------------------------------------------
 
-def main(argv=None):
-    args = parse_args(argv)
+def init_dist(args):
+    """The process group from torchrun's environment (or a 1-rank one); returns (rank, world, dev)."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
@@ -617,12 +642,12 @@ def main(argv=None):
                             **({"device_id": dev} if args.device == "cuda" else {}))
     rank, world = dist.get_rank(), dist.get_world_size()
     raise_dynamo_limits()
+    return rank, world, dev
 
-    env = environment(args, world)
-    if args.out is None:
-        args.out = os.path.join(REPO, "benchmarks", "results",
-                                f"zero3_{device_slug(env['device'], args.device)}_{world}gpu.json")
 
+def build_base_model(args):
+    """The Llama model of ``model_config_dict(args)``, random weights (seed), fp32, on CPU, the
+    same on every rank. Returns (model, config dict, parameter count)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     mcfg_d = model_config_dict(args)
     mcfg = LlamaConfig(**mcfg_d)
@@ -635,9 +660,21 @@ def main(argv=None):
     base_model = LlamaForCausalLM(mcfg).float()  # on CPU, identical on every rank
     base_model.train()
     n_params = sum(p.numel() for p in base_model.parameters())
-    log(f"model: {n_params / 1e6:.1f}M params, built on CPU in {time.perf_counter() - t0:.1f}s; "
+    log(f"model: {n_params / 1e6:.1f}M params, built on CPU in {time.perf_counter() - t0:.1f}s")
+    return base_model, mcfg_d, n_params
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, dev = init_dist(args)
+    env = environment(args, world)
+    if args.out is None:
+        args.out = os.path.join(REPO, "benchmarks", "results",
+                                f"zero3_{device_slug(env['device'], args.device)}_{world}gpu.json")
+    base_model, mcfg_d, n_params = build_base_model(args)
+    log(f"model: {n_params / 1e6:.1f}M params; "
         f"{world} ranks, {args.device}, {args.dtype}; systems {args.systems}")
-    batches = make_batches(args, rank, mcfg.vocab_size, dev)
+    batches = make_batches(args, rank, mcfg_d["vocab_size"], dev)
 
     result = {
         "benchmark": "zero3",
