@@ -180,3 +180,43 @@ def test_shared_storage_is_never_freed():
     same = t.view(2, 2)                        # compiled code may hand back another tensor object
     e.wait(same, "k")
     assert torch.equal(t, torch.arange(4.0))
+
+
+def test_state_comes_back_progressively_as_backward_frees_memory():
+    """Profiled backward whose memory falls node by node: the first parts of the state come back
+    as soon as they fit, the rest later, all of it by the end."""
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from deepcompile.passes import offload_optimizer as P
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+    from deepcompile.runtime import optimizer_state
+
+    def f(x):
+        for _ in range(8):
+            x = torch.relu(x)
+        return x
+
+    gm = fx.symbolic_trace(f)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    m, opt, ps = _manager_with_state()
+    total = m.total_bytes()
+    # peaks fall from 2x to 0.25x the state's size over backward
+    prof = Profile(graphs={(0, "backward"): GraphProfile(0, "backward", [
+        NodeProfile(n.name, 1.0, 0, total * (8 - i) // 4, 0) for i, n in enumerate(calls)])})
+    saved, optimizer_state.MANAGER = optimizer_state.MANAGER, m
+    try:
+        room = 2 * total + total // 2  # half the state fits at node 0, 3/4 at node 1, all from node 2
+        params = P.OffloadOptimizerParams(limit_mb=room / 2**20, headroom_mb=0, reload_steps=4)
+        ctx = SimpleNamespace(params=params, profile=prof, graph_id=0, kind="backward")
+        parts = P.reload_positions(gm, ctx, None, torch.device("cpu"))
+        idx = [calls.index(n) if n in calls else len(calls) for n, _ in parts]
+        assert idx == [0, 1, 2], parts
+        assert [a for _, a in parts] == [total // 2, total * 3 // 4, -1], parts
+        no_prof = P.reload_positions(gm, SimpleNamespace(params=params, profile=None, graph_id=0,
+                                                         kind="backward"), None, torch.device("cpu"))
+        assert len(no_prof) == 1 and no_prof[0][0].op == "output" and no_prof[0][1] == -1
+    finally:
+        optimizer_state.MANAGER = saved
+        m.detach()

@@ -6,10 +6,12 @@ was resident while it was measured, is what the step needs without any state; ev
 tensors first). Without a profile all of it is offloaded, which is always safe, and the next
 compile after a profiling step trims it.
 
-In the graph the pass places ``dc.reload_optimizer_state`` in each backward graph at the earliest
-node from which the profiled memory plus the state coming back stays under the limit: the copies
-then overlap the rest of backward instead of stalling the optimizer step. Without a profile it
-goes just before the graph's end (no overlap, no risk). The offload itself happens after every
+In the graph the pass places ``dc.reload_optimizer_state`` in each backward graph, in
+``reload_steps`` parts: part k (the first k/K of the offloaded bytes) starts at the earliest node
+from which the profiled memory plus that much returning state stays under the limit. As backward
+frees activations the state comes back progressively, and the copies overlap the rest of backward
+instead of stalling the optimizer step. Without a profile one reload goes just before the graph's
+end (no overlap, no risk). The offload itself happens after every
 optimizer step (:mod:`deepcompile.runtime.optimizer_state`); the optimizer math stays on the device.
 """
 from __future__ import annotations
@@ -37,6 +39,8 @@ class OffloadOptimizerParams:
                                 "(as capped by set_per_process_memory_fraction)")
     headroom_mb: float = spec(1024.0, min=0.0, max=1e9,
                               help="memory (MiB) kept free under the limit for fragmentation and the allocator's slack")
+    reload_steps: int = spec(4, min=1, max=64,
+                             help="with a profile: bring the state back in this many parts, each as early as the memory allows")
 
 
 def device_limit_bytes(params: OffloadOptimizerParams, device: torch.device) -> int | None:
@@ -88,7 +92,9 @@ def plan_bytes(ctx: PassContext, device: torch.device) -> tuple[int | None, str]
         return None, "no profile yet: offload all optimizer state"
     if limit is None:
         return None, "no memory limit known (CPU, limit_mb 0): offload all optimizer state"
-    peak = max((n.peak_bytes for g in ctx.profile.graphs.values() for n in g.nodes), default=0)
+    # (the previous plan's own reloads are not part of what the step needs without state)
+    peak = max((n.peak_bytes for g in ctx.profile.graphs.values() for n in g.nodes
+                if not n.name.startswith("reload_optimizer_state")), default=0)
     base = peak - mgr.resident_bytes()   # the profiled peak without any optimizer state on the device
     total = mgr.total_bytes()
     room = limit - int(ctx.params.headroom_mb * MIB)
@@ -105,26 +111,41 @@ def plan_bytes(ctx: PassContext, device: torch.device) -> tuple[int | None, str]
     return need, why
 
 
-def reload_position(gm: fx.GraphModule, ctx: PassContext, nbytes: int | None, device: torch.device) -> fx.Node:
-    """The node before which the reload goes: the earliest from which every later node's profiled
-    peak plus the returning state stays under the limit (the end of the graph without a profile)."""
+def reload_positions(gm: fx.GraphModule, ctx: PassContext, nbytes: int | None, device: torch.device
+                     ) -> list[tuple[fx.Node, int]]:
+    """(node before which a reload goes, bytes it brings back by then; -1 = all), earliest first.
+
+    Part k of K returns the first k/K of the offloaded bytes at the earliest node from which every
+    later node's profiled peak plus those bytes stays under the limit. Without a profile: one
+    reload of everything at the end of the graph."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     out = next(n for n in gm.graph.nodes if n.op == "output")
     gp = ctx.profile.get(ctx.graph_id, ctx.kind) if ctx.profile is not None else None
     limit = device_limit_bytes(ctx.params, device)
     if gp is None or limit is None or not nodes:
-        return out
+        return [(out, -1)]
     mgr = optimizer_state.MANAGER
     back = mgr.total_bytes() if nbytes is None else min(nbytes, mgr.total_bytes())
-    room = limit - int(ctx.params.headroom_mb * MIB) - back
+    room = limit - int(ctx.params.headroom_mb * MIB)
     peaks = gp.by_name()
-    best = out
-    for n in reversed(nodes):
-        p = peaks.get(n.name)
-        if p is not None and p.peak_bytes > room:
-            break
-        best = n
-    return best
+    # suffix maximum of the profiled peaks: what any node from i on needs
+    suffix, m = [0] * (len(nodes) + 1), 0
+    for i in range(len(nodes) - 1, -1, -1):
+        p = peaks.get(nodes[i].name)
+        m = max(m, p.peak_bytes if p is not None else 0)
+        suffix[i] = m
+    parts, k_total = [], ctx.params.reload_steps
+    for k in range(1, k_total + 1):
+        amount = back * k // k_total
+        i = next((i for i in range(len(nodes) + 1) if suffix[i] + amount <= room), len(nodes))
+        parts.append((nodes[i] if i < len(nodes) else out, -1 if k == k_total else amount))
+    merged: list[tuple[fx.Node, int]] = []
+    for node, amount in parts:  # one op per position, carrying the largest amount due there
+        if merged and merged[-1][0] is node:
+            merged[-1] = (node, amount if amount < 0 or merged[-1][1] < 0 else max(amount, merged[-1][1]))
+        else:
+            merged.append((node, amount))
+    return merged
 
 
 def anchor_before(gm: fx.GraphModule, pos: fx.Node) -> fx.Node | None:
@@ -151,17 +172,21 @@ def offload_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         ctx.notes.append(f"optimizer state to offload: {amount} ({why})")
         return gm
     nbytes = optimizer_state.MANAGER.target
-    pos = reload_position(gm, ctx, nbytes, device)
-    anchor = anchor_before(gm, pos)
-    if anchor is None:
+    placed = []
+    for pos, amount in reload_positions(gm, ctx, nbytes, device):
+        anchor = anchor_before(gm, pos)
+        if anchor is None:
+            continue
+        with gm.graph.inserting_before(pos):
+            r = gm.graph.call_function(DC.reload_optimizer_state.default, (anchor, amount))
+        r.meta["val"] = None
+        placed.append((r, amount))
+    if not placed:
         ctx.notes.append("no tensor to order the reload on: the optimizer step reloads the state")
         return gm
-    with gm.graph.inserting_before(pos):
-        r = gm.graph.call_function(DC.reload_optimizer_state.default, (anchor,))
-    r.meta["val"] = None
-    idx = [n for n in gm.graph.nodes if n.op == "call_function"].index(r)
-    total = sum(1 for n in gm.graph.nodes if n.op == "call_function")
-    ctx.notes.append(f"reload of optimizer state issued at node {idx} of {total} "
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    where = ", ".join(f"{'all' if a < 0 else f'{a / MIB:.0f} MiB'} at node {calls.index(r)}" for r, a in placed)
+    ctx.notes.append(f"reload of optimizer state: {where} of {len(calls)} "
                      f"({'profile-guided' if ctx.profile is not None else 'end of backward: no profile'})")
     gm.graph.lint()
     gm.recompile()

@@ -112,13 +112,18 @@ class OptimizerStateOffload:
         self.stats["steps_offloaded"] += 1
         self.stats["last_offloaded_bytes"] = self.offloaded_bytes()
 
-    def reload_from_graph(self) -> None:
-        """``dc.reload_optimizer_state``: start the copies back, in the backward that ends the
-        accumulation window (the others leave the state on the host)."""
+    def reload_from_graph(self, upto_bytes: int = -1) -> None:
+        """``dc.reload_optimizer_state``: start the copies back for the first ``upto_bytes`` of
+        the offloaded state (-1: all of it), in the backward that ends the accumulation window
+        (the others leave the state on the host). Several calls at rising amounts bring the
+        state back progressively, as backward frees the memory for it."""
         if not self.offloaded or not self.is_boundary():
             return
-        started = False
+        started, acc = False, 0
         for key, t in self.offloaded:
+            if 0 <= upto_bytes <= acc:
+                break
+            acc += t.numel() * t.element_size()
             p = ENGINE._find(t, key)
             if p is not None and p.state == "offloaded":
                 ENGINE.reload(t, key)
