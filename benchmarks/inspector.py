@@ -5,16 +5,23 @@ notebook widget calls):
 
 * time to first render of the collapsed forward and backward graphs after ``zero3``
   (a fresh model: grouping + graphviz layout + decoration; target < 2 s each);
-* time to expand one decoder layer (target < 200 ms);
+* time to expand one decoder layer (target < 200 ms), from a cold layout cache (the user has
+  the collapsed picture, then clicks a layer), and to expand another, identical layer (its inside
+  is then a cache hit: the per-module layouts are cached by structural signature);
+* time to expand the ``inputs`` box (hundreds of placeholders: too many for graphviz in one
+  level, so that level switches to the order-based layout);
 * time to render the diff of two passes (input vs zero3, zero3 vs prefetch-style hoisting);
 * the same with the built-in order-based layout (no graphviz), for comparison.
+
+Every graphviz timing starts from an empty layout cache unless it says otherwise. The numbers of
+the previous result file (``--out``) are kept under ``"previous"`` for before/after comparison.
 
 The graphs are synthesised in the record's serialize format (``deepcompile.record.graph``):
 per layer RMSNorm, q/k/v/o projections, rotary embedding, attention, RMSNorm, SwiGLU MLP,
 residual adds; ``zero3`` versions add allgather/wait/release per parameter (and reduce_grad in
 the backward, where, as AOTAutograd does, most nodes carry no module scope).
 
-    python benchmarks/inspector.py [--layers 32] [--repeat 3] [--out benchmarks/results/inspector_cpu.json]
+    python benchmarks/inspector.py [--layers 32] [--repeat 3] [--model [--record DIR]] [--out FILE]
 """
 from __future__ import annotations
 
@@ -259,37 +266,78 @@ def timed(fn, repeat: int) -> tuple[float, list[float]]:
 
 
 def bench(layers: int, repeat: int, use_dot: bool | None, rec=None, source: str = "synthetic Llama-style") -> dict:
+    from deepcompile.report import graph_layout as L
     from deepcompile.widgets.graph_view import GraphModel
 
     rec = rec or make_record(layers)
-    res: dict = {"layout": "graphviz dot" if use_dot is not False else "built-in order-based", "graphs": source}
+    res: dict = {"layout": "graphviz dot (nested, per module)" if use_dot is not False else "built-in order-based",
+                 "graphs": source}
+    cold = L.LEVEL_CACHE.clear
+
+    def model(kind):
+        g = GraphModel(rec, use_dot=use_dot)
+        g.set_kind(kind)
+        g.set_pass("zero3")
+        return g
+
     for kind in ("forward", "backward"):
         nodes = len(rec.versions(0, kind)[-1].nodes)
 
         def first():
-            g = GraphModel(rec, use_dot=use_dot)
-            g.set_kind(kind)
-            g.set_pass("zero3")
-            return g.render()
+            cold()
+            return model(kind).render()
 
         med, ts = timed(first, repeat)
         r = first()
-        g = GraphModel(rec, use_dot=use_dot)
-        g.set_kind(kind)
-        g.set_pass("zero3")
-        g.render()
-        layer = next(k for k in g.group_keys() if k.endswith(".15"))
+        g = model(kind)
+        keys = g.group_keys()
+        layer = next(k for k in keys if k.endswith(".15"))
+        prefix = layer[: -len("15")]
+        others = [prefix + str(i) for i in range(16, layers) if prefix + str(i) in keys]
 
-        def expand():
+        def expand():  # the collapsed picture is on screen (its layout cached); a click on one layer
+            cold()
             g.collapse_all()
             g._cache.clear()
+            g.render()
             g.expand(layer)
-            return g.render()
+            h, m = L.LEVEL_CACHE.hits, L.LEVEL_CACHE.misses
+            t0 = time.perf_counter()
+            r = g.render()
+            return time.perf_counter() - t0, r, L.LEVEL_CACHE.hits - h, L.LEVEL_CACHE.misses - m
 
-        emed, ets = timed(expand, repeat)
-        boxes_expanded = len(expand().groups)
+        ets = [expand()[0] for _ in range(repeat)]
+        _, rx, eh, em = expand()
+        boxes_expanded = len(rx.groups)
+
+        def expand_other(other):  # then another, identical layer: its inside is laid out already
+            g.collapse_all()
+            g.expand(other)
+            g._cache.clear()
+            t0 = time.perf_counter()
+            g.render()
+            return time.perf_counter() - t0
+
+        expand()
+        h2, m2 = L.LEVEL_CACHE.hits, L.LEVEL_CACHE.misses
+        ots = [expand_other(o) for o in others[:repeat]]   # a new layer each time: the top level is not cached
+        h3, m3 = L.LEVEL_CACHE.hits, L.LEVEL_CACHE.misses
+
+        def expand_inputs():
+            cold()
+            g.collapse_all()
+            g._cache.clear()
+            g.render()
+            g.expand("inputs")
+            t0 = time.perf_counter()
+            r = g.render()
+            return time.perf_counter() - t0, r
+
+        its = [expand_inputs()[0] for _ in range(repeat)]
+        big = expand_inputs()[1]
 
         def diff():
+            cold()
             g.collapse_all()
             g._cache.clear()
             g.select_passes("input", "zero3")
@@ -298,11 +346,19 @@ def bench(layers: int, repeat: int, use_dot: bool | None, rec=None, source: str 
         dmed, dts = timed(diff, repeat)
         d = diff().diff
         out = {"nodes": nodes, "boxes_collapsed": len(r.groups), "first_render_s": med, "first_render_all_s": ts,
-               "expand_one_layer_s": emed, "expand_all_s": ets, "boxes_after_expand": boxes_expanded,
+               "expand_one_layer_s": statistics.median(ets), "expand_all_s": ets,
+               "boxes_after_expand": boxes_expanded,
+               "expand_another_layer_s": statistics.median(ots), "expand_another_all_s": ots,
+               "expand_inputs_s": statistics.median(its), "boxes_after_expand_inputs": len(big.groups),
                "diff_input_vs_zero3_s": dmed, "diff_all_s": dts,
                "diff_counts": {k: d[k] for k in ("added", "removed", "moved")}}
+        if use_dot is not False:
+            out["layout_cache"] = {"expand_one_layer": {"hits": eh, "misses": em},
+                                   "expand_another_layer": {"hits": (h3 - h2) / max(1, len(ots)),
+                                                            "misses": (m3 - m2) / max(1, len(ots))}}
         if kind == "forward":
             def diff2():
+                cold()
                 g._cache.clear()
                 g.select_passes("zero3", "prefetch")
                 return g.render()
@@ -315,15 +371,35 @@ def bench(layers: int, repeat: int, use_dot: bool | None, rec=None, source: str 
     return res
 
 
+def _previous(path: Path) -> dict | None:
+    """The headline numbers of an earlier result file (for before/after)."""
+    try:
+        old = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if "runs" not in old:
+        return None
+    keep = ("nodes", "boxes_collapsed", "first_render_s", "expand_one_layer_s", "diff_input_vs_zero3_s")
+    return {"created": old.get("created"), "runs": [
+        {"graphs": r["graphs"], "layout": r["layout"], **{k: {f: r[k][f] for f in keep if f in r[k]}
+                                                          for k in ("forward", "backward")}}
+        for r in old["runs"]]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--model", action="store_true",
                     help="also time a real record: the embedded GPT with --layers blocks through the backend")
+    ap.add_argument("--record", default=None,
+                    help="with --model: reuse this run directory (written by an earlier --model run) instead of "
+                         "building a new record (~20-90 s)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "inspector_cpu.json"))
     a = ap.parse_args()
     from deepcompile.report.graph_layout import have_dot
+
+    previous = _previous(Path(a.out))
 
     import subprocess
     dotv = ""
@@ -335,6 +411,7 @@ def main() -> int:
                     "cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
                     "python": platform.python_version(), "graphviz": dotv},
         "targets": {"first_render_s": 2.0, "expand_one_layer_s": 0.2},
+        "previous": previous,
         "runs": [bench(a.layers, a.repeat, None), bench(a.layers, a.repeat, False)],
         "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
@@ -342,8 +419,15 @@ def main() -> int:
         import tempfile
 
         t0 = time.perf_counter()
-        rec = record_from_model(a.layers, Path(tempfile.mkdtemp(prefix="dc-bench-")) / "run")
-        result["model_record_build_s"] = time.perf_counter() - t0
+        if a.record and (Path(a.record) / "manifest.json").exists():
+            from deepcompile.record.reader import read_run
+
+            rec = read_run(a.record, 0)
+            result["model_record"] = str(a.record)
+        else:
+            rec = record_from_model(a.layers, Path(a.record) if a.record else
+                                    Path(tempfile.mkdtemp(prefix="dc-bench-")) / "run")
+            result["model_record_build_s"] = time.perf_counter() - t0
         src = f"embedded GPT, {a.layers} blocks, through the backend (zero3, prefetch)"
         result["runs"] += [bench(a.layers, a.repeat, None, rec, src), bench(a.layers, a.repeat, False, rec, src)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -354,8 +438,9 @@ def main() -> int:
             r = run[kind]
             line = (f"  {kind:8} {r['nodes']:5} nodes -> {r['boxes_collapsed']} boxes: first render "
                     f"{r['first_render_s'] * 1e3:7.1f} ms, expand one layer {r['expand_one_layer_s'] * 1e3:7.1f} ms "
-                    f"({r['boxes_after_expand']} boxes), diff input/zero3 {r['diff_input_vs_zero3_s'] * 1e3:7.1f} ms "
-                    f"{r['diff_counts']}")
+                    f"({r['boxes_after_expand']} boxes), another {r['expand_another_layer_s'] * 1e3:6.1f} ms, "
+                    f"inputs {r['expand_inputs_s'] * 1e3:6.1f} ms ({r['boxes_after_expand_inputs']} boxes), "
+                    f"diff input/zero3 {r['diff_input_vs_zero3_s'] * 1e3:7.1f} ms {r['diff_counts']}")
             if "diff_zero3_vs_prefetch_s" in r:
                 line += (f", diff zero3/prefetch {r['diff_zero3_vs_prefetch_s'] * 1e3:7.1f} ms "
                          f"{r['diff_zero3_vs_prefetch_counts']}")

@@ -1,6 +1,8 @@
 """A real browser: JupyterLab (headless, random port, no token) + Debian's Chromium through
 Playwright. Notebook 01 is run from the Run menu; then the Inspector's graph SVG and the plotly
-schedule must be in the DOM, and a diff highlight must appear after choosing two passes."""
+schedule must be in the DOM; a click on a schedule bar must select its node in the graph; a diff
+highlight must appear after choosing two passes; and a click on a module box in the SVG must
+expand it (its inner boxes appear in the DOM)."""
 from __future__ import annotations
 
 import os
@@ -19,6 +21,20 @@ REPO = Path(__file__).resolve().parents[1]
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
         "--no-first-run"]
+
+
+# the centre (page coordinates) and node of the widest bar of rank 0's predicted compute lane
+BAR_JS = """(gd) => {
+  const ti = gd.data.findIndex(t => t.name === 'compute (predicted, rank 0)');
+  if (ti < 0) return null;
+  const traces = gd.querySelectorAll('.barlayer .trace');
+  const pts = traces[ti] ? traces[ti].querySelectorAll('.point') : [];
+  let best = null, bi = -1;
+  pts.forEach((p, i) => { const r = p.getBoundingClientRect();
+                          if (r.width > 0 && (!best || r.width > best.width)) { best = r; bi = i; } });
+  if (!best) return null;
+  return {x: best.x + best.width / 2, y: best.y + best.height / 2, name: String(gd.data[ti].customdata[bi])};
+}"""
 
 
 def _free_port() -> int:
@@ -93,9 +109,12 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             page.set_default_timeout(60_000)
             page.goto(f"{jupyterlab}/lab/tree/01_quickstart.ipynb", timeout=90_000)
             page.wait_for_selector(".jp-NotebookPanel .jp-Notebook .jp-Cell", timeout=90_000)
-            # kernel idle, then Run > Run All Cells (retried once if no cell started)
-            page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", state="attached",
-                                   timeout=120_000)
+            # kernel idle and settled (JupyterLab may swap the session's first kernel just after opening)
+            idle = ".jp-Notebook-ExecutionIndicator[data-status='idle']"
+            page.wait_for_selector(idle, state="attached", timeout=120_000)
+            page.wait_for_timeout(1500)
+            page.wait_for_selector(idle, state="attached", timeout=120_000)
+
             def accept_dialogs():  # e.g. "Select Kernel" when the session is slow to attach
                 for _ in range(3):
                     d = page.locator(".jp-Dialog .jp-mod-accept")
@@ -104,20 +123,31 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
                     d.first.click()
                     page.wait_for_timeout(1000)
 
-            # the launch cell (second code cell) must start; Run All is retried if it did not
-            started = ("() => { const p = document.querySelectorAll('.jp-CodeCell .jp-InputPrompt');"
-                       " return p.length > 1 && /\\[(\\*|\\d+)\\]/.test(p[1].textContent); }")
-            for attempt in range(3):
-                accept_dialogs()
+            def run_all():
                 page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
                 page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
-                try:
-                    page.wait_for_function(started, timeout=30_000)
-                    break
-                except Exception:
-                    page.keyboard.press("Escape")
-                    if attempt == 2:
-                        raise
+
+            # Run > Run All Cells. A dialog (kernel selection) that comes up before any cell started
+            # is accepted and Run All issued again: nothing ran yet, so a new kernel loses nothing.
+            # Once a cell has started no dialog is touched (a new kernel would kill the job).
+            started = ("() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]"
+                       ".some(p => /\\[(\\*|\\d+)\\]/.test(p.textContent))")
+            accept_dialogs()
+            run_all()
+            issued, deadline = time.time(), time.time() + 120
+            while not page.evaluate(started):
+                assert time.time() < deadline, "Run All Cells did not start the notebook"
+                if page.locator(".jp-Dialog .jp-mod-accept").count() or time.time() - issued > 30:
+                    if page.locator(".jp-Dialog").count():
+                        accept_dialogs()
+                    else:
+                        page.keyboard.press("Escape")   # a menu left open
+                    page.wait_for_selector(idle, state="attached", timeout=120_000)
+                    if not page.evaluate(started):
+                        run_all()
+                        issued = time.time()
+                    continue
+                page.wait_for_timeout(300)
             insp = ".dc-inspector"
             # the last cell prints the exported report's path: the whole notebook ran
             page.wait_for_selector(".jp-OutputArea-output:has-text('quickstart.html')", timeout=300_000)
@@ -128,12 +158,32 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             page.locator(f"{insp} .lm-TabBar-tab", has_text="Schedule").first.click()
             page.wait_for_selector(f"{insp} .dc-schedule .js-plotly-plot", timeout=60_000)
             assert page.locator(f"{insp} .dc-schedule .js-plotly-plot .barlayer .point").count() > 20
-            # back to the graph tab; no diff yet, then choose "diff vs 0: input"
+            # a click on a bar of the predicted compute lane (its bars are graph nodes) selects the node
+            bar = page.locator(f"{insp} .dc-schedule .js-plotly-plot").first.evaluate(BAR_JS)
+            assert bar, "no bar of the predicted compute lane found"
+            page.mouse.move(bar["x"], bar["y"])
+            page.wait_for_timeout(300)
+            page.mouse.click(bar["x"], bar["y"])
+            page.wait_for_function(
+                "(s) => [...document.querySelectorAll(s)].some(e => e.textContent.includes('selected: '))",
+                arg=f"{insp} .dc-schedule .legendtext", timeout=60_000)     # the outline trace's legend entry
+            # back to the graph tab: the node's box is outlined, the summary names it
             page.locator(f"{insp} .lm-TabBar-tab", has_text="Graph").first.click()
+            page.wait_for_selector(f"{insp} .dc-graph-view svg .dc-selected", timeout=60_000)
+            assert f"selected {bar['name']}" in page.locator(f"{insp} .dc-graph-summary").inner_text()
+            # no diff yet, then choose "diff vs 0: input"
             assert page.locator(f"{insp} .dc-graph-view .dc-diff").count() == 0
             page.locator(f"{insp} .dc-diff-pass select").select_option(label="0: input")
             page.wait_for_selector(f"{insp} .dc-graph-view svg .dc-diff.dc-added", timeout=60_000)
             assert "diff: +" in page.locator(f"{insp} .dc-graph-summary").inner_text()
+            # a click on a module box in the SVG expands it: its inner boxes appear
+            boxes = f"{insp} .dc-graph-view svg [id^='group-']"
+            n_before = page.locator(boxes).count()
+            page.locator(f"{insp} .dc-graph-view svg [id='group-blocks.1']").first.click()
+            page.wait_for_selector(f"{insp} .dc-graph-view svg [id^='group-blocks.1.']", state="attached",
+                                   timeout=60_000)
+            assert page.locator(boxes).count() > n_before
+            assert "(1 open)" in page.locator(f"{insp} .dc-graph-summary").inner_text()
             page.locator(f"{insp} .dc-graph-view").scroll_into_view_if_needed()
             page.screenshot(path=str(tmp_path / "inspector.png"))
             assert (tmp_path / "inspector.png").stat().st_size > 20_000

@@ -85,6 +85,92 @@ def test_graph_model_builtin_layout(rec):
     assert 'class="graph simple dc-graph"' in svg and "dc-added" in svg and "dc-match" in svg
 
 
+def test_graph_model_handle_click_nested_svg(rec):
+    """What a click on the SVG does (the front end sends the box's ``group-<key>``), and the nested
+    picture it produces: an open module is a frame (``dc-expanded``) around its own boxes."""
+    import re
+
+    from deepcompile.report import graph_layout as L
+    from deepcompile.widgets import GraphModel
+
+    g = GraphModel(rec)
+    r = g.render()
+    ids = set(re.findall(r'id="group-([^"]+)"', r.svg))
+    assert set(r.groups) <= ids and r.layout == ("dot" if L.have_dot() else "simple")
+    assert g.handle_click("blocks.1") == ("expanded", "blocks.1")
+    r = g.render()
+    if L.have_dot():   # the frame stays in the picture, its boxes drawn inside it
+        assert re.search(r'<g id="group-blocks\.1" class="[^"]*dc-expanded', r.svg)
+        assert "dc-nested" in r.svg
+    assert {"blocks.1.attn", "blocks.1.mlp"} <= set(r.groups) and "blocks.1" not in r.groups
+    assert g.view_keys()[1] == ["blocks.1"]
+    assert ("blocks.1", 0, True) in g.outline() and ("blocks.1.attn", 1, False) in g.outline()
+    assert g.handle_click("blocks.1.attn")[0] == "expanded"
+    node_box = next(k for k in g.render().groups if k.startswith("blocks.1.attn/"))
+    assert g.handle_click(node_box) == ("selected", node_box.rsplit("/", 1)[1])
+    assert g.selected_node == node_box.rsplit("/", 1)[1]
+    r = g.render()
+    assert "dc-selected" in r.classes[node_box] and f"selected {g.selected_node}" in r.summary
+    assert g.handle_click(node_box, shift=True) == ("collapsed", "blocks.1.attn")   # the module around it
+    assert g.expanded == {"blocks.1"}
+    assert g.handle_click("blocks.1") == ("collapsed", "blocks.1")                # a click on the frame
+    assert g.expanded == set()
+    assert g.handle_click("blocks.1.attn") == ("ignored", None)                   # stale picture
+    assert g.handle_click("no.such") == ("ignored", None) and g.expanded == set()
+
+
+def _bench_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dc_bench_inspector", REPO / "benchmarks" / "inspector.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_nested_layout_lays_out_identical_layers_once():
+    """Per-module layout: the inside of a layer is laid out by graphviz once and reused for every
+    identical layer (the level's graphviz text is its structural signature: no layer names)."""
+    from deepcompile.report import graph_layout as L
+    from deepcompile.widgets import GraphModel
+    from deepcompile.widgets.graph_view import key_chains
+
+    if not L.have_dot():
+        pytest.skip("graphviz is not installed")
+    rec = _bench_module().make_record(4)
+    g = GraphModel(rec)
+    g.set_pass("zero3")
+    L.LEVEL_CACHE.clear()
+    g.render()
+    assert (L.LEVEL_CACHE.hits, L.LEVEL_CACHE.misses) == (0, 1)         # the top level
+    g.expand("layers.1")
+    r1 = g.render()
+    assert L.LEVEL_CACHE.misses == 3                                    # top level again + layers.1's inside
+    g.collapse_all()
+    g.expand("layers.2")
+    r2 = g.render()
+    assert L.LEVEL_CACHE.hits >= 1 and L.LEVEL_CACHE.misses == 4        # layers.2's inside: a hit
+    assert 'id="group-layers.2.self_attn"' in r2.svg and 'id="group-layers.1.self_attn"' not in r2.svg
+    assert len(r1.groups) == len(r2.groups)
+    # the signature of a layer's level names no layer
+    g.expand("layers.2.self_attn")
+    nodes = g._nodes_and_status()[0]
+    chains, inferred = key_chains(nodes, g.expanded, g.pscopes)
+    g._mf = (None, None)
+    idxs = [i for i, c in enumerate(chains) if "layers.2" in c[:-1]]
+    lvl = g._level(nodes, {}, chains, inferred, idxs, 1, "layers.2", set(), {})
+    text = L.level_dot(lvl, {i: (10.0, 10.0) for i, b in enumerate(lvl.boxes) if b.child is not None})
+    assert "layers" not in text and "self_attn" in text
+    # prewarm: the inside of every distinct top-level module laid out ahead of a click
+    g.collapse_all()
+    L.LEVEL_CACHE.clear()
+    assert g.prewarm() == 1                     # one graphviz run stands for all four layers
+    misses = L.LEVEL_CACHE.misses
+    g.expand("layers.3")
+    g.render()
+    assert L.LEVEL_CACHE.misses == misses + 1   # only the top level: the layer's inside was ready
+
+
 def test_union_diff_marks_moved_added_removed():
     from deepcompile.widgets.graph_view import union_diff
 
@@ -131,7 +217,7 @@ def test_passes_model_controls_and_command(rec, tmp_path):
     from deepcompile.widgets import PassesModel
 
     pm = PassesModel(rec.config)
-    assert pm.passes == ["zero3"] and pm.order[:2] == ["zero3", "prefetch"]
+    assert pm.passes == ["zero3"] and pm.order[0] == "zero3" and "prefetch" in pm.order
     from deepcompile.params import describe
     from deepcompile.passes import PASSES
     for p in describe(PASSES["prefetch"].params_cls):   # the rule, whatever the pass declares today
@@ -235,13 +321,22 @@ def test_inspector_widget_clicks(demo_run):
 
     insp = Inspector(demo_run, follow=False)
     assert "complete" in insp.message.value and "svg" in insp.g_svg.value
-    assert insp.s_out.outputs and "application/vnd.plotly.v1+json" in insp.s_out.outputs[0]["data"]
+    if insp.s_fig is not None:   # clickable plotly FigureWidget (anywidget installed)
+        assert len(insp.s_fig.data) > 2 and "dc-schedule" in insp.s_box._dom_classes
+    else:
+        assert insp.s_out.outputs and "application/vnd.plotly.v1+json" in insp.s_out.outputs[0]["data"]
     assert insp.st_out.outputs and insp.m_out.outputs and "dc-ops" in insp.m_table.value
     insp.g_diff.value = 0                                  # "diff vs 0: input"
     assert "diff: +" in insp.g_summary.value and "dc-added" in insp.g_svg.value
     insp.g_module.value = "blocks.1"
     insp.g_toggle.click()
-    assert insp.model.graph.expanded == {"blocks.1"} and "blocks.1.attn" in insp.g_module.options
+    assert insp.model.graph.expanded == {"blocks.1"} and "blocks.1.attn" in [v for _, v in insp.g_module.options]
+    insp.g_module.value = "blocks.1"                       # listed as open (▾): the button collapses it
+    assert dict((v, lab) for lab, v in insp.g_module.options)["blocks.1"].startswith("▾")
+    insp.g_toggle.click()
+    assert insp.model.graph.expanded == set()
+    insp.g_module.value = "blocks.1"
+    insp.g_toggle.click()
     insp.g_collapse_all.click()
     assert insp.model.graph.expanded == set()
     insp.g_kind.value = "backward"
@@ -253,7 +348,64 @@ def test_inspector_widget_clicks(demo_run):
     out, argv = insp.model.rerun_command()
     assert out.name == f"{demo_run.name}-rerun1" and argv[argv.index("--steps") + 1] == "3"
     # controls generated from the declared parameters
-    assert "dc-param-prefetch-max_fused" in repr(insp.p_box.children[1].children[3].children[0]._dom_classes)
+    row = insp.p_box.children[insp.model.passes.order.index("prefetch")]
+    assert "dc-param-prefetch-max_fused" in repr(row.children[3].children[0]._dom_classes)
+
+
+def test_inspector_svg_click_from_front_end(demo_run):
+    """The canvas's front end sends {"event": "click", "key": <box>}: the same state as a click."""
+    pytest.importorskip("anywidget")
+    from deepcompile.widgets import Inspector
+
+    insp = Inspector(demo_run, follow=False, layout_wait_s=30)
+    canvas = insp.g_svg
+    assert insp.clickable and "dc-graph-view" in canvas._dom_classes and "group-blocks.1" in canvas.value
+    send = lambda key, shift=False: canvas._handle_custom_msg({"event": "click", "key": key, "shift": shift}, [])  # noqa
+    send("blocks.1")
+    assert insp.model.graph.expanded == {"blocks.1"}
+    assert 'id="group-blocks.1.attn"' in canvas.value and "(1 open)" in insp.g_summary.value
+    send("blocks.1.attn")
+    node_box = next(k for k in insp.model.graph.view_keys()[0] if k.startswith("blocks.1.attn/"))
+    name = node_box.rsplit("/", 1)[1]
+    send(node_box)                                        # a node: selected in every view
+    assert insp.model.graph.selected_node == name and insp.model.schedule.selected_node == name
+    assert insp.s_node.value == name and "dc-selected" in canvas.value
+    if insp.s_fig is not None:
+        assert insp.s_fig.data[-1].name == f"selected: {name}"
+    send(node_box, shift=True)                            # collapse the module around the node
+    assert insp.model.graph.expanded == {"blocks.1"}
+    send("blocks.1")                                      # the open frame: collapse
+    assert insp.model.graph.expanded == set()
+    before = canvas.value
+    send("blocks.1.mlp")                                  # a box of an older picture: nothing changes
+    canvas._handle_custom_msg({"event": "hover"}, [])
+    assert insp.model.graph.expanded == set() and canvas.value == before
+
+
+def test_inspector_schedule_bar_click_selects_graph_node(demo_run):
+    """A click on a timeline bar (plotly FigureWidget's click callback) selects that node in the
+    graph view; a click on the graph's node outlines its bars."""
+    pytest.importorskip("anywidget")
+    from deepcompile.widgets import Inspector
+
+    insp = Inspector(demo_run, follow=False, layout_wait_s=30)
+    fw = insp.s_fig
+    assert fw is not None
+    names = {n["name"] for n in insp.model.graph.versions()[insp.model.graph.version].nodes}
+    ti, pi = next((t, i) for t, tr in enumerate(fw.data) if "predicted" in tr.name
+                  for i, c in enumerate(tr.customdata) if c in names and c.startswith("wait_allgather"))
+    name = fw.data[ti].customdata[pi]
+    fw._js2py_pointsCallback = {"event_type": "plotly_click", "points": {
+        "trace_indexes": [ti], "point_indexes": [pi], "xs": [0.0], "ys": [fw.data[ti].y[pi]]},
+        "device_state": None, "selector": None}
+    g = insp.model.graph
+    assert g.selected_node == name and insp.model.schedule.selected_node == name and insp.s_node.value == name
+    box = next(k for k, c in g.render().classes.items() if "dc-selected" in c)
+    assert "dc-selected" in insp.g_svg.value and f"selected {name} (in {box})" in insp.g_summary.value
+    assert fw.data[-1].name == f"selected: {name}" and list(fw.data[-1].customdata) == [name] * len(fw.data[-1].x)
+    n_traces = len(fw.data)
+    insp.s_node.value = ""                                # clearing the selection removes the outline trace
+    assert len(fw.data) == n_traces - 1 and g.selected_node is None
 
 
 @pytest.mark.parametrize("breakage", ["missing", "truncated", "newer"])

@@ -1,20 +1,28 @@
 """The graph view's model: which graph, which pass, what is expanded, searched, coloured, diffed.
 
 Plain Python (no ipywidgets): :class:`GraphModel` holds the state and :meth:`GraphModel.render`
-returns the SVG and a text summary, so tests drive "clicks" by calling methods.
+returns the SVG and a text summary, so tests drive "clicks" by calling methods
+(:meth:`GraphModel.handle_click` is what a click on the SVG does: the front end sends the
+clicked box's ``group-<key>``).
 
-Layout and drawing are :mod:`deepcompile.report.graph_layout`'s (``node_groups``, ``to_dot``,
-``render_svg``, the same module-collapsed picture as the HTML report). This module only adds:
+Grouping is :mod:`deepcompile.report.graph_layout`'s (``node_groups``: the module-collapsed
+picture of the HTML report). This module adds:
 
 * **expansion**: an expanded group splits by its next module-scope level, down to single nodes
-  (``blocks.3`` -> ``blocks.3.attn``, ``blocks.3.mlp`` -> ``blocks.3.attn/addmm_4``);
+  (``blocks.3`` -> ``blocks.3.attn``, ``blocks.3.mlp`` -> ``blocks.3.attn/addmm_4``); with
+  graphviz the open module stays as a frame around its boxes (``graph_layout.nested_svg``: one
+  small graphviz layout per open module, cached by the structural signature of that module's
+  level, so identical decoder layers are laid out once; a level too big for graphviz gets the
+  order-based layout); without graphviz (or ``use_dot=False``) the open module's boxes replace it
+  in the order-based column (``graph_layout.simple_svg``);
 * **diff**: the union of two versions (removed nodes kept at their old place, so positions stay
   stable), groups marked ``dc-added`` / ``dc-removed`` / ``dc-moved`` with counts in their label;
   "moved" = a node in both versions that is off the longest common order (prefetch hoisting);
 * **search** (name, op target or module scope; groups holding a hit marked ``dc-match``),
-  **colour** by op kind (the report's colours), latency or memory (totals on collapsed boxes),
-  and a **selected** node (linked with the schedule view), all by post-processing the DOT text
-  (or the built-in SVG) through the ``id="group-<key>"`` attribute both layouts write.
+  **colour** by op kind (the report's colours), latency or memory (totals on the boxes), and a
+  **selected** node (linked with the schedule view), applied to the boxes after layout through
+  the ``id="group-<key>"`` attribute every box carries (so a new colour or selection reuses the
+  cached layouts).
 
 SVG renders are cached per (version, state), so switching back and forth is free.
 """
@@ -25,7 +33,6 @@ import html
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
 
 from deepcompile.record import estimate as E
 from deepcompile.report import graph_layout as L
@@ -34,9 +41,7 @@ COLOR_MODES = ("kind", "latency", "memory")
 DIFF_COLORS = {"added": "#2a9d8f", "removed": "#e63946", "moved": "#457b9d"}
 MATCH_COLOR = "#d00000"
 SELECT_COLOR = "#ff00aa"
-# graphviz lays out clusters super-linearly: ~100 ms for 40 module boxes, ~1 s for 100 (benchmarks/
-# inspector.py). Past this many boxes the interactive view uses the order-based layout instead.
-DOT_MAX_GROUPS = 64
+FOLD_MARK, OPEN_MARK = "▸", "▾"   # a collapsed module box (click: expand) / an expanded one (click: collapse)
 
 
 # --------------------------------------------------------------------------- grouping
@@ -50,14 +55,17 @@ def effective_scope(n: dict, pscopes: dict) -> str:
     return scope
 
 
-def expanded_keys(nodes: list[dict], expanded: set[str], pscopes: dict,
-                  depth: int | None = None) -> tuple[list[str], list[bool]]:
-    """Group keys with the groups in ``expanded`` opened one scope level (or to nodes)."""
+def key_chains(nodes: list[dict], expanded: set[str], pscopes: dict,
+               depth: int | None = None) -> tuple[list[list[str]], list[bool]]:
+    """Per node, the chain of group keys from its top-level box down to the box that shows it
+    (``["blocks.3", "blocks.3.attn", "blocks.3.attn/addmm_4"]`` with ``blocks.3`` and
+    ``blocks.3.attn`` expanded); every key but the last is an expanded (open) module."""
     keys, inferred = L.node_groups(nodes, depth, pscopes)
     if not expanded:
-        return keys, inferred
+        return [[k] for k in keys], inferred
     out = []
     for n, k in zip(nodes, keys):
+        chain = [k]
         key = k
         s = effective_scope(n, pscopes)
         for _ in range(64):
@@ -68,9 +76,18 @@ def expanded_keys(nodes: list[dict], expanded: set[str], pscopes: dict,
                 key = f"{key}.{rest[0]}"
             else:
                 key = f"{key}/{n['name']}"
+                chain.append(key)
                 break
-        out.append(key)
+            chain.append(key)
+        out.append(chain)
     return out, inferred
+
+
+def expanded_keys(nodes: list[dict], expanded: set[str], pscopes: dict,
+                  depth: int | None = None) -> tuple[list[str], list[bool]]:
+    """Group keys with the groups in ``expanded`` opened one scope level (or to nodes)."""
+    chains, inferred = key_chains(nodes, expanded, pscopes, depth)
+    return [c[-1] for c in chains], inferred
 
 
 def collapse_keys(nodes: list[dict], keys: list[str], inferred: list[bool]) -> L.Collapsed:
@@ -176,55 +193,6 @@ class Rendered:
     layout: str = ""                                               # "dot" or "simple"
 
 
-def _decorate_dot(dot: str, c: L.Collapsed, fills: dict[int, str], extra_label: dict[int, str],
-                  cluster_style: dict[int, tuple[list[str], str]]) -> str:
-    out = []
-    cur = None
-    for line in dot.split("\n"):
-        m = re.match(r"  subgraph cluster_(\d+) \{", line)
-        if m:
-            cur = int(m.group(1))
-            out.append(line)
-            continue
-        if cur is not None and line.startswith("    label="):
-            g = cur
-            if g in extra_label:
-                line = re.sub(r'label="((?:[^"\\]|\\.)*)"',
-                              lambda mm: f'label="{mm.group(1)}{extra_label[g]}"', line, count=1)
-            if g in cluster_style:
-                classes, color = cluster_style[g]
-                line = line.replace('color="#88aaaa";', f'color="{color}"; penwidth=3;')
-            out.append(line)
-            continue
-        m = re.match(r"    g(\d+)c \[", line)
-        if m and int(m.group(1)) in fills:
-            line = re.sub(r'fillcolor="[^"]*"', f'fillcolor="{fills[int(m.group(1))]}"', line, count=1)
-        m = re.match(r"  n(\d+) \[", line)  # full (one node per group) layout
-        if m:
-            g = int(m.group(1))
-            if g in fills:
-                line = re.sub(r'fillcolor="[^"]*"', f'fillcolor="{fills[g]}"', line, count=1)
-            if g in cluster_style:
-                classes, color = cluster_style[g]
-                line = line.replace("[label=", f'[color="{color}", penwidth=3, class="{" ".join(classes)}", label=', 1)
-        if line == "  }":
-            cur = None
-        out.append(line)
-    return "\n".join(out)
-
-
-def _classes_into_svg(svg: str, c: L.Collapsed, style: dict[int, tuple[list[str], str]]) -> str:
-    """graphviz 2.43 drops ``class`` on clusters: add the dc-* classes to the SVG groups by id."""
-    for g in c.groups:
-        if g.index not in style:
-            continue
-        gid = html.escape("group-" + g.key, quote=False).replace("-", "&#45;")
-        extra = " ".join(style[g.index][0])
-        svg = re.sub(r'(<g id="' + re.escape(gid) + r'" class=")([^"]*)"', lambda m: f'{m.group(1)}{m.group(2)} {extra}"',
-                     svg, count=1)
-    return svg
-
-
 def _decorate_simple(svg: str, c: L.Collapsed, fills: dict[int, str], extra_label: dict[int, str],
                      cluster_style: dict[int, tuple[list[str], str]]) -> str:
     for g in c.groups:
@@ -268,6 +236,7 @@ class GraphModel:
         self.color_by = "kind"
         self.selected_node: str | None = None
         self._cache: dict[tuple, Rendered] = {}
+        self._mf = (None, None)
         self._pick_default_kind()
 
     # ------------------------------------------------------------ options
@@ -339,6 +308,53 @@ class GraphModel:
             self.collapse(key)
         else:
             self.expand(key)
+
+    def handle_click(self, key: str, shift: bool = False) -> tuple[str, str | None]:
+        """A click on the box ``group-<key>`` of the rendered SVG (what the front end sends back).
+
+        A collapsed module box expands; an expanded (open) box collapses; a single-node box
+        (``<module>/<node>``) selects that node; with shift (or alt) the innermost open module
+        around the box collapses. Returns ``(action, key or node)``; a box the current picture
+        does not have (a click on a stale picture) is ``("ignored", None)``."""
+        key = str(key or "")
+        leaves, frames = self.view_keys()
+        if key not in leaves and key not in frames:
+            return "ignored", None
+        if shift:
+            around = [k for k in self.expanded if key.startswith(k + ".") or key.startswith(k + "/") or k == key]
+            if not around:
+                return "ignored", None
+            k = max(around, key=len) if key not in self.expanded else key
+            self.collapse(k)
+            return "collapsed", k
+        if key in frames:
+            self.collapse(key)
+            return "collapsed", key
+        if "/" in key:   # a box of one node
+            name = key.rsplit("/", 1)[1]
+            self.select_node(name)
+            return "selected", name
+        self.expand(key)
+        return "expanded", key
+
+    def view_keys(self) -> tuple[list[str], list[str]]:
+        """(boxes shown, in graph order; expanded modules shown as frames around their boxes)."""
+        nodes, _ = self._nodes_and_status()
+        chains, _ = key_chains(nodes, self.expanded, self.pscopes)
+        leaves = list(dict.fromkeys(c[-1] for c in chains))
+        frames = list(dict.fromkeys(k for c in chains for k in c[:-1]))
+        return leaves, frames
+
+    def outline(self) -> list[tuple[str, int, bool]]:
+        """Every box of the picture in display order: ``(key, depth, is_open)``."""
+        nodes, _ = self._nodes_and_status()
+        chains, _ = key_chains(nodes, self.expanded, self.pscopes)
+        out: dict[str, tuple[str, int, bool]] = {}
+        for c in chains:
+            for d, k in enumerate(c):
+                if k not in out:
+                    out[k] = (k, d, d < len(c) - 1)
+        return list(out.values())
 
     def expand(self, key: str) -> None:
         if key not in self.group_keys():
@@ -434,64 +450,60 @@ class GraphModel:
         g.expanded = set(self.expanded)
         return g
 
+    def _use_dot(self, layout: str | None) -> bool:
+        if layout == "simple":
+            return False
+        if layout == "dot":
+            return L.have_dot()
+        return L.have_dot() if self.use_dot is None else bool(self.use_dot and L.have_dot())
+
+    def _metric(self, nodes: list[dict]):
+        """(per-group total of the colour metric, its formatter) or (None, None) for colour-by-kind."""
+        if self.color_by == "latency":
+            per = self.node_latency_us(nodes)
+            return (lambda idx: sum(per.get(nodes[i]["name"], 0.0) for i in idx)), fmt_us
+        if self.color_by == "memory":
+            return (lambda idx: float(sum(E.node_bytes(nodes[i]) for i in idx
+                                          if nodes[i]["op"] not in ("placeholder", "get_attr", "output")))), E.fmt_bytes
+        return None, None
+
+    @staticmethod
+    def _diff_marks(nodes: list[dict], idx, status: dict) -> tuple[list[str], str, str]:
+        """(dc-* classes, outline colour, label suffix) of a box holding nodes ``idx`` in a diff."""
+        cnt = Counter(status[nodes[i]["name"]] for i in idx if nodes[i]["name"] in status)
+        if not cnt:
+            return [], "", ""
+        cls = ["dc-diff"] + [f"dc-{s}" for s in ("added", "removed", "moved") if cnt[s]]
+        main = next(s for s in ("added", "removed", "moved") if cnt[s])
+        marks = " ".join(f"{'+' if s == 'added' else '−' if s == 'removed' else '↕'}{cnt[s]}"
+                         for s in ("added", "removed", "moved") if cnt[s])
+        return cls, DIFF_COLORS[main], f" [{marks}]"
+
     def _render(self, layout: str | None = None) -> Rendered:
         vs = self.versions()
         if not vs:
             return Rendered('<p class="empty">no graphs in this record</p>', "no graphs recorded", [])
         nodes, status = self._nodes_and_status()
-        keys, inferred = expanded_keys(nodes, self.expanded, self.pscopes)
-        c = collapse_keys(nodes, keys, inferred)
+        chains, inferred = key_chains(nodes, self.expanded, self.pscopes)
+        keys = [ch[-1] for ch in chains]
         v = vs[self.version]
-        fills: dict[int, str] = {}
-        extra: dict[int, str] = {}
-        style: dict[int, tuple[list[str], str]] = {}
-        classes: dict[str, list[str]] = {}
-        # colour by latency / memory (totals on the boxes)
-        if self.color_by in ("latency", "memory"):
-            if self.color_by == "latency":
-                per = self.node_latency_us(nodes)
-                tot = {g.index: sum(per.get(nodes[i]["name"], 0.0) for i in g.node_indices) for g in c.groups}
-                fmt = fmt_us
-            else:
-                tot = {g.index: float(sum(E.node_bytes(nodes[i]) for i in g.node_indices
-                                          if nodes[i]["op"] not in ("placeholder", "get_attr", "output")))
-                       for g in c.groups}
-                fmt = E.fmt_bytes
-            top = max(tot.values(), default=0.0) or 1.0
-            for g in c.groups:
-                if not g.is_io:
-                    fills[g.index] = _ramp(tot[g.index] / top)
-                    extra[g.index] = f" · {fmt(tot[g.index])}"
-        # diff marks
-        counts: dict[int, Counter] = {}
-        for g in c.groups:
-            cnt = Counter(status[nodes[i]["name"]] for i in g.node_indices if nodes[i]["name"] in status)
-            if cnt:
-                counts[g.index] = cnt
-                cls = [f"dc-{s}" for s in ("added", "removed", "moved") if cnt[s]]
-                main = next(s for s in ("added", "removed", "moved") if cnt[s])
-                style[g.index] = (["dc-diff"] + cls, DIFF_COLORS[main])
-                marks = " ".join(f"{'+' if s == 'added' else '−' if s == 'removed' else '↕'}{cnt[s]}"
-                                 for s in ("added", "removed", "moved") if cnt[s])
-                extra[g.index] = extra.get(g.index, "") + f" [{marks}]"
-        # search and selection
         hits = self.matches()
         hit_groups = {m["group"] for m in hits}
-        for g in c.groups:
-            cls, color = style.get(g.index, ([], ""))
-            if g.key in hit_groups:
-                cls, color = cls + ["dc-match"], MATCH_COLOR
-            if self.selected_node is not None and any(nodes[i]["name"] == self.selected_node for i in g.node_indices):
-                cls, color = cls + ["dc-selected"], SELECT_COLOR
-            if cls:
-                style[g.index] = (cls, color)
-                classes[g.key] = cls
         title = f"graph {self.graph_id} · {self.kind} · " + ("input" if v.after == "input" else f"after {v.after}")
         if self.compare is not None and self.compare != self.version:
             title += f" vs {vs[self.compare].after}"
-        svg, used = self._draw(c, title, fills, extra, style, layout)
+        classes: dict[str, list[str]] = {}
+        if self._use_dot(layout):
+            self._mf = self._metric(nodes)
+            level = self._level(nodes, status, chains, inferred, list(range(len(nodes))), 0, None, hit_groups, classes)
+            svg, used = L.nested_svg(level, title), "dot"
+        else:
+            svg, used = self._draw_flat(nodes, status, keys, inferred, title, hit_groups, classes), "simple"
         d = None
-        summary = f"{title}: {len(v.nodes)} nodes in {len(c.groups)} boxes"
+        n_boxes = len(set(keys))
+        summary = f"{title}: {len(v.nodes)} nodes in {n_boxes} boxes"
+        if self.expanded:
+            summary += f" ({len({k for c in chains for k in c[:-1]})} open)"
         if status:
             sc = Counter(status.values())
             d = {"added": sc["added"], "removed": sc["removed"], "moved": sc["moved"],
@@ -501,27 +513,127 @@ class GraphModel:
                 f" (comm: {comm})" if comm else "")
         if self.search:
             summary += f"; search {self.search!r}: {len(hits)} node(s) in {len(hit_groups)} box(es)"
+        if self.selected_node is not None:
+            where = next((k for n, k in zip(nodes, keys) if n["name"] == self.selected_node), None)
+            summary += (f"; selected {self.selected_node}" + (f" (in {where})" if where else " (not in this graph)"))
         return Rendered(svg, summary, list(dict.fromkeys(keys)), hits, d, classes, used)
 
-    def _draw(self, c: L.Collapsed, title: str, fills, extra, style, layout: str | None = None) -> tuple[str, str]:
-        use_dot = self.use_dot if layout is None else (layout == "dot" and L.have_dot())
-        if use_dot is None:
-            use_dot = (L.have_dot() and L._n_elements(c) <= L.DOT_MAX_ELEMENTS
-                       and len(c.groups) <= DOT_MAX_GROUPS)
-        if use_dot:
-            import subprocess
+    def _level(self, nodes, status, chains, inferred, idxs: list[int], depth: int, parent: str | None,
+               hit_groups: set, classes: dict) -> L.Level:
+        """The boxes directly inside ``parent`` (None: the top level), open modules recursively."""
+        c = collapse_keys([nodes[i] for i in idxs], [chains[i][depth] for i in idxs], [inferred[i] for i in idxs])
+        metric, fmt = self._mf
+        members = {g.index: [idxs[j] for j in g.node_indices] for g in c.groups}
+        totals = {g.index: metric(members[g.index]) for g in c.groups if not g.is_io} if metric else {}
+        top = max(totals.values(), default=0.0) or 1.0
+        boxes = []
+        for g in c.groups:
+            mem = members[g.index]
+            rel = g.key if parent is None else g.key[len(parent) + 1:]
+            single = parent is not None and g.key.startswith(parent + "/")
+            is_open = g.key in self.expanded
+            extra = ""
+            if g.index in totals:
+                extra = f" · {fmt(totals[g.index])}"
+            cls, stroke, marks = self._diff_marks(nodes, mem, status)
+            extra += marks
+            if g.key in hit_groups:
+                cls, stroke = cls + ["dc-match"], MATCH_COLOR
+            if self.selected_node is not None and not is_open and any(nodes[i]["name"] == self.selected_node
+                                                                      for i in mem):
+                cls, stroke = cls + ["dc-selected"], SELECT_COLOR
+            if cls:
+                classes[g.key] = cls
+            fill = L.IO_COLOR if g.is_io else L.COMPUTE_COLOR
+            chips: list[tuple[str, int]] = []
+            if single:
+                n = nodes[mem[0]]
+                ck = E.comm_kind(n)
+                fill = L.comm_color(ck) if ck else (L.IO_COLOR if n["op"] in ("placeholder", "get_attr", "output")
+                                                    else L.COMPUTE_COLOR)
+                lines = [rel + extra, L._short(n["target"])]
+                tip = f"{g.key} · {n['target']} (click: select)"
+            else:
+                inf = f", {g.inferred} placed by order" if g.inferred else ""
+                mark = OPEN_MARK if is_open else FOLD_MARK
+                lines = [f"{mark} {rel} ({g.n_ops} nodes{inf}){extra}"]
+                if g.is_io:
+                    lines.append(f"{g.n_ops} tensors")
+                elif g.ops:
+                    more = len(g.ops) - 3
+                    lines.append(", ".join(f"{k}×{v}" for k, v in g.ops.most_common(3))
+                                 + (f", +{more} kinds" if more > 0 else ""))
+                chips = sorted(g.comm.items())
+                tip = f"{g.key} ({g.n_ops} nodes) · click: {'collapse' if is_open else 'expand'}"
+            if g.index in totals:
+                fill = _ramp(totals[g.index] / top)
+            child = None
+            if is_open:
+                child = self._level(nodes, status, chains, inferred, mem, depth + 1, g.key, hit_groups, classes)
+            boxes.append(L.Box(g.key, lines, fill, chips, child, cls, stroke or None, tip))
+        io = {g.index for g in c.groups if g.is_io}
+        edges = [(a, b, n) for a, b, n in c.edges if a not in io and b not in io]   # fan-in/out: box labels say it
+        return L.Level(boxes, edges)
 
-            dot = _decorate_dot(L.to_dot(c, title), c, fills, extra, style)
-            try:
-                r = subprocess.run(["dot", "-Tsvg"], input=dot.encode(), capture_output=True,
-                                   timeout=60, check=True)
-                svg = r.stdout.decode("utf-8", errors="replace")
-                i = svg.find("<svg")
-                if i >= 0:
-                    svg = svg[i:].replace("<svg ", '<svg class="graph dot dc-graph" ', 1)
-                    return _classes_into_svg(svg, c, style), "dot"
-            except (OSError, subprocess.SubprocessError):
-                pass
+    def prewarm(self, limit: int = 8, budget_s: float = 3.0, min_nodes: int = 8) -> int:
+        """Lay out, ahead of a click, the inside of the shown top-level modules (distinct structures
+        only: one decoder layer stands for all identical ones). Returns the number of graphviz runs."""
+        import time
+
+        if not self._use_dot(None):
+            return 0
+        t0 = time.perf_counter()
+        nodes, status = self._nodes_and_status()
+        leaves, _ = self.view_keys()
+        self._mf = self._metric(nodes)
+        runs, seen = 0, set()
+        for key in leaves:
+            if "/" in key or key in ("inputs", "outputs") or runs >= limit or time.perf_counter() - t0 > budget_s:
+                continue
+            chains, inferred = key_chains(nodes, self.expanded | {key}, self.pscopes)
+            idxs = [i for i, ch in enumerate(chains) if key in ch[:-1]]
+            if len(idxs) < min_nodes:
+                continue
+            depth = chains[idxs[0]].index(key) + 1
+            lvl = self._level(nodes, status, chains, inferred, idxs, depth, key, set(), {})
+            if any(b.child is not None for b in lvl.boxes):
+                continue
+            text = L.level_dot(lvl, {})
+            if text in seen or text in L.LEVEL_CACHE:
+                seen.add(text)
+                continue
+            seen.add(text)
+            L.nested_level_svg(lvl)
+            runs += 1
+        return runs
+
+    def _draw_flat(self, nodes, status, keys, inferred, title, hit_groups, classes) -> str:
+        """The order-based picture of all shown boxes in one column (no graphviz)."""
+        c = collapse_keys(nodes, keys, inferred)
+        fills: dict[int, str] = {}
+        extra: dict[int, str] = {}
+        style: dict[int, tuple[list[str], str]] = {}
+        metric, fmt = self._metric(nodes)
+        if metric:
+            tot = {g.index: metric(g.node_indices) for g in c.groups}
+            top = max(tot.values(), default=0.0) or 1.0
+            for g in c.groups:
+                if not g.is_io:
+                    fills[g.index] = _ramp(tot[g.index] / top)
+                    extra[g.index] = f" · {fmt(tot[g.index])}"
+        for g in c.groups:
+            cls, color, marks = self._diff_marks(nodes, g.node_indices, status)
+            if cls:
+                style[g.index] = (cls, color)
+                extra[g.index] = extra.get(g.index, "") + marks
+            cls, color = style.get(g.index, ([], ""))
+            if g.key in hit_groups:
+                cls, color = cls + ["dc-match"], MATCH_COLOR
+            if self.selected_node is not None and any(nodes[i]["name"] == self.selected_node for i in g.node_indices):
+                cls, color = cls + ["dc-selected"], SELECT_COLOR
+            if cls:
+                style[g.index] = (cls, color)
+                classes[g.key] = cls
         svg = L.simple_svg(c, title)
         svg = _decorate_simple(svg, c, fills, extra, style)
-        return svg.replace('<svg class="graph simple"', '<svg class="graph simple dc-graph"', 1), "simple"
+        return svg.replace('<svg class="graph simple"', '<svg class="graph simple dc-graph"', 1)

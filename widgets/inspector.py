@@ -8,6 +8,13 @@ Run re-launches with the edited values and adds the new run beside the old one).
 State lives in :class:`InspectorModel` (and the models it holds); the widget callbacks only call
 model methods and re-render, so tests drive the same methods without a browser. A missing or
 broken record is shown as a message (the :class:`RecordError` text), never a traceback.
+
+Clicks come back from the browser through two widgets (both anywidget-based, their JavaScript
+shipped inside the Python packages, so no network is needed in JupyterLab or VS Code): the
+graph's :mod:`~deepcompile.widgets.canvas` (a click on a box: expand, collapse or select, see
+:meth:`InspectorModel.click_graph`) and plotly's ``FigureWidget`` for the schedule (a click on a
+bar selects its node: :meth:`InspectorModel.click_bar`). Without anywidget the graph is a plain
+HTML widget driven by the module dropdown and the schedule a static plotly figure.
 """
 from __future__ import annotations
 
@@ -23,7 +30,8 @@ from typing import Any, Iterable
 from deepcompile.record import estimate as E
 from deepcompile.record.reader import RecordError, read_run
 
-from .graph_view import COLOR_MODES, GraphModel
+from .canvas import have_anywidget, make_canvas
+from .graph_view import COLOR_MODES, FOLD_MARK, OPEN_MARK, GraphModel
 from .launcher import Job, demo_command, job_env, script_command
 from .passes_view import PassesModel, make_control, new_run_dir
 from .timeline_view import MemoryModel, ScheduleModel, StepsModel
@@ -105,6 +113,20 @@ class InspectorModel:
         if self.schedule:
             self.schedule.select_node(name)
 
+    def click_graph(self, key: str, shift: bool = False) -> tuple[str, str | None]:
+        """A click on the graph box ``group-<key>`` (sent by the front end): expand / collapse it, or
+        select its node in every view (see :meth:`GraphModel.handle_click`)."""
+        if self.graph is None:
+            return "ignored", None
+        action, what = self.graph.handle_click(key, shift)
+        if action == "selected":
+            self.select_node(what)
+        return action, what
+
+    def click_bar(self, node: str | None) -> None:
+        """A click on a schedule bar: select its node (the graph outlines the box holding it)."""
+        self.select_node(node or None)
+
     def set_kind(self, kind: str) -> None:
         self.set_graph(self.graph.graph_id, kind)
 
@@ -164,10 +186,15 @@ class Inspector:
     """Browse a run record in a notebook. ``Inspector(run_dir)``; ``Inspector.launch(...)``."""
 
     def __init__(self, run_dir: str | Path | None = None, rank: int = 0, *, poll_interval: float = 3.0,
-                 follow: bool = True, use_dot: bool | None = None, lazy_layout: bool = True):
+                 follow: bool = True, use_dot: bool | None = None, lazy_layout: bool = True,
+                 layout_wait_s: float = 0.5):
         import ipywidgets as W
 
-        self.lazy_layout = lazy_layout   # graph: order-based layout first, graphviz's when ready
+        # graph: graphviz's layout when it is ready within layout_wait_s, else the order-based one
+        # at once and graphviz's swapped in when ready
+        self.lazy_layout = lazy_layout
+        self.layout_wait_s = layout_wait_s
+        self._prewarmed: set = set()
 
         self.W = W
         self.model = InspectorModel(None, rank, use_dot=use_dot)
@@ -211,8 +238,18 @@ class Inspector:
                               names="value")
         self.g_toggle.add_class("dc-expand")
         self.g_summary = W.HTML()
-        self.g_svg = W.HTML(layout=W.Layout(max_height="720px", overflow="auto", border="1px solid #ddd"))
+        # the SVG, clickable where anywidget is installed (else an HTML widget: use the dropdown)
+        self.g_svg = make_canvas(layout=W.Layout(max_height="720px", overflow="auto", border="1px solid #ddd"))
         self.g_svg.add_class("dc-graph-view")
+        self.clickable = hasattr(self.g_svg, "on_box_click")
+        if self.clickable:
+            self.g_svg.on_box_click(self._on_graph_click)
+        self.g_hint = W.HTML(
+            "<span style='font-size:11px;color:#666'>" + (
+                f"click a box: {FOLD_MARK} expands it, {OPEN_MARK} (a frame) collapses it, a single node selects it "
+                "(its schedule bars are outlined); shift-click collapses the module around a box"
+                if self.clickable else "expand or collapse a module with the dropdown (install anywidget to click "
+                "boxes)") + "</span>")
         self.g_matches = W.HTML()
         self._muted = False
         self.g_graph.observe(lambda ch: self._ui(lambda: self.model.set_graph(ch["new"]), full=True), names="value")
@@ -221,21 +258,27 @@ class Inspector:
         self.g_diff.observe(lambda ch: self._ui(lambda: self.model.graph.set_diff(ch["new"])), names="value")
         self.g_color.observe(lambda ch: self._ui(lambda: self.model.graph.set_color(ch["new"])), names="value")
         self.g_search.observe(lambda ch: self._ui(lambda: self.model.graph.set_search(ch["new"])), names="value")
-        self.g_toggle.on_click(lambda _: self._ui(lambda: self.model.graph.click(self.g_module.value))
-                               if self.g_module.value else None)
-        self.g_collapse_all.on_click(lambda _: self._ui(self.model.graph.collapse_all))
+        self.g_toggle.on_click(lambda _: self._ui(lambda: self.model.graph.click(self.g_module.value),
+                                                  views=("graph",)) if self.g_module.value else None)
+        self.g_collapse_all.on_click(lambda _: self._ui(self.model.graph.collapse_all, views=("graph",)))
         graph_tab = W.VBox([W.HBox([self.g_graph, self.g_kind, self.g_pass, self.g_diff]),
                             W.HBox([self.g_color, self.g_search]),
                             W.HBox([self.g_module, self.g_toggle, self.g_collapse_all]),
-                            self.g_summary, self.g_svg, self.g_matches])
+                            self.g_hint, self.g_summary, self.g_svg, self.g_matches])
         # schedule tab
         self.s_node = W.Combobox(description="select node", placeholder="node name", ensure_option=False,
                                  continuous_update=False)
-        self.s_node.observe(lambda ch: self._ui(lambda: self.model.select_node(ch["new"] or None)), names="value")
+        self.s_node.observe(lambda ch: self._ui(lambda: self.model.select_node(ch["new"] or None),
+                                                views=("graph", "schedule")), names="value")
         self.s_out = W.Output()
         self.s_out.add_class("dc-schedule")
+        self.s_fig = self._figure_widget()        # clickable bars (plotly FigureWidget), else s_out
+        self._s_sig = None
+        if self.s_fig is not None:
+            self.s_box = W.VBox([self.s_fig])
+            self.s_box.add_class("dc-schedule")
         self.s_note = W.HTML()
-        schedule_tab = W.VBox([self.s_note, self.s_node, self.s_out])
+        schedule_tab = W.VBox([self.s_note, self.s_node, self.s_box if self.s_fig is not None else self.s_out])
         # memory tab
         self.m_sort = W.Dropdown(description="sort by", options=["index", "name", "target", "module", "latency_us",
                                                                  "out_bytes", "mem_after_bytes"])
@@ -289,8 +332,9 @@ class Inspector:
         return self.widget._repr_mimebundle_(**kw)
 
     # ------------------------------------------------------------ helpers
-    def _ui(self, fn, full: bool = False) -> None:
-        """Run a model change from a widget event, then re-render; errors become a message."""
+    def _ui(self, fn, full: bool = False, views: tuple[str, ...] | None = None) -> None:
+        """Run a model change from a widget event, then re-render (only ``views`` when given: "graph",
+        "schedule"); errors become a message."""
         if self._muted or self.model.graph is None:
             return
         try:
@@ -298,7 +342,88 @@ class Inspector:
         except (ValueError, KeyError) as e:
             self._say(str(e), error=True)
             return
-        self.render(full=full)
+        self.render(full=full, views=views)
+
+    # ------------------------------------------------------------ clicks from the front end
+    def _on_graph_click(self, key: str, shift: bool = False) -> None:
+        """A click on a box of the graph SVG (the canvas sends ``group-<key>``)."""
+        if self._muted or self.model.graph is None:
+            return
+        with self._lock:
+            try:
+                action, what = self.model.click_graph(key, shift)
+            except (ValueError, KeyError) as e:
+                self._say(str(e), error=True)
+                return
+            if action == "ignored":   # a box of a picture since replaced
+                return
+            if action == "selected":
+                self._set_node_box(what)
+            self.render(views=("graph", "schedule") if action == "selected" else ("graph",))
+
+    def _on_bar_click(self, trace, points, _state=None) -> None:
+        """plotly calls this for every trace on a click; the one holding the point has indices."""
+        inds = list(getattr(points, "point_inds", []) or [])
+        if not inds or self.model.graph is None:
+            return
+        data = trace.customdata
+        if data is None or inds[0] >= len(data):
+            return
+        name = str(data[inds[0]])
+        with self._lock:
+            self.model.click_bar(name)
+            self._set_node_box(name)
+            self.render(views=("graph", "schedule"))
+
+    def _set_node_box(self, name: str | None) -> None:
+        self._muted = True
+        try:
+            self.s_node.value = name or ""
+        finally:
+            self._muted = False
+
+    @staticmethod
+    def _figure_widget():
+        if not have_anywidget():
+            return None
+        try:
+            import plotly.graph_objects as go
+
+            return go.FigureWidget()
+        except Exception:  # plotly without widget support: the static figure in an Output
+            return None
+
+    def _plot_schedule(self, fig) -> None:
+        """The schedule into the FigureWidget: traces replaced when the lanes change, else only the
+        selection outline; every trace's clicks select the node."""
+        fw = self.s_fig
+        if fw is None:
+            self._plot(self.s_out, fig)
+            return
+        new = list(fig.data)
+        sel = [t for t in new if (t.name or "").startswith("selected: ")]
+        base = [t for t in new if not (t.name or "").startswith("selected: ")]
+        sc = self.model.schedule
+        sig = (id(sc), sc.key if sc else None, len(base), tuple(t.name for t in base))
+        with fw.batch_update():
+            if sig != self._s_sig:
+                fw.data = ()
+                fw.add_traces(base + sel)
+                fw.layout = fig.layout
+                self._s_sig = sig
+                for t in fw.data:
+                    t.on_click(self._on_bar_click)
+            else:
+                old_sel = [t for t in fw.data if (t.name or "").startswith("selected: ")]
+                if old_sel and not sel:
+                    fw.data = [t for t in fw.data if not (t.name or "").startswith("selected: ")]
+                elif sel and not old_sel:
+                    fw.add_traces(sel)
+                    fw.data[-1].on_click(self._on_bar_click)
+                elif sel:
+                    old_sel[0].update(base=sel[0].base, x=sel[0].x, y=sel[0].y, name=sel[0].name,
+                                      customdata=sel[0].customdata)
+                fw.layout.title = fig.layout.title
 
     def _say(self, text: str, error: bool = False) -> None:
         color = "#b00020" if error else "#37474f"
@@ -320,9 +445,21 @@ class Inspector:
                                  "text/plain": f"<plotly figure: {len(spec.get('data', []))} traces>"}},)
 
     # ------------------------------------------------------------ open / render
+    def _index_signature(self):
+        m = self.model
+        if m.run_dir is None:
+            return None
+        try:
+            st = (m.run_dir / f"rank{m.rank}" / "graphs" / "index.json").stat()
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns
+
     def open(self, run_dir: str | Path, rank: int | None = None) -> bool:
         with self._lock:
             ok = self.model.open(run_dir, rank)
+            if ok:   # the poller reloads only when graphs are added after this
+                self._index_sig = self._index_signature()
             self._muted = True
             try:
                 self.run_select.options = [str(p) for p in self.model.runs]
@@ -343,9 +480,12 @@ class Inspector:
         if not self._muted and value is not None and value != self.model.rank:
             self.open(self.model.run_dir, value)
 
-    def render(self, full: bool = False) -> None:
+    def render(self, full: bool = False, views: tuple[str, ...] | None = None) -> None:
         with self._lock:
             try:
+                if views is not None and self.model.record is not None and not full:
+                    self._render_views(views)
+                    return
                 self._render(full)
             except Exception as e:  # a view that fails says so; the others stay usable
                 self._say(f"rendering failed: {type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}", error=True)
@@ -361,12 +501,47 @@ class Inspector:
             for w in (self.g_svg, self.g_summary, self.m_table, self.m_peak, self.g_matches):
                 w.value = ""
             self.s_out.outputs = ()
+            if self.s_fig is not None and self.s_fig.data:
+                self.s_fig.data = ()
+                self._s_sig = None
             self.m_out.outputs = ()
             return
         rec = m.record
         self._say(f"{rec.path}: {rec.manifest['status']}, {rec.manifest['world_size']} rank(s), "
                   f"{len(rec.graph_ids)} graph(s), {len(rec.steps)} step(s) on rank {rec.rank}; "
                   f"torch {rec.environment['torch']} on {rec.environment['hostname']}")
+        self._render_graph_controls(full)
+        self._show_graph(m.graph)
+        self._render_schedule()
+        # memory
+        if m.memory:
+            self._plot(self.m_out, m.memory.figure())
+            pk = m.memory.peak()
+            if pk:
+                self.m_peak.value = (f"<div style='font-size:12px'><b>peak</b> {E.fmt_bytes(pk['value'])} at node "
+                                     f"{pk['index']} ({esc(pk['node'])}, {esc(pk['series'])}); largest tensors live "
+                                     "there: " + ", ".join(f"{esc(n)} {E.fmt_bytes(b)}" for n, b in pk["holders"])
+                                     + "</div>")
+            self.m_table.value = m.memory.table_html()
+
+    def _render_views(self, views: tuple[str, ...]) -> None:
+        """Re-render only some views (a click in the graph or on a schedule bar)."""
+        if "graph" in views:
+            self._render_graph_controls(False)
+            self._show_graph(self.model.graph)
+        if "schedule" in views:
+            self._render_schedule()
+
+    def _render_schedule(self) -> None:
+        m = self.model
+        if m.schedule:
+            self.s_note.value = (f"<div style='font-size:12px'>{esc(m.schedule.source_note)}"
+                                 + ("; click a bar to select its node in the graph" if self.s_fig is not None else "")
+                                 + "</div>")
+            self._plot_schedule(m.schedule.figure())
+
+    def _render_graph_controls(self, full: bool) -> None:
+        m = self.model
         g = m.graph
         self._muted = True
         try:
@@ -382,56 +557,70 @@ class Inspector:
                 self.g_pass.value = g.version
             self.g_diff.value = g.compare
             self.g_color.value = g.color_by
-            keys = g.group_keys()
+            # the module list: open modules (▾, choosing one collapses it) and the boxes shown
+            outline = g.outline()
+            keys = [k for k, _, _ in outline]
             prev = self.g_module.value
-            self.g_module.options = keys
+            self.g_module.options = [(("· " * d) + (OPEN_MARK + " " if is_open else "") + k, k)
+                                     for k, d, is_open in outline]
             if prev in keys and self._module_chosen:
                 self.g_module.value = prev
             elif prev and self._module_chosen and any(k.startswith(prev + ".") or k.startswith(prev + "/") for k in keys):
                 self.g_module.value = next(k for k in keys if k.startswith(prev + ".") or k.startswith(prev + "/"))
             else:
-                self.g_module.value = next((k for k in keys if any(c.isdigit() for c in k)), keys[0] if keys else None)
+                self.g_module.value = next((k for k, _, is_open in outline if not is_open and any(c.isdigit() for c in k)),
+                                           keys[0] if keys else None)
             if m.schedule:
-                self.s_node.options = tuple(m.schedule.nodes_at()[:2000])
+                opts = tuple(m.schedule.nodes_at()[:2000])
+                if tuple(self.s_node.options) != opts:
+                    self.s_node.options = opts
         finally:
             self._muted = False
-        self._show_graph(g)
-        # schedule
-        if m.schedule:
-            self.s_note.value = f"<div style='font-size:12px'>{esc(m.schedule.source_note)}</div>"
-            self._plot(self.s_out, m.schedule.figure())
-        # memory
-        if m.memory:
-            self._plot(self.m_out, m.memory.figure())
-            pk = m.memory.peak()
-            if pk:
-                self.m_peak.value = (f"<div style='font-size:12px'><b>peak</b> {E.fmt_bytes(pk['value'])} at node "
-                                     f"{pk['index']} ({esc(pk['node'])}, {esc(pk['series'])}); largest tensors live "
-                                     "there: " + ", ".join(f"{esc(n)} {E.fmt_bytes(b)}" for n, b in pk["holders"])
-                                     + "</div>")
-            self.m_table.value = m.memory.table_html()
 
     def _show_graph(self, g: GraphModel) -> None:
-        """Show the graph at once: graphviz's layout when cached or when lazy layout is off, else
-        the order-based layout now and graphviz's on a thread, swapped in if the state is unchanged."""
+        """Show the graph: graphviz's (nested, cached per module) layout when cached or ready within
+        ``layout_wait_s``; else the order-based layout at once and graphviz's swapped in when ready
+        (if the state is unchanged). Then lay out the inside of the modules ahead of clicks."""
         full = g.cached(None)
-        if full is None and self.lazy_layout and g.use_dot is not False:
-            r = g.render("simple")
-            self._graph_html(r)
+        if full is None and self.lazy_layout and g._use_dot(None):
             key, snap = g.state_key(), g.snapshot()
+            lk = threading.Lock()
+            st: dict = {"r": None, "late": False}
+            done = threading.Event()
 
-            def later():
+            def work():
                 try:
                     rr = snap.render(None)
                 except Exception:
+                    done.set()
                     return
-                with self._lock:
-                    if self.model.graph is g and g.state_key() == key:
-                        self._graph_html(rr)
+                with lk:
+                    st["r"], late = rr, st["late"]
+                done.set()
+                if late:
+                    with self._lock:
+                        if self.model.graph is g and g.state_key() == key:
+                            self._graph_html(rr)
 
-            threading.Thread(target=later, name="deepcompile-graph-layout", daemon=True).start()
-            return
+            threading.Thread(target=work, name="deepcompile-graph-layout", daemon=True).start()
+            done.wait(self.layout_wait_s)
+            with lk:
+                full = st["r"]
+                if full is None:
+                    st["late"] = True
+            if full is None:
+                self._graph_html(g.render("simple"))
+                return
         self._graph_html(full or g.render(None))
+        self._prewarm(g)
+
+    def _prewarm(self, g: GraphModel) -> None:
+        pk = (id(g), g.graph_id, g.kind, g.version, g.compare, g.color_by)
+        if not self.lazy_layout or pk in self._prewarmed or not g._use_dot(None):
+            return
+        self._prewarmed.add(pk)
+        snap = g.snapshot()
+        threading.Thread(target=lambda: snap.prewarm(limit=4), name="deepcompile-graph-prewarm", daemon=True).start()
 
     def _graph_html(self, r) -> None:
         self.g_summary.value = f"<div class='dc-graph-summary' style='font-size:12px'>{esc(r.summary)}</div>"
@@ -516,12 +705,7 @@ class Inspector:
             return False
         before = m.steps.status
         changed = m.steps.poll()
-        index = m.run_dir / f"rank{m.rank}" / "graphs" / "index.json"
-        try:
-            st = index.stat()
-            isig = (st.st_size, st.st_mtime_ns)
-        except OSError:
-            isig = None
+        isig = self._index_signature()
         new_graphs = isig is not None and isig != getattr(self, "_index_sig", None)
         finished = before != m.steps.status and m.steps.status in ("complete", "failed")
         if (m.run_dir / "manifest.json").exists() and (m.record is None or new_graphs or finished):

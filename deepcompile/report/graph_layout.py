@@ -347,7 +347,7 @@ LEVEL_DOT_MAX_ELEMENTS = 480     # boxes + edges of one level
 FRAME_HEADER = 20.0              # pt above a nested level inside an expanded box
 FRAME_PAD = 8.0
 FRAME_FILL = "#fbfcfe"
-_DIGITS = re.compile(r"\d")
+_DIGITS = re.compile(r"\d+")
 
 
 @dataclass
@@ -413,7 +413,9 @@ LEVEL_CACHE = LayoutCache()
 
 
 def _canon(s: str) -> str:
-    return _DIGITS.sub("0", s)
+    """Layout text: every run of digits as at least three zeros (``add_7``, ``add_31`` and ``add_250``
+    lay out alike: the text is put back, centred, after layout)."""
+    return _DIGITS.sub(lambda m: "0" * max(3, len(m.group(0))), s)
 
 
 def _h(s: str) -> str:  # text inside a graphviz HTML label
@@ -495,6 +497,40 @@ def _svg_text(s: str) -> str:  # how graphviz writes a string in SVG text
     return html.escape(s, quote=False).replace("-", "&#45;")
 
 
+_ELEM = re.compile(r"<(path|polygon)\b([^>]*)>|(<text\b[^>]*>)(.*?)</text>", re.S)
+
+
+def _put_texts(node: str, texts: list[str]) -> str | None:
+    """Put the real label strings into a node laid out with canonical ones, each centred on its
+    table cell (a coloured chip) or on the box: browsers' fonts differ from graphviz's metrics."""
+    if len(_TEXT.findall(node)) != len(texts):
+        return None
+    out, pos, it = [], 0, iter(texts)
+    box_cx = cell_cx = None
+    for m in _ELEM.finditer(node):
+        if m.group(1):
+            attr = re.search(r'(?:points|d)="([^"]+)"', m.group(2))
+            nums = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", attr.group(1))] if attr else []
+            if len(nums) >= 4:
+                xs = nums[0::2]
+                cx = (min(xs) + max(xs)) / 2
+                if box_cx is None:
+                    box_cx = cx
+                else:
+                    cell_cx = cx
+            continue
+        cx = cell_cx if cell_cx is not None else box_cx
+        cell_cx = None
+        tag = m.group(3)
+        if cx is not None:
+            tag = re.sub(r'text-anchor="[^"]*"', 'text-anchor="middle"', tag, count=1)
+            tag = re.sub(r' x="[^"]*"', f' x="{cx:.2f}"', tag, count=1)
+        out.append(node[pos:m.start()] + tag + _svg_text(next(it)) + "</text>")
+        pos = m.end()
+    out.append(node[pos:])
+    return "".join(out)
+
+
 def _decorate_shape(seg: str, b: Box) -> str:
     m = _SHAPE.search(seg)
     if not m:
@@ -524,12 +560,9 @@ def _dot_level(level: Level, children: dict[int, tuple[str, float, float]]) -> t
         end = seg.find("</g>") + 4
         node, rest = seg[:end], seg[end:]
         node = re.sub(r"<title>[^<]*</title>", f"<title>{html.escape(b.tooltip or b.key)}</title>", node, count=1)
-        texts = _box_texts(b)
-        found = _TEXT.findall(node)
-        if len(found) != len(texts):
+        node = _put_texts(node, _box_texts(b))
+        if node is None:
             return None   # graphviz split a label differently: the caller falls back to the order-based layout
-        it = iter(texts)
-        node = _TEXT.sub(lambda mm: mm.group(1) + _svg_text(next(it)) + mm.group(3), node)
         node = _decorate_shape(node, b)
         nested = ""
         if i in children:
