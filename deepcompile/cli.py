@@ -56,15 +56,50 @@ def build_config(compiler: str, passes: str | None, pass_params: list[str]) -> d
     return {"compiler": compiler, "passes": entries}
 
 
+def load_factory(spec: str):
+    """``package.module:function`` -> the function. The factory takes no arguments and returns
+    ``(model, make_batch)``: an ``nn.Module`` whose forward returns the loss (a tensor, or an
+    object with ``.loss`` such as a Hugging Face output) and ``make_batch(step, rank, device)``
+    returning the forward's positional arguments."""
+    import importlib
+
+    mod_name, sep, fn_name = spec.partition(":")
+    if not sep or not mod_name or not fn_name:
+        raise CLIError(f"--model {spec!r}: expected 'package.module:function', e.g. 'mypkg.models:make_gpt'")
+    try:
+        mod = importlib.import_module(mod_name)
+    except ImportError as e:
+        raise CLIError(f"--model {spec!r}: cannot import {mod_name!r} ({e}); is it on PYTHONPATH "
+                       "(the current directory is)?") from None
+    fn = getattr(mod, fn_name, None)
+    if not callable(fn):
+        raise CLIError(f"--model {spec!r}: {mod_name} has no callable {fn_name!r}")
+    return fn
+
+
+def _builtin_gpt(batch: int, seed: int, world: int):
+    from deepcompile.models import GPT, GPTConfig
+
+    gcfg = GPTConfig()
+
+    def make_batch(step, rank, device):
+        import torch
+
+        g = torch.Generator().manual_seed(seed * 1_000_003 + step * world + rank)
+        x = torch.randint(0, gcfg.vocab_size, (batch, gcfg.block_size), generator=g)
+        return x.to(device), ((x * 7 + 3) % gcfg.vocab_size).to(device)
+
+    return GPT(gcfg), make_batch
+
+
 def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps: int, out: str,
-               batch: int, seed: int) -> None:
+               batch: int, seed: int, factory: str | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import torch
     import torch.distributed as dist
 
     import deepcompile
-    from deepcompile.models import GPT, GPTConfig
     from deepcompile.profile import trace
     from deepcompile.record import estimate
     from deepcompile.record.writer import RunRecorder, memory_stats
@@ -77,22 +112,20 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
         dist.init_process_group(backend, rank=rank, world_size=world)
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         torch.manual_seed(seed)  # same initial weights on every rank
-        gcfg = GPTConfig()
-        model, opt = deepcompile.initialize(GPT(gcfg), lambda ps: torch.optim.AdamW(ps, lr=3e-3), cfg)
+        user_model, make_batch = load_factory(factory)() if factory else _builtin_gpt(batch, seed, world)
+        model, opt = deepcompile.initialize(user_model, lambda ps: torch.optim.AdamW(ps, lr=3e-3), cfg)
         rec = RunRecorder(out, rank, world, model.dc_config)
         model.dc_backend.observers.append(rec.graph_version)  # graphs compile at the first call
         for step in range(1, steps + 1):
-            g = torch.Generator().manual_seed(seed * 1_000_003 + step * world + rank)
-            x = torch.randint(0, gcfg.vocab_size, (batch, gcfg.block_size), generator=g)
-            y = (x * 7 + 3) % gcfg.vocab_size
-            x, y = x.to(device), y.to(device)
+            args = make_batch(step, rank, device)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             box = {}
 
             def one_step():
-                box["loss"] = model(x, y)
+                out_ = model(*args)
+                box["loss"] = getattr(out_, "loss", out_)
                 box["loss"].backward()
                 opt.step()
                 opt.zero_grad()
@@ -144,6 +177,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
     if a.profile_step is not None:
         cfg["profile_step"] = a.profile_step
     Config.load(cfg)  # ConfigError (exit 2) before any process starts
+    if a.model:
+        load_factory(a.model)  # a bad --model fails here, not in every rank
     out = Path(a.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
     if (out / "manifest.json").exists():
         raise CLIError(f"{out}: already holds a run record; choose another --out")
@@ -153,7 +188,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         mp.start_processes(_demo_rank, args=(a.ranks, _free_port(), backend, cfg, a.steps, str(out),
-                                             a.batch, a.seed), nprocs=a.ranks, join=True,
+                                             a.batch, a.seed, a.model), nprocs=a.ranks, join=True,
                            start_method="spawn")
     except mp.ProcessRaisedException as e:
         last = [ln for ln in str(e).strip().splitlines() if ln.strip()][-1]
@@ -254,6 +289,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--out", default=None, help="run directory (default runs/demo-<timestamp>)")
     d.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
+                   help="train your model instead of the built-in GPT: FUNCTION() returns (model, "
+                        "make_batch) with make_batch(step, rank, device) -> forward args; forward returns the loss")
     d.add_argument("--cpu", action="store_true", help="use gloo on CPU even when GPUs are present")
     d.set_defaults(fn=cmd_demo)
     r = sub.add_parser("report", help="render the static HTML report of a run record")

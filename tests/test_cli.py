@@ -48,3 +48,28 @@ def test_bad_pass_param_exits_2(tmp_path):
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "nosuch" in r.stderr
     r = run_cli("demo", "--steps", "1", "--out", str(tmp_path / "x"), "--passes", "zero3,nope", timeout=120)
     assert r.returncode == 2 and "unknown pass" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_demo_trains_a_user_model_factory(tmp_path):
+    """``--model package.module:factory``: the user's model and batches, recorded like the GPT."""
+    out = tmp_path / "run"
+    r = run_cli("demo", "--ranks", "2", "--steps", "2", "--cpu", "--model", "tests.factories:tiny_gpt",
+                "--out", str(out), timeout=600)
+    assert r.returncode == 0, f"STDOUT:\n{r.stdout}\nSTDERR:\n{r.stderr}"
+    from deepcompile.record.reader import read_run
+
+    rec = read_run(out)
+    assert rec.graph_ids and rec.versions(rec.graph_ids[0], "forward")
+    assert len(rec.steps) == 2 and all(s["loss"] > 0 for s in rec.steps)
+    # the user's model, not the built-in GPT: its 26 parameters (tests.workloads.MODEL) were gathered
+    fw = rec.versions(rec.graph_ids[0], "forward")[-1]
+    gathered = {n.get("param") for n in fw.nodes if n.get("target") == "dc.wait_allgather"}
+    assert len(gathered) == 26, sorted(gathered)
+
+
+def test_bad_model_factory_exits_2(tmp_path):
+    for spec, words in [("nocolon", "expected 'package.module:function'"),
+                        ("no_such_pkg_xyz:f", "cannot import"),
+                        ("tests.factories:nope", "no callable 'nope'")]:
+        r = run_cli("demo", "--steps", "1", "--cpu", "--model", spec, "--out", str(tmp_path / "x"), timeout=120)
+        assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (spec, r.stderr)

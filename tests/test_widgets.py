@@ -347,6 +347,10 @@ def test_inspector_widget_clicks(demo_run):
     assert "no profile in this record" in insp.p_msg.value
     out, argv = insp.model.rerun_command()
     assert out.name == f"{demo_run.name}-rerun1" and argv[argv.index("--steps") + 1] == "3"
+    assert "--model" not in argv
+    insp.model.launch_model = "tests.factories:tiny_gpt"  # as Inspector.launch(model=...) sets it
+    _, argv = insp.model.rerun_command()
+    assert argv[argv.index("--model") + 1] == "tests.factories:tiny_gpt"
     # controls generated from the declared parameters
     row = insp.p_box.children[insp.model.passes.order.index("prefetch")]
     assert "dc-param-prefetch-max_fused" in repr(row.children[3].children[0]._dom_classes)

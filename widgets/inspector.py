@@ -150,7 +150,8 @@ class InspectorModel:
             steps = max(1, self.steps.n_steps()) if self.steps and self.steps.n_steps() else 20
         if ranks is None:
             ranks = int(self.record.manifest["world_size"]) if self.record else 2
-        return out, self.passes.command(out, ranks=ranks, steps=steps, cpu=cpu)
+        return out, self.passes.command(out, ranks=ranks, steps=steps, cpu=cpu,
+                                        model=getattr(self, "launch_model", None))
 
     def run_summary(self, run_dir: Path) -> dict:
         """One row of the runs table (readable even for a broken or unfinished record)."""
@@ -793,19 +794,21 @@ class Inspector:
                passes: Iterable[str] = ("zero3",), pass_params: dict[str, dict] | None = None,
                script: str | Path | None = None, script_args: Iterable[str] = (), compiler: str | None = None,
                cpu: bool = False, batch: int | None = None, poll_interval: float = 2.0,
-               cwd: str | Path | None = None, **kw) -> "Inspector":
+               cwd: str | Path | None = None, model: str | None = None, **kw) -> "Inspector":
         """Start a job in the background and return an Inspector that follows it.
 
         Without ``script``: the CLI demo (``python -m deepcompile demo``; GPUs when present,
-        else gloo on the CPU). With ``script``: ``torchrun --nproc-per-node=ranks script
+        else gloo on the CPU), training ``model`` (a ``"package.module:factory"`` whose factory
+        returns ``(nn.Module, make_batch)``; see ``deepcompile demo --help``) or the built-in GPT. With ``script``: ``torchrun --nproc-per-node=ranks script
         script_args`` (the script writes its record to ``out``, e.g. from an argument)."""
         out = Path(out) if out is not None else Path(f"runs/inspector-{time.strftime('%Y%m%d-%H%M%S')}")
         if script is None:
             argv = demo_command(out, passes=passes, pass_params=pass_params, ranks=ranks, steps=steps,
-                                compiler=compiler, cpu=cpu, batch=batch)
+                                compiler=compiler, cpu=cpu, batch=batch, model=model)
         else:
             argv = script_command(script, ranks=ranks, args=script_args)
         self = cls(None, poll_interval=poll_interval, **kw)
+        self.model.launch_model = model  # Run re-launches the same model
         self.model.run_dir = self.model.add_run(out)
         self.model.steps = StepsModel(out)
         self.model.error = f"{out}: job starting"

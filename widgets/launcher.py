@@ -38,8 +38,9 @@ def fmt_value(v) -> str:
 def demo_command(out: str | os.PathLike, *, passes: Iterable[str] = ("zero3",),
                  pass_params: dict[str, dict] | None = None, ranks: int = 2, steps: int = 20,
                  compiler: str | None = None, batch: int | None = None, seed: int | None = None,
-                 cpu: bool = False, python: str | None = None) -> list[str]:
-    """The argv of ``python -m deepcompile demo`` with the given passes and parameter values."""
+                 cpu: bool = False, python: str | None = None, model: str | None = None) -> list[str]:
+    """The argv of ``python -m deepcompile demo`` with the given passes and parameter values
+    (``model``: a ``package.module:factory`` to train instead of the built-in GPT)."""
     passes = list(passes)
     argv = [python or sys.executable, "-m", "deepcompile", "demo", "--out", str(out),
             "--ranks", str(int(ranks)), "--steps", str(int(steps)), "--passes", ",".join(passes)]
@@ -51,6 +52,8 @@ def demo_command(out: str | os.PathLike, *, passes: Iterable[str] = ("zero3",),
         argv += ["--seed", str(int(seed))]
     if cpu:
         argv.append("--cpu")
+    if model:
+        argv += ["--model", model]
     for name in passes:
         for k, v in (pass_params or {}).get(name, {}).items():
             argv += ["--pass-param", f"{name}.{k}={fmt_value(v)}"]

@@ -135,10 +135,11 @@ class PassesModel:
         return errs
 
     def command(self, out: str | os.PathLike, *, ranks: int = 2, steps: int = 20, cpu: bool = False,
-                batch: int | None = None) -> list[str]:
+                batch: int | None = None, model: str | None = None) -> list[str]:
         """``python -m deepcompile demo`` re-running with the edited passes and values."""
         return demo_command(out, passes=self.passes, pass_params=self.values(only_changed=True),
-                            ranks=ranks, steps=steps, compiler=self.compiler, cpu=cpu, batch=batch)
+                            ranks=ranks, steps=steps, compiler=self.compiler, cpu=cpu, batch=batch,
+                            model=model)
 
     def predict(self, record) -> str:
         """The cost model's prediction for ``record``'s compiled graphs from its recorded
