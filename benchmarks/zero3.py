@@ -17,6 +17,13 @@ Systems:
   dc_zero3              deepcompile, passes ["zero3"]
   dc_prefetch           deepcompile, passes ["zero3", "prefetch"]                       (skipped if missing)
   dc_prefetch_unshard   deepcompile, passes ["zero3", "prefetch", "selective_unshard"]  (skipped if missing)
+  dc_default            deepcompile's default plan (no passes given): zero3, a profiling step, then
+                        zero3+prefetch+selective_unshard compiled from the profile (--warmup >= 3)
+  dc_fsdp_budget        prefetch and selective_unshard with budgets adding up to fsdp2_compiled's peak
+                        minus dc_zero3's (both must run earlier in the same invocation)
+
+Every deepcompile system also records the cost model's predicted step time and peak memory next to
+the measured ones ("predicted", "predicted_step_error", "predicted_peak_error").
   fsdp2_eager           torch.distributed.fsdp.fully_shard per decoder layer and on the root
   fsdp2_compiled        same, each decoder layer torch.compile'd before fully_shard (torchtitan style)
   compute_bound         the unsharded model on rank 0 only, fp32 params under bf16 autocast, decoder
@@ -48,12 +55,19 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 ALL_SYSTEMS = ["fsdp2_eager", "fsdp2_compiled", "compute_bound", "dc_zero3", "dc_prefetch",
-               "dc_prefetch_unshard"]
+               "dc_prefetch_unshard", "dc_default", "dc_fsdp_budget"]
 DC_PASSES = {
     "dc_zero3": ["zero3"],
     "dc_prefetch": ["zero3", "prefetch"],
     "dc_prefetch_unshard": ["zero3", "prefetch", "selective_unshard"],
+    # no "passes" key: deepcompile's default ZeRO-3 plan (zero3; profile step 1; from step 2
+    # zero3+prefetch+selective_unshard compiled against the profile)
+    "dc_default": None,
+    # prefetch + selective_unshard with budgets that add up to FSDP2-compiled's measured peak minus
+    # dc_zero3's (both measured earlier in the same run)
+    "dc_fsdp_budget": ["zero3", "prefetch", "selective_unshard"],
 }
+PEAKS: dict[str, float] = {}  # system -> max-rank peak GiB, filled on every rank as systems finish
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 GIB = 2 ** 30
 TAG = "zero3"  # log prefix; benchmarks that import these helpers set their own
@@ -239,8 +253,12 @@ def make_batches(args, rank: int, vocab: int, device) -> list:
 def build_dc(name, base_model, args, dev, extra=None):
     """``extra``: config keys that override / add to the default (e.g. zero_stage, passes)."""
     import deepcompile
-    cfg = {"compiler": args.dc_compiler, "passes": list(DC_PASSES.get(name, ["zero3"])),
-           "mixed_precision": {"param_dtype": args.dtype, "reduce_dtype": args.dtype}}
+    cfg = {"compiler": args.dc_compiler, "mixed_precision": {"param_dtype": args.dtype, "reduce_dtype": args.dtype}}
+    passes = DC_PASSES.get(name, ["zero3"])
+    if passes is not None:
+        cfg["passes"] = list(passes)
+    if name == "dc_fsdp_budget":
+        cfg["passes"] = fsdp_budget_passes()
     cfg.update(copy.deepcopy(extra or {}))
     model = copy.deepcopy(base_model)
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), cfg)
@@ -248,6 +266,37 @@ def build_dc(name, base_model, args, dev, extra=None):
              "what": "deepcompile.initialize(model, AdamW, config); the whole model is torch.compile'd "
                      "with the deepcompile backend"}
     return model, opt, contextlib.nullcontext, notes
+
+
+def fsdp_budget_passes() -> list:
+    """Pass list whose extra memory over plain zero3 is FSDP2-compiled's peak minus dc_zero3's,
+    split evenly between prefetching and kept (unsharded) parameters."""
+    if not torch.cuda.is_available():  # CPU smoke run: no CUDA peaks; exercise the path with 1 MiB each
+        return ["zero3", {"name": "prefetch", "params": {"budget_mb": 1.0}},
+                {"name": "selective_unshard", "params": {"budget_mb": 1.0}}]
+    if "fsdp2_compiled" not in PEAKS or "dc_zero3" not in PEAKS:
+        raise RuntimeError("dc_fsdp_budget needs fsdp2_compiled and dc_zero3 measured earlier in the same run")
+    extra_mb = max(0.0, (PEAKS["fsdp2_compiled"] - PEAKS["dc_zero3"]) * 1024)
+    return ["zero3", {"name": "prefetch", "params": {"budget_mb": extra_mb / 2}},
+            {"name": "selective_unshard", "params": {"budget_mb": extra_mb / 2}}]
+
+
+def dc_prediction(model, opt, res) -> None:
+    """The cost model's prediction for the compiled graphs (from the run's profile, if one was
+    taken), next to what was measured. Persistent memory (shards, optimizer state) is measured,
+    not predicted: predicted peak = allocated between steps - this rank's shards + the predicted
+    peak of the graphs (whose inputs include the shards)."""
+    from deepcompile.profile.cost_model import predict
+
+    prof = model.dc_profile
+    p = predict(model.dc_graphs, prof)
+    res["predicted"] = {"from_profile": prof is not None, "step_ms": p["step_ms"],
+                        "graph_peak_gib": p["peak_bytes"] / GIB}
+    if torch.cuda.is_available():
+        shards = sum(q.numel() * q.element_size() for q in model.parameters())
+        between = torch.cuda.memory_allocated()
+        res["predicted"].update({"allocated_between_steps_gib": between / GIB, "shards_gib": shards / GIB,
+                                 "peak_gib": (between - shards + p["peak_bytes"]) / GIB})
 
 
 def release_dc(model, opt) -> None:
@@ -506,6 +555,12 @@ def summarise(name, per_rank, args, world) -> dict:
         "loss_last_mean": statistics.fmean(r["losses"][-1] for r in ran),
         "dynamo_unique_graphs": r0.get("dynamo_unique_graphs"),
     })
+    if "predicted" in r0:
+        pr = r0["predicted"]
+        entry["predicted"] = pr
+        entry["predicted_step_error"] = pr["step_ms"] / (med * 1e3) - 1.0
+        if args.device == "cuda" and "peak_gib" in pr:
+            entry["predicted_peak_error"] = pr["peak_gib"] / r0["peak_alloc_gib"] - 1.0
     if args.device == "cuda":
         entry["peak_mem_gib_by_rank"] = {str(r["rank"]): r["peak_alloc_gib"] for r in ran}
         entry["peak_mem_gib"] = max(r["peak_alloc_gib"] for r in ran)
@@ -537,7 +592,7 @@ def skip_reason(name, args):
             from deepcompile.passes import PASSES
         except Exception as e:
             return None, f"deepcompile.passes failed to import: {type(e).__name__}: {e}"
-        for p in DC_PASSES[name]:
+        for p in DC_PASSES[name] or ["zero3", "prefetch", "selective_unshard"]:
             if p not in PASSES:
                 return f"pass {p} not implemented", None
     return None, None
@@ -712,10 +767,14 @@ def main(argv=None):
             mine = {"rank": rank, "idle": True}
         else:
             mine = run_on_rank(name, base_model, batches, args, rank, dev,
-                               collective=(name != "compute_bound"))
+                               collective=(name != "compute_bound"),
+                               after_train=dc_prediction if name.startswith("dc_") else None)
         dist.barrier()
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
+        peaks = [r.get("peak_alloc_gib") for r in gathered if r and r.get("peak_alloc_gib") is not None]
+        if peaks:
+            PEAKS[name] = max(peaks)
         if rank == 0:
             entry = summarise(name, gathered, args, world)
             result["systems"][name] = entry
