@@ -131,7 +131,9 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
                 opt.zero_grad()
 
             if step == steps and steps > 1:  # the last step, warm: its measured schedule
-                measured, overlap = trace.measure_step(one_step)
+                measured, overlap = trace.measure_step(
+                    one_step, lambda: trace.final_graphs(model.dc_graphs),
+                    exact_aten=model.dc_config.compiler != "inductor")
             else:
                 one_step()
             lv = float(box["loss"].item())

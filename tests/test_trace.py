@@ -76,3 +76,25 @@ def test_profile_round_trip_and_cost_model_prediction():
     ag = next(e for e in p["events"] if e["stream"] == "allgather")
     assert ag["start_us"] == 0 and abs(ag["end_us"] - 104.096) < 1e-3
     assert p["peak_bytes"] >= 3 * 4096  # x, the gathered weight and an output alive together
+
+
+def test_measured_events_name_their_graph_nodes():
+    """The k-th top-level call of an op in a graph is its k-th node with that target: measured
+    bars carry the node's name (dc ops always, aten ops where the graph runs as written)."""
+    trace = {"traceEvents": [
+        _op("CompiledFunction", 0, 100),
+        _op("dc::wait_allgather", 10, 5),
+        _op("aten::addmm", 20, 20), _op("aten::mm", 25, 10),   # a child: not a graph node of its own
+        _op("dc::wait_allgather", 50, 5),
+        _op("aten::addmm", 60, 20),
+    ]}
+    nodes = [{"name": "w0", "op": "call_function", "target": "dc.wait_allgather"},
+             {"name": "lin0", "op": "call_function", "target": "aten.addmm"},
+             {"name": "w1", "op": "call_function", "target": "dc.wait_allgather"},
+             {"name": "lin1", "op": "call_function", "target": "aten.addmm"}]
+    ev = schedule_from_trace(trace, {(0, "forward"): nodes}, exact_aten=True)
+    assert [(e["node"], e.get("op")) for e in ev] == [
+        ("w0", "dc::wait_allgather"), ("lin0", "aten::mm"), ("w1", "dc::wait_allgather"), ("lin1", "aten::addmm")]
+    # under Inductor only the dc ops are named (its kernels are not the graph's aten nodes)
+    ev = schedule_from_trace(trace, {(0, "forward"): nodes}, exact_aten=False)
+    assert [e["node"] for e in ev] == ["w0", "aten::mm", "w1", "aten::addmm"]

@@ -62,7 +62,59 @@ def _stream_of(name: str) -> str:
     return "compute"
 
 
-def schedule_from_trace(trace: dict) -> list[dict]:
+def _target_key(name: str) -> str | None:
+    """Host op name -> the record's target without overload ("aten::mm" -> "aten.mm")."""
+    ns, sep, op = name.partition("::")
+    return f"{ns}.{op.split('.')[0]}" if sep and ns in ("aten", "dc") else None
+
+
+def _node_key(target: str) -> str:
+    parts = (target or "").split(".")
+    return ".".join(parts[:2])
+
+
+def _top_level_nodes(cpu: list[dict], regions: list[tuple], graphs: dict, exact_aten: bool) -> dict:
+    """(tid, ts) of each top-level host op inside a compiled graph -> that graph's node name.
+
+    The graph's code calls its nodes' ops in order, so the k-th top-level call of an op is the
+    k-th node with that target. That holds exactly for our ``dc`` ops under every compiler; for
+    ``aten`` ops only where the graph runs as written (aot_eager, eager), not under Inductor,
+    which fuses them into its own kernels."""
+    out: dict = {}
+    for start, end, gid, kind, tid in regions:
+        nodes = graphs.get((gid, kind))
+        if not nodes:
+            continue
+        by_key: dict[str, list[str]] = {}
+        for n in nodes:
+            if n.get("op") == "call_function":
+                k = _node_key(n.get("target", ""))
+                if k.startswith("dc.") or exact_aten:
+                    by_key.setdefault(k, []).append(n["name"])
+        seen: dict[str, int] = {}
+        top_end = -1.0
+        for e in cpu:
+            if e.get("tid") != tid or not (start < e["ts"] <= end) or e["name"] in (
+                    "CompiledFunction", "CompiledFunctionBackward"):
+                continue
+            if e["ts"] < top_end:
+                continue  # nested inside the previous top-level op
+            top_end = e["ts"] + e["dur"]
+            key = _target_key(e["name"])
+            if key is None:
+                continue
+            i = seen.get(key, 0)
+            seen[key] = i + 1
+            names = by_key.get(key)
+            if names is not None and i < len(names):
+                out[(tid, e["ts"])] = (names[i], e["ts"] + e["dur"])
+    return out
+
+
+def schedule_from_trace(trace: dict, graphs: dict | None = None, exact_aten: bool = False) -> list[dict]:
+    """Measured schedule events from a chrome trace. With ``graphs`` ({(graph_id, kind): final
+    version's nodes}) each event also names the graph node it belongs to (``graph_node``), and
+    that name becomes its ``node``, so selecting a measured bar selects the node in the graph."""
     evs = [e for e in trace.get("traceEvents", []) if isinstance(e, dict) and "dur" in e and "ts" in e]
     cpu = [e for e in evs if e.get("cat") == "cpu_op"]
     fw = sorted((e for e in cpu if e["name"] == "CompiledFunction"), key=lambda e: e["ts"])
@@ -70,6 +122,23 @@ def schedule_from_trace(trace: dict) -> list[dict]:
     regions = [(e["ts"], e["ts"] + e["dur"], i, "forward") for i, e in enumerate(fw)]
     regions += [(e["ts"], e["ts"] + e["dur"], len(bw) - 1 - i, "backward") for i, e in enumerate(bw)]
     regions.sort()
+    tids = {(e["ts"], e["name"]): e.get("tid") for e in fw + bw}
+    cpu_sorted = sorted(cpu, key=lambda e: e["ts"])
+    top = _top_level_nodes(cpu_sorted, [(a, b, g, k, tids.get((a, "CompiledFunction" if k == "forward" else
+                                                                   "CompiledFunctionBackward")))
+                                        for a, b, g, k in regions], graphs or {}, exact_aten)
+    top_by_tid: dict = {}
+    for (tid, ts), v in top.items():
+        top_by_tid.setdefault(tid, []).append((ts, v[1], v[0]))
+    for v in top_by_tid.values():
+        v.sort()
+
+    def graph_node(tid, ts):
+        v = top_by_tid.get(tid)
+        if not v:
+            return None
+        k = bisect.bisect_right(v, (ts, float("inf"), "")) - 1
+        return v[k][2] if k >= 0 and ts <= v[k][1] else None
     starts = [r[0] for r in regions]
 
     def region_of(ts):
@@ -128,7 +197,8 @@ def schedule_from_trace(trace: dict) -> list[dict]:
             stream = _stream_of(k["name"]) if k.get("cat") == "kernel" else "copy"
             out.append({"graph_id": reg[2], "kind": reg[3], "node": (op["name"] if op else k["name"])[:120],
                         "kernel": k["name"][:120], "stream": stream, "start_us": float(k["ts"]),
-                        "end_us": float(k["ts"] + k["dur"]), "source": "measured"})
+                        "end_us": float(k["ts"] + k["dur"]), "source": "measured",
+                        "graph_node": graph_node(rt.get("tid"), rt["ts"])})
     else:
         for tid, ops in by_tid.items():
             for e in ops:
@@ -140,7 +210,12 @@ def schedule_from_trace(trace: dict) -> list[dict]:
                     continue  # keep leaf operators only
                 out.append({"graph_id": reg[2], "kind": reg[3], "node": e["name"][:120],
                             "stream": _stream_of(e["name"]) if e["name"].startswith("dc::") else "compute",
-                            "start_us": float(e["ts"]), "end_us": float(e["ts"] + e["dur"]), "source": "measured"})
+                            "start_us": float(e["ts"]), "end_us": float(e["ts"] + e["dur"]), "source": "measured",
+                            "graph_node": graph_node(tid, e["ts"])})
+    for e in out:  # the graph's name for the bar where known; the profiler's op name stays in "op"
+        gn = e.pop("graph_node")
+        if gn is not None:
+            e["op"], e["node"] = e["node"], gn
     if out:
         t0 = min(e["start_us"] for e in out)
         for e in out:
@@ -149,8 +224,20 @@ def schedule_from_trace(trace: dict) -> list[dict]:
     return out
 
 
-def measure_step(step: Callable[[], None]) -> tuple[list[dict], dict]:
-    """Run ``step`` once under the profiler; return (schedule events, overlap summary)."""
+def final_graphs(versions) -> dict:
+    """{(graph_id, kind): nodes} of the latest version of every compiled graph."""
+    last = {}
+    for v in versions:
+        d = v if isinstance(v, dict) else vars(v)
+        if d["kind"] != "dynamo":
+            last[(d["graph_id"], d["kind"])] = d["nodes"]
+    return last
+
+
+def measure_step(step: Callable[[], None], graphs: Callable[[], dict] | None = None,
+                 exact_aten: bool = False) -> tuple[list[dict], dict]:
+    """Run ``step`` once under the profiler; return (schedule events, overlap summary).
+    ``graphs()`` (called after the step) gives the compiled graphs to name the events' nodes."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU]
@@ -168,5 +255,5 @@ def measure_step(step: Callable[[], None]) -> tuple[list[dict], dict]:
             trace = json.load(f)
     finally:
         os.remove(path)
-    events = schedule_from_trace(trace)
+    events = schedule_from_trace(trace, graphs() if graphs is not None else None, exact_aten)
     return events, overlap_summary(events)
