@@ -408,21 +408,14 @@ def plot(path, result) -> str | None:
     fig.suptitle(f"Optimizer-state offload under a memory cap, {env['device']} x{env['world_size']}: Llama "
                  f"{m['params'] / 1e6:.0f}M, micro-batch {m['micro_batch']} x seq {m['seq']} per GPU",
                  fontsize=10)
-    fig.tight_layout()
-    png = os.path.splitext(path)[0] + ".png"
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return z3.save_figure(fig, path)
 
 
 def table(result) -> str:
     hdr = (f"{'system':24s} {'status':15s} {'median ms':>10s} {'tok/s/GPU':>10s} {'vs best peer':>12s} "
            f"{'peak GiB':>9s} {'reserved':>9s} {'offloaded GiB':>13s}")
     lines = [hdr, "-" * len(hdr)]
-
-    def f(v, fmt):
-        width = int(fmt.split(".")[0] or 0)
-        return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(width)
+    f = z3.cell
     for n, e in result["systems"].items():
         st = status(e)
         lines.append(f"{n:24s} {st:15s} {f(e.get('median_step_s') and e['median_step_s'] * 1e3, '10.1f')} "

@@ -261,21 +261,14 @@ def plot(path, result) -> str | None:
     fig.suptitle(f"ZeRO-1, {env['device']} x{env['world_size']}: Llama {m['params'] / 1e6:.0f}M params "
                  f"({m['config']['num_hidden_layers']} layers), {result['args']['dtype']} compute, "
                  "fp32 master weights, AdamW", fontsize=10)
-    fig.tight_layout()
-    png = os.path.splitext(path)[0] + ".png"
-    fig.savefig(png, dpi=120)
-    plt.close(fig)
-    return png
+    return z3.save_figure(fig, path)
 
 
 def table(result) -> str:
     hdr = (f"{'shape':14s} {'system':16s} {'status':7s} {'median ms':>10s} {'tok/s/GPU':>10s} "
            f"{'vs best peer':>12s} {'peak GiB':>9s} {'first step s':>12s}")
     lines = [hdr, "-" * len(hdr)]
-
-    def f(v, fmt):
-        width = int(fmt.split(".")[0] or 0)
-        return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(width)
+    f = z3.cell
     for k, sh in result["shapes"].items():
         for n, e in sh["systems"].items():
             st = z3.status_of(e)

@@ -650,21 +650,31 @@ def plot(path, result) -> str | None:
     fig.suptitle(f"ZeRO-3, {env['device']} x{env['world_size']}: Llama {m['params'] / 1e6:.0f}M params "
                  f"({m['config']['num_hidden_layers']} layers), micro-batch {m['micro_batch']} x seq "
                  f"{m['seq']} per GPU, {result['args']['dtype']}", fontsize=10)
+    return save_figure(fig, path)
+
+
+def save_figure(fig, json_path: str) -> str:
+    """The PNG beside the result JSON (same stem)."""
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    png = os.path.splitext(path)[0] + ".png"
+    png = os.path.splitext(json_path)[0] + ".png"
     fig.savefig(png, dpi=120)
     plt.close(fig)
     return png
+
+
+def cell(v, fmt: str) -> str:
+    """A table cell: the number formatted, or a right-aligned '-' where there is none."""
+    width = int(fmt.split(".")[0] or 0)
+    return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(width)
 
 
 def table(result) -> str:
     hdr = f"{'system':22s} {'status':8s} {'median ms':>10s} {'tok/s/GPU':>10s} {'vs fsdp2c':>9s} " \
           f"{'vs compute':>10s} {'peak GiB':>9s} {'warm-up s':>9s}"
     lines = [hdr, "-" * len(hdr)]
-
-    def f(v, fmt):
-        width = int(re.match(r"\d*", fmt).group() or 0)
-        return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(width)
+    f = cell
     for n, e in result["systems"].items():
         st = status_of(e)
         lines.append(f"{n:22s} {st:8s} {f(e.get('median_step_s') and e['median_step_s'] * 1e3, '10.1f')} "
@@ -742,8 +752,8 @@ def main(argv=None):
             "micro_batch": args.micro_batch, "seq": args.seq,
             "tokens_per_gpu_per_step": args.micro_batch * args.seq,
         },
-        "data": f"4 fixed random token batches per rank, torch.Generator seeded seed*1000+rank, cycled; "
-                f"labels = input_ids; compute_bound uses rank 0's",
+        "data": "4 fixed random token batches per rank, torch.Generator seeded seed*1000+rank, cycled; "
+                "labels = input_ids; compute_bound uses rank 0's",
         "timing": "wall time per step (forward + backward + optimizer.step + zero_grad), torch.cuda.synchronize "
                   "before and after; per step the max over ranks; median of the timed steps after --warmup "
                   "untimed ones. compile_s = sum(warm-up steps) - warmup * median. Peak memory = "
