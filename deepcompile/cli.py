@@ -252,7 +252,7 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
     if st:
         times = [s["time_s"] for s in st]
         losses = [s["loss"] for s in st if s.get("loss") is not None]
-        lines.append(f"steps: {len(st)}" + (f" (+1 partial line skipped)" if rec.skipped_lines else "")
+        lines.append(f"steps: {len(st)}" + (" (+1 partial line skipped)" if rec.skipped_lines else "")
                      + f"; step time first {times[0]:.3f} s, median {statistics.median(times):.3f} s, "
                      f"last {times[-1]:.3f} s")
         if losses:

@@ -6,8 +6,7 @@ needed. Public extension points are used wherever torch has one: custom ops with
 """
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
