@@ -76,7 +76,7 @@ class Backend:
         graph_id = self.next_graph_id
         self.next_graph_id += 1
         self._observe(GraphVersion(graph_id, "dynamo", "input", serialize(gm), step=self.step))
-        compiler = self.config.compiler
+        compiler = self.config.compiler_at(self.step)
         if self.profiling:
             compiler = "profile"
         if compiler == "inductor":

@@ -60,6 +60,10 @@ class Config:
     mixed_precision: MixedPrecision = spec(default_factory=MixedPrecision, help="compute and reduce dtypes")
     reduce_bucket_size: int = spec(25_000_000, min=1, help="elements per gradient reduce-scatter bucket")
     max_inflight_reduces: int = spec(2, min=1, max=64, help="reduce-scatter buckets in flight before the oldest is waited for")
+    warmup_compiler: str | None = spec(None, choices=(None, "inductor", "aot_eager", "eager"),
+                                       help="compiler for the steps before the first scheduled re-compile (default: "
+                                            "`compiler`); the default ZeRO-3 plan uses aot_eager there, so Inductor "
+                                            "compiles once, with the final pass list")
     auto_schedule: bool = spec(True, help="ZeRO-3 with none of passes, schedule, profile_step given: compile "
                                           "zero3 at step 0, profile step 1, then zero3+prefetch+selective_unshard")
 
@@ -89,6 +93,12 @@ class Config:
                 raise ConfigError(f"{path}[{i}].name: unknown pass {e.name!r}; known: {sorted(PASSES)}")
         return entries
 
+    def compiler_at(self, step: int) -> str:
+        """The inner compiler for graphs compiled at optimizer step ``step``."""
+        if self.warmup_compiler and self.schedule and step < self.schedule[0].step:
+            return self.warmup_compiler
+        return self.compiler
+
     def passes_at(self, step: int) -> list:
         """The pass list in force at optimizer step ``step``."""
         current = self.passes
@@ -114,13 +124,17 @@ class Config:
         out = build(cls, cfg, "config")
         if (isinstance(cfg, dict) and out.zero_stage == 3 and out.auto_schedule
                 and not {"passes", "schedule", "profile_step"} & set(cfg)):
-            out.apply_default_schedule()
+            out.apply_default_schedule(explicit=set(cfg))
         return out
 
-    def apply_default_schedule(self) -> None:
-        """The default ZeRO-3 plan: compile with ``zero3`` (step 0), profile step 1 node by node
-        (warm kernels, training's own memory discipline), and from step 2 compile
-        ``zero3, prefetch, selective_unshard`` against that profile."""
+    def apply_default_schedule(self, explicit: set[str] = frozenset()) -> None:
+        """The default ZeRO-3 plan: ``zero3`` at step 0, step 1 profiled node by node (warm
+        kernels, training's own memory discipline), and from step 2 ``zero3, prefetch,
+        selective_unshard`` compiled against that profile. The two warm-up steps run under
+        aot_eager (seconds to compile) unless ``warmup_compiler`` says otherwise: Inductor's
+        compile is paid once, for the graphs that train."""
+        if "warmup_compiler" not in explicit and self.compiler == "inductor":
+            self.warmup_compiler = "aot_eager"
         self.profile_step = 1
         self.schedule = [build(ScheduleEntry, {"step": 2, "passes": ["zero3", "prefetch", "selective_unshard"]},
                                "config.schedule[0]")]

@@ -101,3 +101,17 @@ def test_shards_that_differ_across_ranks():
         assert "rank 0 has" in msg and "rank 1 has" in msg
         assert untouched, "the model was modified although initialize failed"
         assert not runtime_alive, "the runtime stayed initialized although initialize failed"
+
+
+def test_default_plan_compiles_with_inductor_once():
+    """The default ZeRO-3 plan warms up under aot_eager and switches to Inductor with the final
+    pass list; an explicit choice (or an explicit pass list) is left alone."""
+    from deepcompile.config import Config
+
+    c = Config.load({})
+    assert [c.compiler_at(s) for s in range(4)] == ["aot_eager", "aot_eager", "inductor", "inductor"]
+    assert [e.name for e in c.passes_at(2)] == ["zero3", "prefetch", "selective_unshard"]
+    c = Config.load({"warmup_compiler": "inductor"})
+    assert {c.compiler_at(s) for s in range(4)} == {"inductor"}
+    c = Config.load({"passes": ["zero3"]})
+    assert c.schedule == [] and c.profile_step is None and c.compiler_at(0) == "inductor"
