@@ -3,9 +3,14 @@
 Builds the record by really tracing a 16-layer GPT (n_embd 256, 8 heads; the embedded
 nanoGPT-shaped decoder, standing in for a Llama-style stack of identical blocks) through the
 deepcompile backend on one gloo rank for two steps, then renders the report several times with
-graphviz ``dot`` (when installed) and with the built-in fallback layout.
+graphviz ``dot`` (when installed) and with the built-in fallback layout. Each timed render starts
+cold (``graph_layout.LEVEL_CACHE`` emptied: every layout made again); ``warm_s`` is one more
+render with the layouts of the previous one cached (a second report from the same process).
+``--layers 16 32`` times several depths; ``before`` in the JSON keeps the numbers of the old
+cluster layout (labelled edges, one graphviz run per picture, no module levels), measured with
+this script on the same machine before the report moved to the per-module layout.
 
-    python benchmarks/report_render.py [--out benchmarks/results/report_render_cpu.json]
+    python benchmarks/report_render.py [--layers 16 32] [--out benchmarks/results/report_render_cpu.json]
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import statistics
@@ -72,45 +78,99 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+BEFORE = {   # the old cluster layout (commit fd1d955), this script on the machine below, 2026-11-21
+    "layout": "one graphviz cluster graph per version with edge-count labels; no module levels",
+    "16": {"dot": {"seconds": [0.496, 0.888, 0.501], "median_s": 0.501, "html_bytes": 2698827},
+           "fallback": {"seconds": [0.21, 0.524, 0.214], "median_s": 0.214, "html_bytes": 2028851}},
+    "32": {"dot": {"seconds": [5.618, 3.962, 3.349], "median_s": 3.962, "html_bytes": 5308428},
+           "fallback": {"seconds": [0.88, 0.388, 1.0], "median_s": 0.88, "html_bytes": 3977730}},
+    # the 2-core machine is shared, so single runs drift: old and new render_report alternated five
+    # times on the same two records in one sitting (cold; medians, seconds)
+    "interleaved_medians_s": {
+        "old": {"16/dot": 0.525, "16/fallback": 0.338, "32/dot": 3.85, "32/fallback": 0.593},
+        "new": {"16/dot": 0.669, "16/fallback": 0.635, "32/dot": 1.293, "32/fallback": 1.03}},
+}
+
+
+def time_report(run: Path, d: Path, repeat: int, keep_html: str | None) -> dict:
+    import subprocess as sp
+
+    from deepcompile.report import graph_layout as L
+    from deepcompile.report.html import render_report
+
+    results = {}
+    modes = [("dot", True)] if L.have_dot() else []
+    modes.append(("fallback", False))
+    real_run = sp.run
+    calls = []
+
+    def counting(cmd, *args, **kw):
+        if cmd and cmd[0] == "dot":
+            calls.append(1)
+        return real_run(cmd, *args, **kw)
+
+    for name, dot in modes:
+        orig = L.have_dot
+        L.have_dot = (lambda: dot)
+        L.subprocess.run = counting
+        times = []
+        try:
+            for _ in range(repeat):
+                L.LEVEL_CACHE.clear()
+                calls.clear()
+                t = time.perf_counter()
+                out = render_report(run, d / f"report-{name}.html")
+                times.append(time.perf_counter() - t)
+            n_proc, n_layouts = len(calls), len(L.LEVEL_CACHE)
+            t = time.perf_counter()
+            render_report(run, d / f"report-{name}-warm.html")
+            warm = time.perf_counter() - t
+            if keep_html and name == modes[0][0]:
+                shutil.copy(out, keep_html)
+            text = out.read_text()
+        finally:
+            L.have_dot = orig
+            L.subprocess.run = real_run
+        m = re.search(r"<script type='application/json' id='dc-levels'>(.*?)</script>", text, re.S)
+        lv = json.loads(m.group(1)) if m else {"s": [], "v": []}
+        results[name] = {"seconds": [round(x, 3) for x in times], "median_s": round(statistics.median(times), 3),
+                         "warm_s": round(warm, 3), "html_bytes": out.stat().st_size,
+                         "levels_json_bytes": len(m.group(1)) if m else 0,
+                         "pictures": text.count('<svg class="graph '),
+                         "pictures_drawn_by_dot": text.count('<svg class="graph dot'),
+                         "module_levels": sum(len(v) for v in lv["v"]), "level_skeletons": len(lv["s"]),
+                         "graphviz_layouts": n_layouts, "graphviz_processes": n_proc}
+        print(f"render_report ({name}): median {statistics.median(times):.2f} s over {repeat} cold runs, "
+              f"warm {warm:.2f} s, {out.stat().st_size / 1e6:.2f} MB, {results[name]['module_levels']} module "
+              f"levels in {len(lv['s'])} skeletons, {n_layouts} graphviz layouts in {n_proc} processes", flush=True)
+    return results
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--keep-html", default=None, help="copy the rendered reports to PATH.{dot,fallback}.html")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[16], help="model depths to time (default 16)")
+    ap.add_argument("--repeat", type=int, default=3, help="cold renders per layout (median reported)")
+    ap.add_argument("--keep-html", default=None,
+                    help="copy the first depth's report (graphviz layout when installed) to this path")
+    ap.add_argument("--records", default=None,
+                    help="keep the traced records in DIR/run<layers> and reuse them when present")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "report_render_cpu.json"))
     a = ap.parse_args()
 
     from deepcompile.record.reader import read_run
-    from deepcompile.report import graph_layout as L
-    from deepcompile.report.html import render_report
 
+    runs = {}
     with tempfile.TemporaryDirectory() as d:
-        run = Path(d) / "run"
-        build_s = build_record(run, a.layers)
-        rec = read_run(run)
-        versions = {f"{v.graph_id}/{v.kind}/{v.after}": len(v.nodes) for v in rec.graphs}
-        results = {}
-        modes = [("dot", True)] if L.have_dot() else []
-        modes.append(("fallback", False))
-        for name, dot in modes:
-            orig = L.have_dot
-            L.have_dot = (lambda: dot)
-            times = []
-            try:
-                for _ in range(a.repeat):
-                    t = time.perf_counter()
-                    out = render_report(run, Path(d) / f"report-{name}.html")
-                    times.append(time.perf_counter() - t)
-                if a.keep_html:
-                    shutil.copy(out, Path(a.keep_html).with_suffix(f".{name}.html"))
-                n_dot = out.read_text().count('class="graph dot"')
-            finally:
-                L.have_dot = orig
-            results[name] = {"seconds": [round(x, 3) for x in times], "median_s": round(statistics.median(times), 3),
-                             "html_bytes": out.stat().st_size,
-                             "graphs_drawn_by_dot": n_dot}
-            print(f"render_report ({name}): median {statistics.median(times):.2f} s over {a.repeat} "
-                  f"runs, {out.stat().st_size / 1e6:.2f} MB", flush=True)
+        for k, n in enumerate(a.layers):
+            run = Path(a.records or d) / f"run{n}"
+            build_s = None
+            if not (run / "manifest.json").exists():
+                build_s = round(build_record(run, n), 2)
+            rec = read_run(run)
+            versions = {f"{v.graph_id}/{v.kind}/{v.after}#{v.seq}": len(v.nodes) for v in rec.graphs}
+            print(f"{n} layers: {len(versions)} graph versions, {sum(versions.values())} nodes", flush=True)
+            runs[str(n)] = {"graph_versions": versions, "record_build_s": build_s,
+                            "results": time_report(run, Path(d), a.repeat, a.keep_html if k == 0 else None)}
     dot_version = ""
     if shutil.which("dot"):
         dot_version = subprocess.run(["dot", "-V"], capture_output=True, text=True).stderr.strip()
@@ -118,8 +178,10 @@ def main() -> None:
 
     doc = {
         "benchmark": "report_render", "layers": a.layers, "model": "deepcompile.models.GPT n_embd=256 n_head=8",
-        "graph_versions": versions, "record_build_s": round(build_s, 2), "results": results,
-        "target_s": 10.0,
+        "layout": "per-module levels (graph_layout.module_levels): collapsed top level per version, every module's "
+                  "inside pre-rendered (skeleton + strings), graphviz once per distinct level text, in <= workers "
+                  "processes",
+        "runs": runs, "before": BEFORE, "target_s": 10.0,
         "machine": {"hostname": socket.gethostname(), "cpu": cpu_name(),
                     "cpu_count": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version(), "torch": torch.__version__, "graphviz": dot_version},

@@ -554,15 +554,7 @@ class GraphModel:
                 lines = [rel + extra, L._short(n["target"])]
                 tip = f"{g.key} · {n['target']} (click: select)"
             else:
-                inf = f", {g.inferred} placed by order" if g.inferred else ""
-                mark = OPEN_MARK if is_open else FOLD_MARK
-                lines = [f"{mark} {rel} ({g.n_ops} nodes{inf}){extra}"]
-                if g.is_io:
-                    lines.append(f"{g.n_ops} tensors")
-                elif g.ops:
-                    more = len(g.ops) - 3
-                    lines.append(", ".join(f"{k}×{v}" for k, v in g.ops.most_common(3))
-                                 + (f", +{more} kinds" if more > 0 else ""))
+                lines = L.module_box_lines(g, rel, OPEN_MARK if is_open else FOLD_MARK, extra)
                 chips = sorted(g.comm.items())
                 tip = f"{g.key} ({g.n_ops} nodes) · click: {'collapse' if is_open else 'expand'}"
             if g.index in totals:

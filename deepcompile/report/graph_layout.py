@@ -10,8 +10,10 @@ module of the parameter they move (learnt from any version that scoped that para
 placeholders go to ``inputs``, the output to ``outputs``, and every other unscoped node joins a
 ``(top)`` group, one per contiguous run in graph order, so the picture keeps the graph's order.
 
-Output: :func:`collapse` (data), :func:`to_dot` (graphviz text), :func:`render_svg` (graphviz
-``dot`` when installed and the picture is not too big, else a simple order-based SVG layout).
+Output: :func:`collapse` (data); the per-module pictures that the inspector and the HTML report
+draw, one small graphviz layout per level cached by its structure (:func:`nested_svg`,
+:func:`module_levels`, :func:`prelayout`, :func:`level_skeleton`, below); :func:`simple_svg` (the
+order-based column without graphviz).
 """
 from __future__ import annotations
 
@@ -24,8 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from deepcompile.record.estimate import comm_kind, inputs_of
-
-DOT_MAX_ELEMENTS = 1500
 
 COMM_COLORS = {
     "allgather_param": "#f4a261", "wait_allgather": "#f6bd60", "release_param": "#e9c46a",
@@ -206,80 +206,8 @@ def _dq(s: str) -> str:
     return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def to_dot(c: Collapsed, title: str = "", full_nodes: list[dict] | None = None) -> str:
-    """Graphviz text: one cluster per group (compute summary + one coloured node per comm kind)."""
-    out = ["digraph G {", "  graph [rankdir=TB, compound=true, fontname=Helvetica, fontsize=11, "
-           f"newrank=true, nodesep=0.25, ranksep=0.35, label={_dq(title)}, labelloc=t];",
-           "  node [shape=box, style=\"rounded,filled\", fontname=Helvetica, fontsize=10, height=0.3];",
-           "  edge [color=\"#777777\", arrowsize=0.6, fontsize=8, fontname=Helvetica];"]
-    rep: dict[int, str] = {}
-    for g in c.groups:
-        lines = _group_label_lines(g, full_nodes)
-        if full_nodes is not None:
-            n = full_nodes[g.node_indices[0]]
-            ck = comm_kind(n)
-            color = comm_color(ck) if ck else (IO_COLOR if n["op"] in ("placeholder", "output", "get_attr")
-                                               else COMPUTE_COLOR)
-            nid = f"n{g.index}"
-            out.append(f"  {nid} [label={_dq(chr(10).join(lines))}, fillcolor={_dq(color)}, "
-                       f"id={_dq('node-' + n['name'])}, tooltip={_dq(n['target'])}];")
-            rep[g.index] = nid
-            continue
-        out.append(f"  subgraph cluster_{g.index} {{")
-        out.append(f"    label={_dq(lines[0])}; style=\"rounded\"; color=\"#88aaaa\"; fontsize=10; "
-                   f"id={_dq('group-' + g.key)};")
-        first = None
-        if g.ops or g.is_io or not g.comm:
-            nid = f"g{g.index}c"
-            body = lines[1] if len(lines) > 1 else ("" if not g.is_io else f"{g.n_ops} tensors")
-            out.append(f"    {nid} [label={_dq(body or g.key)}, fillcolor={_dq(IO_COLOR if g.is_io else COMPUTE_COLOR)}];")
-            first = nid
-        for k, (kind, cnt) in enumerate(sorted(g.comm.items())):
-            nid = f"g{g.index}m{k}"
-            out.append(f"    {nid} [label={_dq(f'{kind} ×{cnt}')}, fillcolor={_dq(comm_color(kind))}, "
-                       "shape=box, class=\"comm\"];")
-            first = first or nid
-        members = ([f"g{g.index}c"] if first == f"g{g.index}c" else []) + \
-            [f"g{g.index}m{k}" for k in range(len(g.comm))]
-        if len(members) > 1:  # one row per module: keeps the layers stacked top to bottom
-            out.append(f"    {{rank=same; {'; '.join(members)};}}")
-        out.append("  }")
-        rep[g.index] = first
-    for a, b, cnt in c.edges:
-        attrs = [] if full_nodes is not None else [f"ltail=cluster_{a}", f"lhead=cluster_{b}"]
-        if cnt > 1:
-            attrs.append(f"label={_dq(str(cnt))}")
-        if full_nodes is None and (c.groups[a].is_io or c.groups[b].is_io):
-            attrs.append('constraint=false, style=dashed, color="#bbbbbb"')  # fan-in/out: no ranking
-        out.append(f"  {rep[a]} -> {rep[b]} [{', '.join(attrs)}];")
-    out.append("}")
-    return "\n".join(out)
-
-
 def have_dot() -> bool:
     return shutil.which("dot") is not None
-
-
-def _n_elements(c: Collapsed) -> int:
-    return len(c.groups) + sum(len(g.comm) for g in c.groups) + len(c.edges)
-
-
-def render_svg(c: Collapsed, title: str = "", full_nodes: list[dict] | None = None,
-               *, use_dot: bool | None = None, timeout: float = 60.0) -> str:
-    """An ``<svg>`` element (no XML prolog), via graphviz when possible, else :func:`simple_svg`."""
-    if use_dot is None:
-        use_dot = have_dot() and _n_elements(c) <= DOT_MAX_ELEMENTS
-    if use_dot:
-        try:
-            r = subprocess.run(["dot", "-Tsvg"], input=to_dot(c, title, full_nodes).encode(),
-                               capture_output=True, timeout=timeout, check=True)
-            svg = r.stdout.decode("utf-8", errors="replace")
-            i = svg.find("<svg")
-            if i >= 0:
-                return svg[i:].replace("<svg ", '<svg class="graph dot" ', 1)
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return simple_svg(c, title, full_nodes)
 
 
 def simple_svg(c: Collapsed, title: str = "", full_nodes: list[dict] | None = None) -> str:
@@ -476,7 +404,15 @@ def _run_dot(text: str, timeout: float = 60.0) -> str | None:
         r = subprocess.run(["dot", "-Tsvg"], input=text.encode(), capture_output=True, timeout=timeout, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
-    svg = r.stdout.decode("utf-8", errors="replace")
+    svg = _clean_level_svg(r.stdout.decode("utf-8", errors="replace"))
+    if svg is None:
+        return None
+    LEVEL_CACHE.put(text, svg)
+    return svg
+
+
+def _clean_level_svg(svg: str) -> str | None:
+    """graphviz's SVG of one level without prolog, comments, graphviz ids and edge titles."""
     i = svg.find("<svg")
     if i < 0:
         return None
@@ -484,9 +420,7 @@ def _run_dot(text: str, timeout: float = 60.0) -> str | None:
     svg = re.sub(r' id="(?:graph\d+|edge\d+|a_edge\d+|node\d+)"', "", svg)
     svg = re.sub(r"<title>b\d+&#45;&gt;b\d+</title>\n?", "", svg)
     svg = re.sub(r"<!--.*?-->\n?", "", svg, flags=re.S)
-    svg = svg.replace("<title>L</title>", "", 1)
-    LEVEL_CACHE.put(text, svg)
-    return svg
+    return svg.replace("<title>L</title>", "", 1)
 
 
 _TEXT = re.compile(r"(<text\b[^>]*>)(.*?)(</text>)", re.S)
@@ -653,17 +587,274 @@ def nested_level_svg(level: Level, use_dot: bool = True) -> tuple[str, float, fl
     return _simple_level(level, children)
 
 
-def nested_svg(level: Level, title: str = "", *, use_dot: bool = True) -> str:
+def nested_svg(level: Level, title: str = "", *, use_dot: bool = True, cls: str | None = None) -> str:
     """The whole picture: ``level`` (the top level) under a title line, sized in pt like graphviz's
     own output. Boxes carry ``id="group-<key>"`` and the ``dc-box`` class (``dc-expanded`` for open
-    modules), so a front end can map clicks back to group keys."""
+    modules), so a front end can map clicks back to group keys. ``cls``: the outer element's class
+    (default ``graph dot dc-graph dc-nested``)."""
     svg, w, h = nested_level_svg(level, use_dot)
     top = 22.0
     W, H = max(w, 7.0 * len(title) + 8), h + top
     defs = ('<defs><marker id="dcarr" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" markerHeight="6" '
             'orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" fill="#999"/></marker></defs>')
-    return (f'<svg class="graph dot dc-graph dc-nested" xmlns="http://www.w3.org/2000/svg" '
+    cls = "graph dot dc-graph dc-nested" if cls is None else cls
+    return (f'<svg class="{html.escape(cls)}" xmlns="http://www.w3.org/2000/svg" '
             f'xmlns:xlink="http://www.w3.org/1999/xlink" width="{W:.0f}pt" height="{H:.0f}pt" viewBox="0 0 {W:.2f} {H:.2f}" '
             f'font-family="Helvetica,Arial,sans-serif">{defs}<rect width="100%" height="100%" fill="white"/>'
             f'<text x="4" y="15" font-size="12" font-weight="bold">{html.escape(title)}</text>'
             + svg.replace("<svg ", f'<svg x="0" y="{top}" ', 1) + "</svg>")
+
+
+# --------------------------------------------------------------------------- every module's level (static pictures)
+# The static report draws the inspector's collapsed view (the top level of :func:`nested_svg`) and,
+# for every module box, the level inside it, pre-rendered so that a click can show it without a
+# kernel. Identical decoder layers have identical levels (the same graphviz text, so one layout);
+# their pictures differ only in their strings, so a picture is stored once as a *skeleton*
+# (:func:`svg_skeleton`: every text, tooltip and box id emptied) plus each instance's strings.
+FOLD_MARK = "▸"   # a module box that opens (the inspector's mark for a collapsed module)
+
+
+def module_box_lines(g: "Group", rel: str, mark: str = FOLD_MARK, extra: str = "") -> list[str]:
+    """The text of a collapsed module's box: name and size, then its three commonest ops (or,
+    for the inputs/outputs box, its tensor count). Shared by the report and the inspector."""
+    inf = f", {g.inferred} placed by order" if g.inferred else ""
+    lines = [f"{mark} {rel} ({g.n_ops} nodes{inf}){extra}"]
+    if g.is_io:
+        lines.append(f"{g.n_ops} tensors")
+    elif g.ops:
+        more = len(g.ops) - 3
+        lines.append(", ".join(f"{k}×{v}" for k, v in g.ops.most_common(3))
+                     + (f", +{more} kinds" if more > 0 else ""))
+    return lines
+
+
+def effective_scope(n: dict, pscopes: dict) -> str:
+    """The module scope a node belongs to (as :func:`node_groups` resolves it)."""
+    scope = n.get("scope") or ""
+    if scope in pscopes and isinstance(pscopes[scope], str):
+        return pscopes[scope]
+    if comm_kind(n) is not None and "param" in n:
+        return param_module_scope(scope) if scope else pscopes.get(n["param"], "")
+    return scope
+
+
+def scope_chains(nodes: list[dict], pscopes: dict | None = None,
+                 depth: int | None = None) -> tuple[list[list[str]], list[bool]]:
+    """Per node, the keys of the boxes around it with every module opened, from its top-level box
+    (:func:`node_groups`) down its module scope to its own box ``<module>/<node name>``
+    (``["blocks.3", "blocks.3.attn", "blocks.3.attn/addmm_4"]``); and whether it was placed by order."""
+    pscopes = pscopes or {}
+    keys, inferred = node_groups(nodes, depth, pscopes)
+    out = []
+    for n, key in zip(nodes, keys):
+        s = effective_scope(n, pscopes)
+        chain = [key]
+        for _ in range(64):
+            if not s.startswith(key + "."):
+                break
+            key = f"{key}.{s[len(key) + 1:].split('.')[0]}"
+            chain.append(key)
+        chain.append(f"{key}/{n['name']}")
+        out.append(chain)
+    return out, inferred
+
+
+def module_levels(nodes: list[dict], pscopes: dict | None = None, depth: int | None = None, *,
+                  hint: str = "click: open") -> tuple[Level, dict[str, Level]]:
+    """The collapsed top level of a graph (the inspector's collapsed view: one box per module with
+    its op summary and communication chips, edge counts as pen width, no edges to the
+    inputs/outputs boxes) and, for every module box at any depth, the level inside it (its
+    sub-modules and its own nodes, one box each), keyed by the box's key. Module boxes carry the
+    ``dc-openable`` class, :data:`FOLD_MARK` and the tooltip ``<key> · <hint>``; a node's box
+    (``<module>/<node name>``: name and short target) has its key as its tooltip."""
+    chains, inferred = scope_chains(nodes, pscopes, depth)
+    kinds = [comm_kind(n) for n in nodes]
+    shorts = [_short(n["target"]) for n in nodes]
+    at = {n["name"]: i for i, n in enumerate(nodes)}
+    ins = [[at[r] for r in inputs_of(n) if r in at] for n in nodes]
+    inner: dict[str, Level] = {}
+
+    def build(idxs: list[int], d: int, parent: str | None) -> Level:
+        groups: dict[str, Group] = {}
+        gof: dict[int, int] = {}
+        for i in idxs:   # Group.node_indices: indices into ``nodes``
+            k = chains[i][d]
+            g = groups.get(k)
+            if g is None:
+                g = groups[k] = Group(k, len(groups))
+            g.node_indices.append(i)
+            g.inferred += inferred[i] and "/" not in k
+            gof[i] = g.index
+            if kinds[i] is not None:
+                g.comm[kinds[i]] += 1
+            elif nodes[i]["op"] not in ("placeholder", "get_attr", "output"):
+                g.ops[shorts[i]] += 1
+        counts: Counter = Counter()
+        for i in idxs:
+            dst = gof[i]
+            for j in ins[i]:
+                src = gof.get(j)
+                if src is not None and src != dst:
+                    counts[(src, dst)] += 1
+        boxes = []
+        for g in groups.values():
+            mem = g.node_indices
+            rel = g.key if parent is None else g.key[len(parent) + 1:]
+            if len(chains[mem[0]]) == d + 1:   # one node's own box
+                n, ck = nodes[mem[0]], kinds[mem[0]]
+                fill = comm_color(ck) if ck else (IO_COLOR if n["op"] in ("placeholder", "get_attr", "output")
+                                                  else COMPUTE_COLOR)
+                boxes.append(Box(g.key, [rel, shorts[mem[0]]], fill, [], None, [], None, g.key))
+                continue
+            lines = module_box_lines(g, rel)
+            boxes.append(Box(g.key, lines, IO_COLOR if g.is_io else COMPUTE_COLOR, sorted(g.comm.items()), None,
+                             ["dc-openable"], None, f"{g.key} · {hint}"))
+            inner[g.key] = build(mem, d + 1, g.key)
+        io = {g.index for g in groups.values() if g.is_io}
+        return Level(boxes, [(a, b, n) for (a, b), n in counts.items() if a not in io and b not in io])
+
+    return build(list(range(len(nodes))), 0, None), inner
+
+
+def _dot_sized(level: Level) -> bool:
+    """Whether :func:`nested_level_svg` gives ``level`` to graphviz (when installed)."""
+    return len(level.boxes) <= LEVEL_DOT_MAX_BOXES and len(level.boxes) + len(level.edges) <= LEVEL_DOT_MAX_ELEMENTS
+
+
+def _flat_text(level: Level) -> str:
+    """``level_dot(level, {})`` of a flat level, kept on the level (levels built for a static
+    picture are not changed after they are built)."""
+    t = level.__dict__.get("_dc_text")
+    if t is None:
+        t = level.__dict__["_dc_text"] = level_dot(level, {})
+    return t
+
+
+def prelayout(levels: Iterable[Level], workers: int = 1, timeout: float = 600.0) -> int:
+    """Lay out with graphviz, ahead of :func:`nested_level_svg`, every flat level (no open box
+    inside) that it would give to graphviz and that :data:`LEVEL_CACHE` does not hold: the distinct
+    texts only, all of them in at most ``workers`` ``dot`` processes (many graphs in one input:
+    graphviz starts once, not once per level). Returns the number of layouts made."""
+    if not have_dot():
+        return 0
+    texts, seen = [], set()
+    for lv in levels:
+        if any(b.child is not None for b in lv.boxes) or not _dot_sized(lv):
+            continue
+        t = _flat_text(lv)
+        if t not in seen and t not in LEVEL_CACHE:
+            seen.add(t)
+            texts.append(t)
+    if not texts:
+        return 0
+    n = max(1, min(workers, len(texts)))
+    chunks: list[list[str]] = [[] for _ in range(n)]
+    load = [0] * n
+    for t in sorted(texts, key=len, reverse=True):   # about equal work per process
+        k = load.index(min(load))
+        chunks[k].append(t)
+        load[k] += len(t)
+
+    def run(chunk: list[str]) -> int:
+        docs: list[str] = []
+        try:
+            r = subprocess.run(["dot", "-Tsvg"], input="\n".join(chunk).encode(), capture_output=True,
+                               timeout=timeout, check=True)
+            docs = [d + "</svg>" for d in r.stdout.decode("utf-8", errors="replace").split("</svg>")[:-1]]
+        except (OSError, subprocess.SubprocessError):
+            pass
+        if len(docs) != len(chunk):   # one graph failed: lay them out one by one
+            return sum(_run_dot(t) is not None for t in chunk)
+        made = 0
+        for t, d in zip(chunk, docs):
+            svg = _clean_level_svg(d)
+            if svg is not None:
+                LEVEL_CACHE.put(t, svg)
+                made += 1
+        return made
+
+    if n == 1:
+        return run(chunks[0])
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(n) as ex:
+        return sum(ex.map(run, chunks))
+
+
+_SKELETON = re.compile(r'(<text\b[^>]*>)(.*?)</text>|<title>(.*?)</title>| id="group-([^"]*)"', re.S)
+
+
+def svg_skeleton(svg: str) -> tuple[str, list[str], list[str], list[str]]:
+    """``(skeleton, texts, tooltips, box keys)``: ``svg`` with every ``<text>`` and ``<title>``
+    emptied and every box's ``id="group-<key>"`` replaced by ``data-g=""``, and the strings taken
+    out, in document order. :func:`fill_skeleton` (or the report's script) puts them back."""
+    texts: list[str] = []
+    titles: list[str] = []
+    keys: list[str] = []
+
+    def sub(m: re.Match) -> str:
+        if m.group(1) is not None:
+            texts.append(html.unescape(m.group(2)))
+            return m.group(1) + "</text>"
+        if m.group(3) is not None:
+            titles.append(html.unescape(m.group(3)))
+            return "<title></title>"
+        keys.append(html.unescape(m.group(4)))
+        return ' data-g=""'
+
+    return _SKELETON.sub(sub, svg), texts, titles, keys
+
+
+def fill_skeleton(skeleton: str, texts: list[str], titles: list[str], keys: list[str]) -> str:
+    """The inverse of :func:`svg_skeleton` (strings escaped as HTML text)."""
+    it_t, it_h, it_k = iter(texts), iter(titles), iter(keys)
+    e = lambda s: html.escape(s, quote=False)  # noqa: E731
+    out = re.sub(r"(<text\b[^>]*>)</text>", lambda m: m.group(1) + e(next(it_t)) + "</text>", skeleton)
+    out = out.replace("<title></title>", "\0")
+    out = re.sub("\0", lambda m: f"<title>{e(next(it_h))}</title>", out)
+    return re.sub(' data-g=""', lambda m: f' id="group-{html.escape(next(it_k))}"', out)
+
+
+def level_skeleton(level: Level, *, use_dot: bool = True, cls: str = "graph dc-graph dc-level-picture",
+                   cache: dict | None = None) -> tuple[str, list[str], list[str], list[str]]:
+    """:func:`svg_skeleton` of the picture of a flat ``level`` (:func:`nested_svg` without a title),
+    the skeleton without whitespace between elements and without graphviz's per-text font.
+
+    With ``cache`` (a dict kept by the caller), a level whose picture is known to look like one
+    drawn before is not drawn again: the skeleton of the first serves every later one and the
+    strings come from the boxes themselves. graphviz's picture depends only on the level's text
+    (labels with digits as zeros; texts are centred after layout) and the boxes' colours and
+    classes; the order-based picture (:func:`_simple_level`) only on the boxes' numbers of lines,
+    chip label lengths, colours and classes, and the edges. The first picture of a kind is checked
+    against its boxes before it is reused."""
+    sig, simple = None, False
+    if cache is not None and all(b.child is None for b in level.boxes):
+        style = tuple((b.fill, b.stroke, tuple(b.classes)) for b in level.boxes)
+        if use_dot and _dot_sized(level):
+            text = _flat_text(level)
+            if text in LEVEL_CACHE:   # graphviz's layout (so graphviz is installed)
+                sig = ("dot", text, cls, style)
+        else:                         # nested_level_svg draws it with the order-based layout
+            simple = True
+            sig = ("simple", cls, style, tuple(level.edges),
+                   tuple((sum(1 for ln in b.lines if ln), tuple(len(f"{k} ×{n}") for k, n in b.chips))
+                         for b in level.boxes))
+        hit = cache.get(sig) if sig is not None else None
+        if hit is not None:
+            skel, order = hit
+            bs = [level.boxes[i] for i in order]
+            return (skel, [""] + [t for b in bs for t in _box_texts(b)], [b.tooltip or b.key for b in bs],
+                    [b.key for b in bs])
+    svg = nested_svg(level, "", use_dot=use_dot, cls=cls)
+    skel, texts, titles, keys = svg_skeleton(svg)
+    # smaller: no whitespace between elements (every text is out) and no per-text font (the
+    # outer element's font-family is Helvetica too)
+    skel = re.sub(r">\s+<", "><", skel).replace(' font-family="Helvetica,sans-Serif"', "")
+    if sig is not None and ('class="dc-level dc-simple"' in svg) == simple:   # drawn the way the key says
+        pos = {b.key: i for i, b in enumerate(level.boxes)}
+        order = [pos.get(k, -1) for k in keys]
+        if -1 not in order and len(set(order)) == len(level.boxes) == len(order):
+            bs = [level.boxes[i] for i in order]
+            if texts == [""] + [t for b in bs for t in _box_texts(b)] and titles == [b.tooltip or b.key for b in bs]:
+                cache[sig] = (skel, order)
+    return skel, texts, titles, keys

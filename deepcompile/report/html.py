@@ -5,8 +5,15 @@
 
 * the run: status, environment, config;
 * steps: loss and step time charts, per-rank memory;
-* every graph id and kind, the graph before and after each pass, collapsed by module scope
-  (graphviz ``dot`` when installed, else a built-in layout), with what each pass changed;
+* every graph id and kind, the graph before and after each pass, collapsed by module scope as
+  the inspector's collapsed view draws it (``graph_layout.module_levels``: one box per module with
+  op counts and communication chips, edge counts as pen width, no arrows to the inputs/outputs
+  boxes; graphviz ``dot`` per level when installed, else the order-based layout), with what each
+  pass changed. Every module box opens on a click (a few lines of inline script, no kernel): the
+  level inside it, pre-rendered, shows below the picture and its module boxes open further. The
+  levels are stored once per distinct structure (a skeleton: identical decoder layers share one)
+  plus each level's strings, and graphviz lays out each distinct level once, all of them in at
+  most ``workers`` processes;
 * the schedule as one timeline per stream, the memory timeline as a line chart (measured where
   the record has them, else the naive prediction of ``deepcompile.record.estimate``);
 * per-operator latency and memory tables, sortable by clicking a column header.
@@ -18,7 +25,6 @@ import html
 import json
 import os
 from collections import defaultdict
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +57,11 @@ td.num{text-align:right;font-variant-numeric:tabular-nums}
 .chart{background:#fff;border:1px solid #cfd8dc;border-radius:6px;margin:4px 8px 4px 0}
 pre{background:#fff;border:1px solid #ddd;padding:8px;font-size:12px;max-height:300px;overflow:auto}
 .empty{color:#888;font-style:italic}
+g.dc-openable{cursor:pointer}
+g.dc-openable:hover>path:first-of-type,g.dc-openable:hover>rect:first-of-type{stroke-width:2.5}
+g.dc-open>path:first-of-type,g.dc-open>rect:first-of-type{stroke:#ff00aa;stroke-width:3}
+.dc-panel{border-top:1px dashed #88aaaa;margin-top:6px;padding-top:4px}
+.dc-ph{font-size:12px;margin-bottom:2px}.dc-ph button{font-size:11px;margin-left:6px;cursor:pointer}
 """
 
 JS = """
@@ -61,6 +72,32 @@ document.querySelectorAll('table.sortable').forEach(function(t){
     rows.sort(function(a,b){var x=a.cells[i],y=b.cells[i];var u=x.dataset.v,v=y.dataset.v;
       var r=(u!==undefined&&v!==undefined)?(parseFloat(u)-parseFloat(v)):x.textContent.localeCompare(y.textContent);
       return asc?r:-r});rows.forEach(function(r){tb.appendChild(r)});});});});
+(function(){  // module boxes: a click shows the pre-rendered level inside the module below the picture
+  var src=document.getElementById('dc-levels');if(!src)return;var D=null;
+  function data(){return D||(D=JSON.parse(src.textContent));}
+  function mark(g,on){g.classList.toggle('dc-open',on);var t=g.querySelector('text');
+    if(t)t.textContent=t.textContent.replace(on?'\u25b8':'\u25be',on?'\u25be':'\u25b8');}
+  function picture(lv,key){var div=document.createElement('div'),i;div.innerHTML=data().s[lv[0]];
+    var ts=div.querySelectorAll('text');for(i=0;i<ts.length;i++)ts[i].textContent=lv[1][i];
+    var gs=div.querySelectorAll('[data-g]');for(i=0;i<gs.length;i++){var g=gs[i],k=key+lv[2][i];
+      g.removeAttribute('data-g');g.id='group-'+k;var t=g.querySelector('title');
+      if(t)t.textContent=lv[3]?lv[3][i]:k+(g.classList.contains('dc-openable')?' \u00b7 '+data().hint:'');}
+    return div.firstElementChild;}
+  function shut(card,depth){card.querySelectorAll('.dc-panel').forEach(function(p){
+    if(+p.dataset.depth>=depth){if(p.opener)mark(p.opener,false);p.remove();}});}
+  document.querySelectorAll('.version[data-levels]').forEach(function(card){
+    var panels=card.querySelector('.dc-panels');
+    card.addEventListener('click',function(ev){
+      var c=ev.target.closest('.dc-close');if(c){shut(card,+c.dataset.depth);return;}
+      var g=ev.target.closest('g.dc-openable');if(!g||!g.id)return;
+      var key=g.id.slice(6),host=g.closest('.dc-panel'),depth=host?+host.dataset.depth:0;
+      var lv=data().v[+card.dataset.levels][key];if(!lv)return;
+      var was=g.classList.contains('dc-open');shut(card,depth+1);if(was)return;
+      mark(g,true);var p=document.createElement('div');p.className='dc-panel';p.dataset.depth=depth+1;p.opener=g;
+      p.innerHTML='<div class="dc-ph"><b></b><button type="button" class="dc-close" data-depth="'+(depth+1)+'">close</button></div>';
+      p.querySelector('b').textContent=key;p.appendChild(picture(lv,key));panels.appendChild(p);
+      if(p.scrollIntoView)p.scrollIntoView({block:'nearest'});});});
+})();
 """
 
 
@@ -218,6 +255,61 @@ def _legend() -> str:
         f"<span><i style='background:{c}'></i>{esc(k)}</span>" for k, c in items) + "</div>"
 
 
+GRAPH_HINT = "click: open"
+
+
+def _graph_pictures(jobs: list, pscopes: dict, depth: int | None,
+                    workers: int) -> tuple[list[str], list[int], str]:
+    """(the collapsed picture of every job's version, the index of its levels in the script, the
+    ``<script>`` with the levels inside every module box).
+
+    A version equal to an earlier one (a recompile that gave the same graph) shares its levels and
+    picture. Every level of every distinct version is built first, then graphviz lays out the
+    distinct ones in ``workers`` processes (:func:`graph_layout.prelayout`), then each is drawn
+    from that cache; an inner level is stored as an index into a table of skeletons (identical
+    layers share one) plus its strings: texts in document order and box keys relative to the
+    opened box (its tooltips, ``<key>`` or ``<key> · click: open``, are rebuilt by the script)."""
+    distinct: list[tuple[list, tuple]] = []     # (nodes, (top level, inner levels))
+    refs = []
+    for (_, _, _, v, _) in jobs:
+        k = next((k for k, (nodes, _) in enumerate(distinct) if len(nodes) == len(v.nodes) and nodes == v.nodes),
+                 None)
+        if k is None:
+            k = len(distinct)
+            distinct.append((v.nodes, L.module_levels(v.nodes, pscopes, depth, hint=GRAPH_HINT)))
+        refs.append(k)
+    dot = L.have_dot()
+    if dot:
+        L.prelayout((lv for _, (top, inner) in distinct for lv in (top, *inner.values())), workers)
+    pictures, drawn = [], {}
+    for (gid, kind, _, v, _), k in zip(jobs, refs):
+        title = f"graph {gid} · {kind} · {'input' if v.after == 'input' else 'after ' + v.after}"
+        svg = drawn.get((k, title))
+        if svg is None:
+            svg = drawn[(k, title)] = L.nested_svg(distinct[k][1][0], title, use_dot=dot)
+            if 'class="dc-level dc-simple"' in svg[:2000]:   # too big for graphviz, or no graphviz
+                svg = drawn[(k, title)] = svg.replace('class="graph dot ', 'class="graph simple ', 1)
+        pictures.append(svg)
+    skeletons: dict[str, int] = {}
+    sig_cache: dict = {}
+    per_version = []
+    for _, (_, inner) in distinct:
+        d = {}
+        for key, lv in inner.items():
+            skel, texts, titles, keys = L.level_skeleton(lv, use_dot=dot, cache=sig_cache)
+            entry = [skeletons.setdefault(skel, len(skeletons)), texts, [k[len(key):] for k in keys]]
+            at = {b.key: b for b in lv.boxes}
+            if titles != [k + (f" · {GRAPH_HINT}" if k in at and "dc-openable" in at[k].classes else "")
+                          for k in keys]:
+                entry.append(titles)   # not the usual tooltips: keep them
+            d[key] = entry
+        per_version.append(d)
+    blob = json.dumps({"s": list(skeletons), "v": per_version, "hint": GRAPH_HINT}, ensure_ascii=False,
+                      separators=(",", ":"))
+    return pictures, refs, ("<script type='application/json' id='dc-levels'>" + blob.replace("<", "\\u003c")
+                            + "</script>")
+
+
 def _section_graphs(rec: RunRecord, depth: int | None, workers: int) -> str:
     pscopes = L.param_scopes(rec.graphs)
     jobs = []
@@ -226,24 +318,20 @@ def _section_graphs(rec: RunRecord, depth: int | None, workers: int) -> str:
             vs = rec.versions(gid, kind)
             for i, v in enumerate(vs):
                 jobs.append((gid, kind, i, v, vs[i - 1] if i else None))
-
-    def render(job):
-        gid, kind, i, v, prev = job
-        c = L.collapse(v.nodes, depth, pscopes)
-        return L.render_svg(c, f"graph {gid} · {kind} · {'input' if v.after == 'input' else 'after ' + v.after}")
-
-    with ThreadPoolExecutor(max(1, workers)) as ex:
-        svgs = list(ex.map(render, jobs))
+    svgs, refs, levels_script = _graph_pictures(jobs, pscopes, depth, workers)
     out = ["<section id='graphs'><h2>Graphs</h2>",
            "<p class='note'>Each graph collapsed by module scope (one box per module, to the first "
-           "ModuleList index); communication ops coloured. Backward nodes without a scope are placed "
-           "with the layer they follow in graph order.</p>", _legend()]
+           "ModuleList index, with its op counts; communication ops as coloured chips; a thicker arrow "
+           "carries more tensors; the inputs and outputs boxes are drawn without their arrows). Backward "
+           f"nodes without a scope are placed with the layer they follow in graph order. Click a {L.FOLD_MARK} "
+           "box to open it: the boxes inside it (sub-modules and single nodes) show below the picture, "
+           "where a module opens further; click it again or <i>close</i> to fold it.</p>", _legend()]
     by: dict[tuple[int, str], list] = defaultdict(list)
-    for job, svg in zip(jobs, svgs):
-        by[(job[0], job[1])].append((job, svg))
+    for ref, job, svg in zip(refs, jobs, svgs):
+        by[(job[0], job[1])].append((ref, job, svg))
     for (gid, kind), items in by.items():
         out.append(f"<h3 id='graph-{gid}-{kind}'>graph {gid} · {esc(kind)}</h3><div class='versions'>")
-        for (_, _, i, v, prev), svg in items:
+        for ref, (_, _, i, v, prev), svg in items:
             head = "input" if v.after == "input" else f"after {esc(v.after)}"
             d = ""
             if prev is not None:
@@ -252,12 +340,13 @@ def _section_graphs(rec: RunRecord, depth: int | None, workers: int) -> str:
                 d = (f"<div class='diff'>{df['before']} → {df['after']} nodes: +{df['added']} / "
                      f"−{df['removed']}{'; comm: ' + esc(comm) if comm else ''}; {v.seconds * 1e3:.1f} ms</div>")
             notes = "".join(f"<div class='note'>{esc(n)}</div>" for n in v.notes)
-            out.append(f"<div class='version' data-graph='{gid}' data-kind='{esc(kind)}' data-after='{esc(v.after)}'>"
-                       f"<h4>{head} ({len(v.nodes)} nodes)</h4>{d}{notes}{svg}</div>")
+            out.append(f"<div class='version' data-graph='{gid}' data-kind='{esc(kind)}' data-after='{esc(v.after)}' "
+                       f"data-levels='{ref}'><h4>{head} ({len(v.nodes)} nodes)</h4>{d}{notes}{svg}"
+                       "<div class='dc-panels'></div></div>")
         out.append("</div>")
     if not jobs:
         out.append("<p class='empty'>no graphs recorded</p>")
-    out.append("</section>")
+    out.append(levels_script + "</section>")
     return "".join(out)
 
 
