@@ -45,14 +45,7 @@ FOLD_MARK, OPEN_MARK = "▸", "▾"   # a collapsed module box (click: expand) /
 
 
 # --------------------------------------------------------------------------- grouping
-def effective_scope(n: dict, pscopes: dict) -> str:
-    """The module scope a node belongs to (as ``graph_layout.node_groups`` resolves it)."""
-    scope = n.get("scope") or ""
-    if scope in pscopes and isinstance(pscopes[scope], str):
-        return pscopes[scope]
-    if E.comm_kind(n) is not None and "param" in n:
-        return L.param_module_scope(scope) if scope else pscopes.get(n["param"], "")
-    return scope
+effective_scope = L.effective_scope  # one rule for where a node belongs, shared with the report
 
 
 def key_chains(nodes: list[dict], expanded: set[str], pscopes: dict,
