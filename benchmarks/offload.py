@@ -99,24 +99,13 @@ def parse_args(argv=None):
     p.add_argument("--pg-timeout", type=float, default=600.0, help="process-group timeout, seconds")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in ALL_SYSTEMS]
-    if unknown:
-        p.error(f"unknown systems {unknown}; known: {ALL_SYSTEMS}")
+    z3.common_defaults(p, args, ALL_SYSTEMS)
     if "dc_zero3_uncapped" in args.systems:  # the cap comes from it: always first
         args.systems.remove("dc_zero3_uncapped")
         if args.cap_gib is None:
             args.systems.insert(0, "dc_zero3_uncapped")
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but torch.cuda.is_available() is False")
     if args.device == "cuda" and args.cap_gib is None and "dc_zero3_uncapped" not in args.systems:
         p.error("without dc_zero3_uncapped in --systems the cap must be given: --cap-gib")
-    if args.dtype is None:
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    if args.layers is None:
-        args.layers = 2 if args.tiny else 16
     if args.seq is None:
         args.seq = 128 if args.tiny else 2048
     if args.steps < 1 or args.warmup < 0 or args.measure_steps < 2:
@@ -550,15 +539,10 @@ def main(argv=None):
 
     if rank == 0:
         result["comparison"] = compare(result)
-        result["partial"] = False
-        png = None if args.no_plot else plot(args.out, result)
-        result["plot"] = os.path.relpath(png, os.path.dirname(os.path.abspath(args.out))) if png else None
-        z3.write_json(args.out, result)
-        print(f"\nwrote {args.out}" + (f" and {png}" if png else ""), flush=True)
-        print(f"\n{env['device']} x{world}, torch {env['torch']}, nccl {env['nccl']}, {n_params / 1e6:.1f}M "
-              f"params, {args.micro_batch}x{args.seq} tokens/GPU/step, {args.steps} timed steps after "
-              f"{args.warmup} warm-up, {env['cpu_threads_per_rank']} CPU threads per rank", flush=True)
-        print(table(result), flush=True)
+        z3.finish(args, result, plot, table,
+                  f"{env['device']} x{world}, torch {env['torch']}, nccl {env['nccl']}, {n_params / 1e6:.1f}M "
+                  f"params, {args.micro_batch}x{args.seq} tokens/GPU/step, {args.steps} timed steps after "
+                  f"{args.warmup} warm-up, {env['cpu_threads_per_rank']} CPU threads per rank")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -75,18 +75,7 @@ def parse_args(argv=None):
                         "GPU count): lets the grid be split over several invocations, one JSON and plot")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in ALL_SYSTEMS]
-    if unknown:
-        p.error(f"unknown systems {unknown}; known: {ALL_SYSTEMS}")
-    if args.device is None:
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    if args.device == "cuda" and not torch.cuda.is_available():
-        p.error("--device cuda but torch.cuda.is_available() is False")
-    if args.dtype is None:
-        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    if args.layers is None:
-        args.layers = 2 if args.tiny else 16
+    z3.common_defaults(p, args, ALL_SYSTEMS)
     args.micro_batches = _ints(args.micro_batches or "1,2")
     args.seqs = _ints(args.seqs or ("128" if args.tiny else "512,1024"))
     if not args.micro_batches or not args.seqs or min(args.micro_batches + args.seqs) < 1:
@@ -389,15 +378,10 @@ def main(argv=None):
     if rank == 0:
         for sh in result["shapes"].values():
             sh["comparison"] = compare(sh)
-        result["partial"] = False
-        png = None if args.no_plot else plot(args.out, result)
-        result["plot"] = os.path.relpath(png, os.path.dirname(os.path.abspath(args.out))) if png else None
-        z3.write_json(args.out, result)
-        print(f"\nwrote {args.out}" + (f" and {png}" if png else ""), flush=True)
-        print(f"\n{env['device']} x{world}, torch {env['torch']}, nccl {env['nccl']}, "
-              f"{n_params / 1e6:.1f}M params, {args.steps} timed steps after {args.warmup} warm-up per "
-              f"system and shape", flush=True)
-        print(table(result), flush=True)
+        z3.finish(args, result, plot, table,
+                  f"{env['device']} x{world}, torch {env['torch']}, nccl {env['nccl']}, "
+                  f"{n_params / 1e6:.1f}M params, {args.steps} timed steps after {args.warmup} warm-up per "
+                  "system and shape")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -102,10 +102,21 @@ def parse_args(argv=None):
     p.add_argument("--pg-timeout", type=float, default=1800.0, help="process-group timeout, seconds")
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
+    common_defaults(p, args, ALL_SYSTEMS)
+    if args.seq is None:
+        args.seq = 128 if args.tiny else 1024
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def common_defaults(p: argparse.ArgumentParser, args, all_systems: list[str]) -> None:
+    """The argument checks and defaults every benchmark shares: --systems parsed and checked,
+    --device (cuda when present), --dtype (bf16 on cuda, fp32 on cpu), --layers (16, --tiny 2)."""
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in ALL_SYSTEMS]
+    unknown = [s for s in args.systems if s not in all_systems]
     if unknown:
-        p.error(f"unknown systems {unknown}; known: {ALL_SYSTEMS}")
+        p.error(f"unknown systems {unknown}; known: {all_systems}")
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -114,11 +125,17 @@ def parse_args(argv=None):
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.layers is None:
         args.layers = 2 if args.tiny else 16
-    if args.seq is None:
-        args.seq = 128 if args.tiny else 1024
-    if args.steps < 1 or args.warmup < 0:
-        p.error("--steps must be >= 1 and --warmup >= 0")
-    return args
+
+
+def finish(args, result, plot_fn, table_fn, header: str) -> None:
+    """Rank 0, after the last system: final JSON, the plot beside it, the header and table."""
+    result["partial"] = False
+    png = None if args.no_plot else plot_fn(args.out, result)
+    result["plot"] = os.path.relpath(png, os.path.dirname(os.path.abspath(args.out))) if png else None
+    write_json(args.out, result)
+    print(f"\nwrote {args.out}" + (f" and {png}" if png else ""), flush=True)
+    print(f"\n{header}", flush=True)
+    print(table_fn(result), flush=True)
 
 
 def model_config_dict(args) -> dict:
@@ -801,15 +818,10 @@ def main(argv=None):
 
     if rank == 0:
         add_ratios(result["systems"])
-        result["partial"] = False
-        png = None if args.no_plot else plot(args.out, result)
-        result["plot"] = os.path.relpath(png, os.path.dirname(os.path.abspath(args.out))) if png else None
-        write_json(args.out, result)
-        print(f"\nwrote {args.out}" + (f" and {png}" if png else ""), flush=True)
-        print(f"\n{env['device']} x{world}, torch {env['torch']}, nccl {env['nccl']}, "
-              f"{n_params / 1e6:.1f}M params, {args.micro_batch}x{args.seq} tokens/GPU/step, "
-              f"{args.steps} timed steps after {args.warmup} warm-up", flush=True)
-        print(table(result), flush=True)
+        finish(args, result, plot, table,
+               f"{env['device']} x{world}, torch {env['torch']}, nccl {env['nccl']}, "
+               f"{n_params / 1e6:.1f}M params, {args.micro_batch}x{args.seq} tokens/GPU/step, "
+               f"{args.steps} timed steps after {args.warmup} warm-up")
     dist.barrier()
     dist.destroy_process_group()
 
