@@ -418,7 +418,8 @@ def table(result) -> str:
     cb = cap.get("cap_bytes")
     lines.append("cap: " + (f"{cb / GIB:.2f} GiB per rank " if cb else "none ")
                  + ("(applied)" if cap.get("applied") else
-                    "(NOT applied: " + str(cap.get("why_not_applied") or cap.get("error") or "?") + ")"))
+                    "(NOT applied: " + str(cap.get("why_not_applied") or cap.get("error")
+                                           or "no cap: dc_zero3_uncapped did not run and --cap-gib was not given") + ")"))
     r = c.get("dc_offload_vs_best_peer")
     vs = ", ".join(f"{n} {v:.2f}x" for n, v in (c.get("dc_offload_vs") or {}).items())
     lines.append(f"dc_offload / best peer ({c.get('best_peer')}): " + (f"{r:.2f}x" if r is not None else "-")
