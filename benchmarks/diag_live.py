@@ -1,7 +1,7 @@
 """Diagnostic: which gathered buffers outlive the forward on NCCL, and for how long."""
 import os, sys, time
 sys.path.insert(0, os.getcwd())
-import torch, torch.distributed as dist
+import torch
 from tests.dist_utils import run_ranks
 
 

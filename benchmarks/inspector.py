@@ -79,7 +79,6 @@ def forward(layers: int, zero3: bool, hoist: int = 0) -> list[dict]:
             shards[(i, j)] = g.add(f"primals_{_pid(i, j)}", [], op="placeholder", shape=[4096 * 4096 // 2])
     emb = g.add("aten.embedding", [x], "embed_tokens")
     h = emb
-    pending: list[tuple] = []
 
     def weight(i, j):
         scope = f"layers.{i}.{PARAMS[j]}"

@@ -356,12 +356,8 @@ def status(e: dict) -> str:
 
 
 def plot(path, result) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
-        print(f"[offload] no plot: matplotlib unavailable ({e})", flush=True)
+    plt = z3.pyplot("offload")
+    if plt is None:
         return None
     s = result["systems"]
     names = list(s)
@@ -464,13 +460,7 @@ def main(argv=None):
         "partial": True,
         "environment": env,
         "args": {k: v for k, v in vars(args).items()},
-        "model": {
-            "class": "transformers.LlamaForCausalLM (random init, seed %d, built on CPU)" % args.seed,
-            "config": mcfg_d, "attn_implementation": "sdpa", "params": n_params,
-            "micro_batch": args.micro_batch, "seq": args.seq,
-            "tokens_per_gpu_per_step": args.micro_batch * args.seq,
-            "adam_state_bytes_per_rank": state_bytes,
-        },
+        "model": {**z3.model_entry(args, mcfg_d, n_params), "adam_state_bytes_per_rank": state_bytes},
         "data": "4 fixed random token batches per rank, torch.Generator seeded seed*1000+rank, cycled; "
                 "labels = input_ids",
         "timing": "as zero3.py (median of the timed steps after the warm-up, per step the max over ranks). "

@@ -209,12 +209,8 @@ COLORS = {"ddp": "#DD8452", "ddp_compiled": "#C44E52", "zero_redundancy": "#8172
 
 
 def plot(path, result) -> str | None:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except Exception as e:  # noqa: BLE001
-        print(f"[zero1] no plot: matplotlib unavailable ({e})", flush=True)
+    plt = z3.pyplot("zero1")
+    if plt is None:
         return None
     shapes = result["shapes"]
     keys = list(shapes)
@@ -321,10 +317,7 @@ def main(argv=None):
         "partial": True,
         "environment": env,
         "args": {k: v for k, v in vars(args).items() if k not in ("seq", "micro_batch")},
-        "model": {
-            "class": "transformers.LlamaForCausalLM (random init, seed %d, built on CPU)" % args.seed,
-            "config": mcfg_d, "attn_implementation": "sdpa", "params": n_params,
-        },
+        "model": z3.model_entry(args, mcfg_d, n_params, per_shape=True),
         "data": "per shape, 4 fixed random token batches per rank, torch.Generator seeded seed*1000+rank, "
                 "cycled; labels = input_ids",
         "timing": "as zero3.py: wall time per step (forward + backward + optimizer.step + zero_grad), "

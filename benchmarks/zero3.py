@@ -635,13 +635,30 @@ def status_of(e: dict) -> str:
     return "ok"
 
 
-def plot(path, result) -> str | None:
+def pyplot(tag: str = TAG):
+    """matplotlib.pyplot on the Agg backend, or None (said once) where matplotlib is missing."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception as e:
-        print(f"[{TAG}] no plot: matplotlib unavailable ({e})", flush=True)
+    except Exception as e:  # noqa: BLE001
+        print(f"[{tag}] no plot: matplotlib unavailable ({e})", flush=True)
+        return None
+    return plt
+
+
+def model_entry(args, mcfg_d: dict, n_params: int, per_shape: bool = False) -> dict:
+    """The result JSON's "model" block every benchmark writes (shape keys unless per_shape)."""
+    m = {"class": "transformers.LlamaForCausalLM (random init, seed %d, built on CPU)" % args.seed,
+         "config": mcfg_d, "attn_implementation": "sdpa", "params": n_params}
+    if not per_shape:
+        m.update(micro_batch=args.micro_batch, seq=args.seq, tokens_per_gpu_per_step=args.micro_batch * args.seq)
+    return m
+
+
+def plot(path, result) -> str | None:
+    plt = pyplot()
+    if plt is None:
         return None
     systems = result["systems"]
     names = list(systems)
@@ -763,12 +780,7 @@ def main(argv=None):
         "partial": True,
         "environment": env,
         "args": {k: v for k, v in vars(args).items()},
-        "model": {
-            "class": "transformers.LlamaForCausalLM (random init, seed %d, built on CPU)" % args.seed,
-            "config": mcfg_d, "attn_implementation": "sdpa", "params": n_params,
-            "micro_batch": args.micro_batch, "seq": args.seq,
-            "tokens_per_gpu_per_step": args.micro_batch * args.seq,
-        },
+        "model": model_entry(args, mcfg_d, n_params),
         "data": "4 fixed random token batches per rank, torch.Generator seeded seed*1000+rank, cycled; "
                 "labels = input_ids; compute_bound uses rank 0's",
         "timing": "wall time per step (forward + backward + optimizer.step + zero_grad), torch.cuda.synchronize "

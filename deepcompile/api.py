@@ -123,10 +123,14 @@ def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int, sync_only_at_
     inner_step, inner_zero = opt.step, opt.zero_grad
     state = {"micro": 0, "stepped": False}
 
+    def next_is_boundary() -> bool:
+        """The backward running next ends an accumulation window (the next step() really steps)."""
+        return (state["micro"] + 1) % accumulation == 0
+
     def set_sync():
         # ZeRO-1: the next backward communicates only if it ends an accumulation window
         if sync_only_at_boundary:
-            ops.C.set_grad_sync((state["micro"] + 1) % accumulation == 0)
+            ops.C.set_grad_sync(next_is_boundary())
 
     set_sync()
 
@@ -145,8 +149,7 @@ def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int, sync_only_at_
 
     opt.step, opt.zero_grad = step, zero_grad
     opt.dc_micro_steps = lambda: state["micro"]
-    # the backward running now ends an accumulation window (the next step() really steps)
-    opt.dc_next_is_boundary = lambda: (state["micro"] + 1) % accumulation == 0
+    opt.dc_next_is_boundary = next_is_boundary
     return opt
 
 

@@ -143,7 +143,7 @@ class CopyEngine:
         self.stats["offloaded_bytes"] += nbytes
         return True
 
-    def _find(self, t: torch.Tensor, key) -> _Pending | None:
+    def find(self, t: torch.Tensor, key) -> _Pending | None:
         st = t.untyped_storage()
         for p in self.pending.get(key, []):
             if p.ref() is st:
@@ -152,7 +152,7 @@ class CopyEngine:
 
     def reload(self, t: torch.Tensor, key) -> None:
         """Re-allocate ``t``'s storage and start copying its bytes back (no-op if not offloaded)."""
-        p = self._find(t, key)
+        p = self.find(t, key)
         if p is None or p.state != "offloaded":
             return
         st = t.untyped_storage()
@@ -174,7 +174,7 @@ class CopyEngine:
 
     def wait(self, t: torch.Tensor, key) -> None:
         """Make the current stream wait for ``t``'s reload (starting it if nobody did)."""
-        p = self._find(t, key)
+        p = self.find(t, key)
         if p is None:
             return
         if p.state == "offloaded":

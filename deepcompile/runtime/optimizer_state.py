@@ -124,7 +124,7 @@ class OptimizerStateOffload:
             if 0 <= upto_bytes <= acc:
                 break
             acc += t.numel() * t.element_size()
-            p = ENGINE._find(t, key)
+            p = ENGINE.find(t, key)
             if p is not None and p.state == "offloaded":
                 ENGINE.reload(t, key)
                 started = True
@@ -134,7 +134,7 @@ class OptimizerStateOffload:
     def bring_back(self) -> None:
         late = False
         for key, t in self.offloaded:
-            p = ENGINE._find(t, key)
+            p = ENGINE.find(t, key)
             if p is not None and p.state == "offloaded":
                 late = True
             ENGINE.wait(t, key)
