@@ -305,6 +305,10 @@ def dc_prediction(model, opt, res) -> None:
     peak of the graphs (whose inputs include the shards)."""
     from deepcompile.profile.cost_model import predict
 
+    try:  # where the compile time went (Dynamo, AOTAutograd, Inductor), cumulative in this process
+        res["compile_times"] = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
+    except Exception as e:  # noqa: BLE001
+        res["compile_times"] = f"unavailable: {type(e).__name__}: {e}"
     prof = model.dc_profile
     p = predict(model.dc_graphs, prof)
     res["predicted"] = {"from_profile": prof is not None, "step_ms": p["step_ms"],
@@ -432,7 +436,35 @@ def train_steps(model, opt, autocast, batches, args):
         if s < args.warmup or s == total - 1:
             log(f"  step {s}: {times[-1] * 1e3:.1f} ms loss {losses[-1]:.4f}"
                 + (" (warm-up)" if s < args.warmup else ""))
+    trace_steps(model, opt, autocast, batches, args)
     return times, losses
+
+
+def trace_steps(model, opt, autocast, batches, args, n: int = 3) -> None:
+    """``BENCH_TRACE=system[,system]:DIR``: after the timed steps, ``n`` more untimed steps under
+    ``torch.profiler`` (a Chrome trace per rank in DIR), to see where a system's step time goes
+    (which stream waits for what). Off unless asked: the profiler slows the steps it sees."""
+    spec = os.environ.get("BENCH_TRACE", "")
+    if ":" not in spec or getattr(args, "current_system", None) not in spec.split(":")[0].split(","):
+        return
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir = spec.split(":", 1)[1]
+    os.makedirs(out_dir, exist_ok=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for s in range(n):
+            x = batches[s % len(batches)]
+            with autocast():
+                loss = model(input_ids=x, labels=x).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sync(args)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = os.path.join(out_dir, f"{args.current_system}_rank{rank}.json")
+    prof.export_chrome_trace(path)
+    log(f"  trace of {n} steps: {path}")
 
 
 def _inject_failure(name, rank, phase) -> None:
@@ -505,6 +537,7 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
                 res["setup_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
                 torch.cuda.reset_peak_memory_stats()
             _inject_failure(name, rank, "train")
+            args.current_system = name  # for trace_steps
             times, losses = train_steps(model, opt, ac, batches, args)
             res["times_s"] = times
             res["losses"] = losses
@@ -575,6 +608,8 @@ def summarise(name, per_rank, args, world) -> dict:
     if "predicted" in r0:
         pr = r0["predicted"]
         entry["predicted"] = pr
+        if "compile_times" in r0:
+            entry["compile_times"] = r0["compile_times"]
         entry["predicted_step_error"] = pr["step_ms"] / (med * 1e3) - 1.0
         if args.device == "cuda" and "peak_gib" in pr:
             entry["predicted_peak_error"] = pr["peak_gib"] / r0["peak_alloc_gib"] - 1.0

@@ -4,7 +4,14 @@ Runs after ``zero3`` (before ``prefetch``). A kept parameter is gathered once, b
 ``gather_persistent``, and stays gathered across forward, backward and further micro-batches
 until the optimizer changes its shard (the runtime drops the copies at every optimizer step).
 Small parameters are the usual choice: a collective's fixed cost dominates their transfer, so
-keeping them resident saves the most time per byte of memory. Choices depend only on parameter
+keeping them resident saves the most time per byte of memory.
+
+The kept gathers go to the top of the graph, not to their first use: a gather waited on where its
+value is needed is a point where this rank's compute waits for every other rank to reach the
+same collective, and a few dozen of them spread over the forward expose every bit of skew
+between ranks (measured on 2 H200s: 64.5 ms a step against 52.0 ms without the pass). At the top
+they wait once, together, and only in the first forward after an optimizer step; later ones hit
+the runtime's cache. Choices depend only on parameter
 sizes and the (rank-agreed) communication model, so every rank keeps the same parameters.
 """
 from __future__ import annotations
@@ -45,12 +52,28 @@ def choose(ctx: PassContext) -> list[int]:
     return sorted(kept)
 
 
+def _hoist(g: fx.Graph, nodes: list[fx.Node]) -> None:
+    """Move each kept gather up to just after its shard is defined (the graph's top for a shard
+    that is a graph input), keeping their relative order."""
+    top = next(n for n in g.nodes if n.op not in ("placeholder", "get_attr"))
+    for p in nodes:
+        shard = p.args[0]
+        if p is top:
+            top = p.next
+            continue
+        if isinstance(shard, fx.Node) and shard.op not in ("placeholder", "get_attr"):
+            shard.append(p)
+        else:
+            top.prepend(p)
+
+
 @register_pass("selective_unshard", SelectiveUnshardParams)
 def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Keep cheap-to-hold, costly-to-gather parameters gathered across micro-batches."""
     keep = set(choose(ctx))
     g = gm.graph
     n_kept = 0
+    kept_nodes = []
     for w in list(g.nodes):
         if not is_op(w, DC.wait_allgather.default) or int(w.args[1]) not in keep:
             continue
@@ -59,6 +82,7 @@ def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             continue  # already coalesced by an earlier prefetch: leave it
         with g.inserting_before(w):
             p = g.call_function(DC.gather_persistent.default, (issue.args[0], pid))
+        kept_nodes.append(p)
         p.meta.update({k: v for k, v in w.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
         p.meta["dc_param"] = pid
         for r in [u for u in w.users if is_op(u, DC.release_param.default)]:
@@ -67,6 +91,7 @@ def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         g.erase_node(w)
         g.erase_node(issue)
         n_kept += 1
+    _hoist(g, kept_nodes)
     ctx.notes.append(f"kept gathered: {n_kept} parameters in this graph ({len(keep)} chosen, "
                      f"budget {ctx.params.budget_mb:g} MiB)")
     g.lint()
