@@ -183,15 +183,14 @@ def test_shared_storage_is_never_freed():
 
 
 def test_state_comes_back_progressively_as_backward_frees_memory():
-    """Profiled backward whose memory falls node by node: the first parts of the state come back
-    as soon as they fit, the rest later, all of it by the end."""
+    """The pass spreads reload points over backward, each with the memory the rest of backward
+    still needs; at run time each brings back as much state as fits in the memory really free."""
     from types import SimpleNamespace
 
     import torch.fx as fx
 
     from deepcompile.passes import offload_optimizer as P
     from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
-    from deepcompile.runtime import optimizer_state
 
     def f(x):
         for _ in range(8):
@@ -200,23 +199,50 @@ def test_state_comes_back_progressively_as_backward_frees_memory():
 
     gm = fx.symbolic_trace(f)
     calls = [n for n in gm.graph.nodes if n.op == "call_function"]
-    m, opt, ps = _manager_with_state()
-    total = m.total_bytes()
-    # peaks fall from 2x to 0.25x the state's size over backward
+    MB = 2 ** 20
+    # profiled backward: allocated memory falls 100 MiB per node from 800, each node peaks 10 above
+    # it, except node 5, which peaks at 900 (a big temporary late in backward)
+    peak = lambda i: 900 if i == 5 else 810 - 100 * i  # noqa: E731
     prof = Profile(graphs={(0, "backward"): GraphProfile(0, "backward", [
-        NodeProfile(n.name, 1.0, 0, total * (8 - i) // 4, 0) for i, n in enumerate(calls)])})
-    saved, optimizer_state.MANAGER = optimizer_state.MANAGER, m
+        NodeProfile(n.name, 1.0, (800 - 100 * i) * MB, peak(i) * MB, 0) for i, n in enumerate(calls)])})
+    params = P.OffloadOptimizerParams(limit_mb=1000, headroom_mb=0, reload_points=4)
+    ctx = SimpleNamespace(params=params, profile=prof, graph_id=0, kind="backward")
+    parts = P.reload_positions(gm, ctx, torch.device("cpu"))
+    # points at nodes 2, 4, 6 (node 0 has no measured memory before it), then everything at the end
+    assert [calls.index(n) if n in calls else "out" for n, _ in parts] == [2, 4, 6, "out"], parts
+    # reserve at node i: the highest later peak minus what node i-1 left allocated
+    assert [r for _, r in parts] == [(900 - 700) * MB, (900 - 500) * MB, 0, -1]
+    no_prof = P.reload_positions(gm, SimpleNamespace(params=params, profile=None, graph_id=0,
+                                                     kind="backward"), torch.device("cpu"))
+    assert len(no_prof) == 1 and no_prof[0][0].op == "output" and no_prof[0][1] == -1
+
+
+def test_reload_brings_back_what_fits_in_the_free_memory():
+    m, opt, ps = _manager_with_state()
     try:
-        room = 2 * total + total // 2  # half the state fits at node 0, 3/4 at node 1, all from node 2
-        params = P.OffloadOptimizerParams(limit_mb=room / 2**20, headroom_mb=0, reload_steps=4)
-        ctx = SimpleNamespace(params=params, profile=prof, graph_id=0, kind="backward")
-        parts = P.reload_positions(gm, ctx, None, torch.device("cpu"))
-        idx = [calls.index(n) if n in calls else len(calls) for n, _ in parts]
-        assert idx == [0, 1, 2], parts
-        assert [a for _, a in parts] == [total // 2, total * 3 // 4, -1], parts
-        no_prof = P.reload_positions(gm, SimpleNamespace(params=params, profile=None, graph_id=0,
-                                                         kind="backward"), None, torch.device("cpu"))
-        assert len(no_prof) == 1 and no_prof[0][0].op == "output" and no_prof[0][1] == -1
+        before = {id(t): t.clone() for _, t in m.state_tensors()}
+        m.plan(None)
+        m.send_out()
+        sizes = [t.numel() * t.element_size() for _, t in m.offloaded]
+        assert len(sizes) == 6 and m.resident_bytes() == 0
+        used = [0]
+        m.room, m.memory_now = 10_000, lambda: used[0]
+
+        def resident():
+            return [t.untyped_storage().nbytes() > 0 for _, t in m.offloaded]
+        used[0] = 10_000 - sizes[0] + 1     # not even the first tensor fits beside the reserve 0
+        m.reload_from_graph(0)
+        assert resident() == [False] * 6
+        used[0] = 10_000 - sizes[0] - sizes[1] - sizes[2] // 2   # the first two fit, in order
+        m.reload_from_graph(0)
+        assert resident() == [True, True] + [False] * 4
+        used[0] = 0
+        m.reload_from_graph(10_000)          # the rest of backward needs all the room
+        assert resident() == [True, True] + [False] * 4
+        m.reload_from_graph(-1)              # the end of backward: everything
+        assert all(resident())
+        m.bring_back()
+        for _, t in m.state_tensors():
+            assert torch.equal(t, before[id(t)])
     finally:
-        optimizer_state.MANAGER = saved
         m.detach()

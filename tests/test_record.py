@@ -142,3 +142,23 @@ def test_writer_live_and_slots(tmp_path):
     assert done.profile["graphs"][0]["nodes"][0]["latency_ms"] == 0.1
     assert done.schedule["events"][0]["stream"] == "compute"
     assert done.memory["samples"][0]["allocated_bytes"] == 1
+
+
+def test_estimate_prices_unprofiled_nodes_at_the_profiled_rate():
+    from deepcompile.record.estimate import COMPUTE_BYTES_PER_US, OP_OVERHEAD_US, estimate
+
+    x = {"name": "x", "op": "placeholder", "target": "x", "shape": [1024, 1024], "dtype": "float32"}
+    a = {"name": "a", "op": "call_function", "target": "aten.relu", "shape": [1024, 1024], "dtype": "float32",
+         "args": [{"node": "x"}]}
+    b = {"name": "b", "op": "call_function", "target": "aten.neg", "shape": [1024, 1024], "dtype": "float32",
+         "args": [{"node": "a"}]}
+    mb = 4 << 20
+    events, _ = estimate([x, a, b], 0, "forward", latency_us={"a": 10.0})  # a moved 8 MiB in 10 us
+    d = {e["node"]: e["end_us"] - e["start_us"] for e in events}
+    assert d["a"] == pytest.approx(10.0)
+    assert d["b"] == pytest.approx(OP_OVERHEAD_US + 2 * mb / (2 * mb / 10.0), abs=1e-3)
+    assert d["b"] < (2 * mb) / COMPUTE_BYTES_PER_US / 100
+    # without a profile the fixed constant still applies
+    events, _ = estimate([x, a, b], 0, "forward")
+    d = {e["node"]: e["end_us"] - e["start_us"] for e in events}
+    assert d["b"] == pytest.approx(OP_OVERHEAD_US + 2 * mb / COMPUTE_BYTES_PER_US, abs=1e-3)

@@ -4,10 +4,15 @@ A profiling step runs every graph through :class:`ProfilingInterpreter` instead 
 code. That *is* the training step (its outputs and gradients are used), so nothing runs twice,
 and the interpreter frees each value after its last use exactly like the compiled graph, so a
 model that trains does not run out of memory while being profiled. Per node it records latency
-(CUDA-synchronised on GPU, a monotonic timer on CPU), memory allocated after it and the peak
-during it (the CUDA allocator on GPU; on CPU the bytes of the tensors the interpreter holds),
-and its output size. A micro-benchmark times allgather and reduce-scatter by message size on
-the actual process group and fits the alpha-beta :class:`~deepcompile.profile.cost_model.CommModel`.
+(on GPU the stream time between two CUDA events around the node, read after the whole graph has
+run; on CPU a monotonic timer), memory allocated after it and the peak during it (the CUDA
+allocator on GPU; on CPU the bytes of the tensors the interpreter holds), and its output size.
+Events rather than a synchronize per node: with a sync on each side the wall time of a node is
+mostly the interpreter's Python and the sync itself, not the GPU work (the nodes of a ~60 ms
+Llama step summed to 15 s), and a device-wide sync serialises the collectives' streams.
+
+A micro-benchmark times allgather and reduce-scatter by message size on the actual process
+group and fits the alpha-beta :class:`~deepcompile.profile.cost_model.CommModel`.
 
 Profiles are agreed across ranks (element-wise maximum) before any pass reads them: a rank
 that decided differently would issue different collectives and deadlock the job.
@@ -97,8 +102,11 @@ def _storages(v, out: dict) -> None:
 class ProfilingInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm, garbage_collect_values=True)
-        self.cuda = torch.cuda.is_available()
+        # a GPU step has initialised CUDA before its first graph runs; a CPU model on a GPU host
+        # has not, and CUDA events would time nothing of its CPU work
+        self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.records: list[NodeProfile] = []
+        self._events: list[tuple[NodeProfile, torch.cuda.Event, torch.cuda.Event]] = []
 
     def _held(self) -> int:
         seen: dict = {}
@@ -110,24 +118,38 @@ class ProfilingInterpreter(fx.Interpreter):
         if n.op in ("placeholder", "output", "get_attr"):
             return super().run_node(n)
         if self.cuda:
-            torch.cuda.synchronize()
+            # The allocator counts at launch, so its host-side stats are exact without a sync.
+            # Resetting peaks is a constant-time C++ call; the readers are not (memory_allocated()
+            # and max_memory_allocated() each build and flatten the whole stats dict), so read
+            # both counters from one nested dict. After the reset peak == current, hence no
+            # "before" read: peak already covers it.
             torch.cuda.reset_peak_memory_stats()
-            before = torch.cuda.memory_allocated()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = super().run_node(n)
+            end.record()
+            st = torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]
+            rec = NodeProfile(n.name, 0.0, int(st["current"]), int(st["peak"]), _bytes(out))
+            self._events.append((rec, start, end))  # latency filled by finish()
         else:
             before = self._held()
-        t0 = time.perf_counter()
-        out = super().run_node(n)
-        if self.cuda:
-            torch.cuda.synchronize()
-        dt = (time.perf_counter() - t0) * 1e3
-        ob = _bytes(out)
-        if self.cuda:
-            after, peak = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
-        else:
+            t0 = time.perf_counter()
+            out = super().run_node(n)
+            dt = (time.perf_counter() - t0) * 1e3
+            ob = _bytes(out)
             after = before + ob  # the interpreter frees dead inputs after this node returns
-            peak = after
-        self.records.append(NodeProfile(n.name, dt, int(after), int(max(peak, before)), int(ob)))
+            rec = NodeProfile(n.name, dt, after, after, ob)
+        self.records.append(rec)
         return out
+
+    def finish(self) -> list[NodeProfile]:
+        """The node records, with CUDA latencies read from their events (one sync for the graph)."""
+        if self._events:
+            torch.cuda.synchronize()
+            for rec, start, end in self._events:
+                rec.latency_ms = start.elapsed_time(end)
+            self._events.clear()
+        return self.records
 
 
 def profiled_callable(gm: fx.GraphModule, sink) -> callable:
@@ -135,7 +157,7 @@ def profiled_callable(gm: fx.GraphModule, sink) -> callable:
     def run(args):
         interp = ProfilingInterpreter(gm)
         out = interp.boxed_run(args)
-        sink(interp.records)
+        sink(interp.finish())
         return out
     run._boxed_call = True
     return run

@@ -81,6 +81,22 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
             for r in inputs_of(m):
                 waits_of.setdefault(r, []).append(m)
 
+    def moved(n: dict) -> int:
+        return size[n["name"]] + sum(size.get(r, 0) for r in inputs_of(n) if r in by_name)
+
+    # A compiled graph can hold compute nodes the profiled graph did not. Cost those at the
+    # bandwidth this graph was measured at (aggregate, so large nodes set it rather than
+    # launch-bound small ones), not at the laptop-CPU constant, which on a GPU makes one
+    # unmatched large node cost tens of ms.
+    rate = COMPUTE_BYTES_PER_US
+    if latency_us:
+        matched = [(moved(n), latency_us[n["name"]]) for n in nodes
+                   if n["op"] in ("call_function", "call_module", "call_method") and comm_kind(n) is None
+                   and n["name"] in latency_us]
+        b, us = sum(m for m, _ in matched), sum(u for _, u in matched)
+        if b > 0 and us > 0:
+            rate = b / us
+
     def comm_us(nbytes: float) -> float:
         return comm.allgather_us(nbytes) if comm is not None else OP_OVERHEAD_US + nbytes / COMM_BYTES_PER_US
     events: list[dict] = []
@@ -135,8 +151,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
             if latency_us is not None and name in latency_us:
                 d = latency_us[name]
             else:
-                moved = size[name] + sum(size.get(r, 0) for r in inputs_of(n) if r in by_name)
-                d = OP_OVERHEAD_US + moved / COMPUTE_BYTES_PER_US
+                d = OP_OVERHEAD_US + moved(n) / rate
             ev(name, "compute", t, t + d)
             t += d
             live[name] = size[name]

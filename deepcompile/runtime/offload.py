@@ -24,8 +24,9 @@ readers in FX and Inductor, and no output is needed.
   without them the copy could overtake a fused kernel that still reads ``t``
 * ``dc.reload_activation(t, id)``    backward, ahead of the first use: start the copy back
 * ``dc.wait_activation(t, id)``      backward, at the first use: compute waits for the copy
-* ``dc.reload_optimizer_state(anchor, upto_bytes)``  backward: start bringing offloaded optimizer
-  state back, the first ``upto_bytes`` of it (-1: all; see :mod:`deepcompile.runtime.optimizer_state`)
+* ``dc.reload_optimizer_state(anchor, reserve_bytes)``  backward: start bringing offloaded optimizer
+  state back, as much as fits beside ``reserve_bytes`` for the rest of backward (-1: all; see
+  :mod:`deepcompile.runtime.optimizer_state`)
 """
 from __future__ import annotations
 
@@ -215,10 +216,10 @@ def _wait_activation(t: torch.Tensor, aid: int) -> None:
     ENGINE.wait(t, ("act", aid))
 
 
-def _reload_optimizer_state(anchor: torch.Tensor, upto_bytes: int) -> None:
+def _reload_optimizer_state(anchor: torch.Tensor, reserve_bytes: int) -> None:
     from deepcompile.runtime import optimizer_state
 
-    optimizer_state.MANAGER.reload_from_graph(upto_bytes)
+    optimizer_state.MANAGER.reload_from_graph(reserve_bytes)
 
 
 def define_ops() -> None:
@@ -233,7 +234,7 @@ def define_ops() -> None:
         "offload_activation(Tensor(a!) t, Tensor[] after, int id) -> ()": _offload_activation,
         "reload_activation(Tensor(a!) t, int id) -> ()": _reload_activation,
         "wait_activation(Tensor(a!) t, int id) -> ()": _wait_activation,
-        "reload_optimizer_state(Tensor(a!) anchor, int upto_bytes) -> ()": _reload_optimizer_state,
+        "reload_optimizer_state(Tensor(a!) anchor, int reserve_bytes) -> ()": _reload_optimizer_state,
     }
     for schema, fn in defs.items():
         name = schema.split("(")[0]

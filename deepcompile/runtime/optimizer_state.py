@@ -7,8 +7,10 @@ One step's lifecycle:
   pinned memory) and frees their device storage;
 * forward and backward run without them;
 * in the backward that ends the accumulation window, ``dc.reload_optimizer_state`` (placed by the
-  ``offload_optimizer`` pass where the profile shows the rest of backward has room) starts the
-  copies back, overlapping the remaining backward compute;
+  ``offload_optimizer`` pass at several points of backward) starts the copies back for as much of
+  the state as fits now: ``room`` minus the memory allocated at that point minus what the rest of
+  backward still needs (the op's reserve, from the profile). The copies overlap the remaining
+  backward compute;
 * ``optimizer.step()`` begins: a pre-step hook makes compute wait for the copies (starting any the
   graph did not start, so a graph without the op is still correct, only slower).
 
@@ -32,6 +34,8 @@ class OptimizerStateOffload:
     def __init__(self):
         self.opt: torch.optim.Optimizer | None = None
         self.target: int | None = 0          # bytes to offload; None = all
+        self.room: int | None = None         # device bytes the step may use (limit - headroom); None: unknown
+        self.memory_now: Callable[[], int] = _allocated
         self.offloaded: list[tuple[tuple, torch.Tensor]] = []
         self.is_boundary: Callable[[], bool] = lambda: True
         self._hooks: list = []
@@ -53,7 +57,7 @@ class OptimizerStateOffload:
             self.bring_back()
         for h in self._hooks:
             h.remove()
-        self._hooks, self.opt, self.target = [], None, 0
+        self._hooks, self.opt, self.target, self.room = [], None, 0, None
         self.stats = {k: 0 for k in self.stats}
 
     def plan(self, nbytes: int | None) -> None:
@@ -112,22 +116,26 @@ class OptimizerStateOffload:
         self.stats["steps_offloaded"] += 1
         self.stats["last_offloaded_bytes"] = self.offloaded_bytes()
 
-    def reload_from_graph(self, upto_bytes: int = -1) -> None:
-        """``dc.reload_optimizer_state``: start the copies back for the first ``upto_bytes`` of
-        the offloaded state (-1: all of it), in the backward that ends the accumulation window
-        (the others leave the state on the host). Several calls at rising amounts bring the
-        state back progressively, as backward frees the memory for it."""
+    def reload_from_graph(self, reserve_bytes: int = -1) -> None:
+        """``dc.reload_optimizer_state``: in the backward that ends the accumulation window (the
+        others leave the state on the host), start the copies back for the next offloaded
+        tensors, in order, as many as fit in ``room - allocated now - reserve_bytes``
+        (``reserve_bytes`` -1, or no known room: all of them). Several calls along backward bring
+        the state back progressively, as backward frees the memory for it."""
         if not self.offloaded or not self.is_boundary():
             return
-        started, acc = False, 0
+        free = None if (reserve_bytes < 0 or self.room is None) else self.room - self.memory_now() - reserve_bytes
+        started = False
         for key, t in self.offloaded:
-            if 0 <= upto_bytes <= acc:
-                break
-            acc += t.numel() * t.element_size()
             p = ENGINE.find(t, key)
-            if p is not None and p.state == "offloaded":
-                ENGINE.reload(t, key)
-                started = True
+            if p is None or p.state != "offloaded":
+                continue
+            if free is not None:
+                if p.nbytes > free:
+                    break  # keep the order: the next call finds more room
+                free -= p.nbytes
+            ENGINE.reload(t, key)
+            started = True
         if started:
             self.stats["graph_reloads"] += 1
 
@@ -141,6 +149,13 @@ class OptimizerStateOffload:
         if late:
             self.stats["late_reloads"] += 1
         self.offloaded = []
+
+
+def _allocated() -> int:
+    """Device bytes allocated now: the caching allocator's counter, which is exact at launch
+    time (its blocks are stream-ordered), so no synchronisation is needed. 0 without CUDA (the
+    state lives in host memory there: nothing to fit)."""
+    return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
 
 
 MANAGER = OptimizerStateOffload()
