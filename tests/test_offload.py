@@ -246,3 +246,36 @@ def test_reload_brings_back_what_fits_in_the_free_memory():
             assert torch.equal(t, before[id(t)])
     finally:
         m.detach()
+
+
+def test_forward_release_points_reserve_the_backward_peak():
+    """Forward release points: each reserves what the rest of the step needs, the backward's
+    peak included; none on the CPU or without a profile (the state is then freed at once)."""
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from deepcompile.passes import offload_optimizer as P
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+
+    def f(x):
+        for _ in range(5):
+            x = torch.relu(x)
+        return x
+
+    gm = fx.symbolic_trace(f)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    MB = 2 ** 20
+    fwd = [NodeProfile(n.name, 1.0, (100 + 100 * i) * MB, (110 + 100 * i) * MB, 0) for i, n in enumerate(calls)]
+    bwd = [NodeProfile("b0", 1.0, 650 * MB, 800 * MB, 0), NodeProfile("reload_optimizer_state", 1.0, 0, 10 ** 6 * MB, 0)]
+    prof = Profile(graphs={(0, "forward"): GraphProfile(0, "forward", fwd),
+                           (0, "backward"): GraphProfile(0, "backward", bwd)})
+    params = P.OffloadOptimizerParams(limit_mb=1000, headroom_mb=0, reload_points=2)
+    ctx = SimpleNamespace(params=params, profile=prof, graph_id=0, kind="forward")
+    parts = P.release_positions(gm, ctx, torch.device("cuda"))
+    # points at nodes 1 and 3; the later peak is the backward's 800 MiB (its reload op ignored)
+    assert [calls.index(n) for n, _ in parts] == [1, 3], parts
+    assert [r for _, r in parts] == [(800 - 100) * MB, (800 - 300) * MB]
+    assert P.release_positions(gm, ctx, torch.device("cpu")) == []
+    ctx.profile = None
+    assert P.release_positions(gm, ctx, torch.device("cuda")) == []

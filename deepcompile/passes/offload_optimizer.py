@@ -14,7 +14,11 @@ as fits under the limit beside that reserve. The decision uses the memory really
 the profiled amount: the profile runs the unfused graph, whose peak was 0.8 GiB above the
 Inductor graph's on the 2-GPU offload benchmark, and a plan fixed at compile time from it brought
 the state back only at the very end of backward. As backward frees activations the state
-returns progressively and the copies overlap the rest of backward. Without a profile one reload
+returns progressively and the copies overlap the rest of backward. With a profile the forward
+gets the mirror image, ``dc.release_optimizer_state`` points: the copies out start after the
+step, but each device copy is freed only when the rest of the step needs its memory (and after
+its own copy), so the forward does not wait for the whole copy out, and state never freed
+needs no copy back. Without a profile one reload
 goes just before the graph's end (no overlap, no risk). The offload itself happens after every
 optimizer step (:mod:`deepcompile.runtime.optimizer_state`); the optimizer math stays on the device.
 """
@@ -148,6 +152,33 @@ def reload_positions(gm: fx.GraphModule, ctx: PassContext, device: torch.device)
     return parts
 
 
+def release_positions(gm: fx.GraphModule, ctx: PassContext, device: torch.device) -> list[tuple[fx.Node, int]]:
+    """(node before which a release goes, bytes the rest of the step still needs above what is
+    allocated there), for a forward graph with a profile; [] without one (the state is then
+    freed as soon as its copy starts, the safe way). The rest of the step includes the
+    backward: the highest profiled peak of any backward graph bounds every forward point."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    gp = ctx.profile.get(ctx.graph_id, ctx.kind) if ctx.profile is not None else None
+    if gp is None or device.type != "cuda" or device_limit_bytes(ctx.params, device) is None or len(nodes) < 2:
+        return []
+    later = max((n.peak_bytes for (gid, kind), g in ctx.profile.graphs.items() if kind == "backward"
+                 for n in g.nodes if not n.name.startswith("reload_optimizer_state")), default=0)
+    prof = gp.by_name()
+    suffix, m = [0] * len(nodes), later
+    for i in range(len(nodes) - 1, -1, -1):
+        p = prof.get(nodes[i].name)
+        m = max(m, p.peak_bytes if p is not None else 0)
+        suffix[i] = m
+    k = min(ctx.params.reload_points, len(nodes) - 1)
+    parts = []
+    for j in range(k):
+        i = 1 + j * (len(nodes) - 1) // k
+        before = prof.get(nodes[i - 1].name)
+        if before is not None:
+            parts.append((nodes[i], max(0, suffix[i] - before.mem_after_bytes)))
+    return parts
+
+
 def anchor_before(gm: fx.GraphModule, pos: fx.Node) -> fx.Node | None:
     """A tensor produced just before ``pos`` to hang the reload on (it orders the op there)."""
     prev = pos.prev
@@ -159,6 +190,19 @@ def anchor_before(gm: fx.GraphModule, pos: fx.Node) -> fx.Node | None:
     return None
 
 
+def _place(gm: fx.GraphModule, positions: list[tuple[fx.Node, int]], op) -> list[tuple[fx.Node, int]]:
+    placed = []
+    for pos, reserve in positions:
+        anchor = anchor_before(gm, pos)
+        if anchor is None:
+            continue
+        with gm.graph.inserting_before(pos):
+            r = gm.graph.call_function(op, (anchor, reserve))
+        r.meta["val"] = None
+        placed.append((r, reserve))
+    return placed
+
+
 @register_pass("offload_optimizer", OffloadOptimizerParams)
 def offload_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Offload the optimizer state that exceeds the memory limit; reload it during backward."""
@@ -167,22 +211,24 @@ def offload_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if ctx.graph_id == 0 and ctx.kind == "forward":
             check_supported(device)
         nbytes, why = plan_bytes(ctx, device)
-        optimizer_state.MANAGER.plan(nbytes)
+        mgr = optimizer_state.MANAGER
+        mgr.plan(nbytes)
         amount = "all" if nbytes is None else f"{nbytes / MIB:.1f} MiB"
         ctx.notes.append(f"optimizer state to offload: {amount} ({why})")
+        if ctx.kind == "forward" and nbytes != 0:
+            placed = _place(gm, release_positions(gm, ctx, device), DC.release_optimizer_state.default)
+            if placed:
+                mgr.room = device_limit_bytes(ctx.params, device) - int(ctx.params.headroom_mb * MIB)
+                mgr.defer = True
+                ctx.notes.append(f"device copies freed as the step needs the memory, at {len(placed)} points "
+                                 "of forward (each after its own copy out)")
+                gm.graph.lint()
+                gm.recompile()
         return gm
     limit = device_limit_bytes(ctx.params, device)
     if limit is not None:
         optimizer_state.MANAGER.room = limit - int(ctx.params.headroom_mb * MIB)
-    placed = []
-    for pos, reserve in reload_positions(gm, ctx, device):
-        anchor = anchor_before(gm, pos)
-        if anchor is None:
-            continue
-        with gm.graph.inserting_before(pos):
-            r = gm.graph.call_function(DC.reload_optimizer_state.default, (anchor, reserve))
-        r.meta["val"] = None
-        placed.append((r, reserve))
+    placed = _place(gm, reload_positions(gm, ctx, device), DC.reload_optimizer_state.default)
     if not placed:
         ctx.notes.append("no tensor to order the reload on: the optimizer step reloads the state")
         return gm

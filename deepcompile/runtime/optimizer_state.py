@@ -4,7 +4,10 @@ backward in host memory, as much of them as the plan asks; the optimizer math st
 One step's lifecycle:
 
 * ``optimizer.step()`` ends: a post-step hook copies the planned state tensors out (side stream,
-  pinned memory) and frees their device storage;
+  pinned memory) and frees their device storage, or, once the pass has a profile (``defer``),
+  only starts the copies: ``dc.release_optimizer_state`` at points of the forward frees them,
+  in order and only as much as the rest of the step needs, each after its own copy (see
+  ``CopyEngine.offload``); what is never freed needs no copy back;
 * forward and backward run without them;
 * in the backward that ends the accumulation window, ``dc.reload_optimizer_state`` (placed by the
   ``offload_optimizer`` pass at several points of backward) starts the copies back for as much of
@@ -35,11 +38,13 @@ class OptimizerStateOffload:
         self.opt: torch.optim.Optimizer | None = None
         self.target: int | None = 0          # bytes to offload; None = all
         self.room: int | None = None         # device bytes the step may use (limit - headroom); None: unknown
+        self.defer = False                   # free the device copies lazily, from the forward's release points
         self.memory_now: Callable[[], int] = _allocated
         self.offloaded: list[tuple[tuple, torch.Tensor]] = []
         self.is_boundary: Callable[[], bool] = lambda: True
         self._hooks: list = []
-        self.stats = {"steps_offloaded": 0, "last_offloaded_bytes": 0, "graph_reloads": 0, "late_reloads": 0}
+        self.stats = {"steps_offloaded": 0, "last_offloaded_bytes": 0, "graph_reloads": 0, "late_reloads": 0,
+                      "released_bytes": 0, "kept_on_device_bytes": 0}
 
     # ------------------------------------------------------------ wiring
     def attach(self, opt: torch.optim.Optimizer, is_boundary: Callable[[], bool] | None = None) -> None:
@@ -57,13 +62,15 @@ class OptimizerStateOffload:
             self.bring_back()
         for h in self._hooks:
             h.remove()
-        self._hooks, self.opt, self.target, self.room = [], None, 0, None
+        self._hooks, self.opt, self.target, self.room, self.defer = [], None, 0, None, False
         self.stats = {k: 0 for k in self.stats}
 
     def plan(self, nbytes: int | None) -> None:
         """Bytes of state to keep on the host between steps (``None``: all of it). Takes effect
         at the end of the next optimizer step."""
         self.target = None if nbytes is None else max(0, int(nbytes))
+        if not self.target and nbytes is not None:
+            self.defer = False
 
     # ------------------------------------------------------------ what there is
     def state_tensors(self) -> list[tuple[tuple, torch.Tensor]]:
@@ -110,7 +117,7 @@ class OptimizerStateOffload:
             return
         moved = []
         for key, t in self.choose():
-            if ENGINE.offload(t, key):
+            if ENGINE.offload(t, key, defer_free=self.defer and t.is_cuda):
                 moved.append((key, t))
         self.offloaded = moved
         self.stats["steps_offloaded"] += 1
@@ -139,12 +146,30 @@ class OptimizerStateOffload:
         if started:
             self.stats["graph_reloads"] += 1
 
+    def release_from_graph(self, reserve_bytes: int = -1) -> None:
+        """``dc.release_optimizer_state``: free the device copies of deferred offloads, in
+        order, until ``reserve_bytes`` more fit beside what is allocated now under ``room``
+        (-1, or no known room: free them all)."""
+        need = None if (reserve_bytes < 0 or self.room is None) else self.memory_now() + reserve_bytes - self.room
+        for key, t in self.offloaded:
+            if need is not None and need <= 0:
+                break
+            p = ENGINE.find(t, key)
+            if p is None or p.state != "copying":
+                continue
+            ENGINE.release(t, key)
+            self.stats["released_bytes"] += p.nbytes
+            if need is not None:
+                need -= p.nbytes
+
     def bring_back(self) -> None:
         late = False
         for key, t in self.offloaded:
             p = ENGINE.find(t, key)
             if p is not None and p.state == "offloaded":
                 late = True
+            if p is not None and p.state == "copying":
+                self.stats["kept_on_device_bytes"] += p.nbytes
             ENGINE.wait(t, key)
         if late:
             self.stats["late_reloads"] += 1
