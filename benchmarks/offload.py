@@ -64,44 +64,23 @@ CAP_SLACK = 0.5 * GIB  # above the step-phase peak: the allocator's fragmentatio
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None,
-                   help="result JSON (default benchmarks/results/offload_<device>_<N>gpu.json); PNG beside it")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16, --tiny 2)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per system")
-    p.add_argument("--warmup", type=int, default=5,
-                   help="untimed steps first; dc_offload gets at least profile_step + 2 (compile, "
-                        "profiling step, recompile with the profile)")
+    z3.add_common_args(p, "offload", ALL_SYSTEMS, steps=20, warmup=5, pg_timeout=600.0, step_sync="stream",
+                       warmup_help="untimed steps first; dc_offload gets at least profile_step + 2 (compile, "
+                                   "profiling step, recompile with the profile)",
+                       systems_help=" (dc_zero3_uncapped always runs first, dc_zero3_no_offload is best left last)")
     p.add_argument("--measure-steps", type=int, default=4,
                    help="steps of the uncapped measurement run (the first one has no optimizer state yet)")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS),
-                   help=f"comma-separated; known: {','.join(ALL_SYSTEMS)} (dc_zero3_uncapped always runs "
-                        "first, dc_zero3_no_offload is best left last)")
     p.add_argument("--cap-gib", type=float, default=None,
                    help="GPU memory cap per rank, GiB (default: measured by dc_zero3_uncapped)")
     p.add_argument("--cap-state-fraction", type=float, default=0.6,
                    help="cap = uncapped fwd/bwd peak - this fraction of the Adam-moment bytes per rank")
     p.add_argument("--headroom-mb", type=float, default=1024.0, help="offload_optimizer's headroom_mb")
     p.add_argument("--profile-step", type=int, default=2, help="dc_offload's profile_step")
-    p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1024, seq 128 (smoke test)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="cuda (NCCL) if available, else cpu (gloo)")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per GPU per step")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 2048, --tiny 128)")
-    p.add_argument("--dtype", choices=tuple(z3.DTYPES), default=None,
-                   help="compute / gather / reduce dtype (default bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--dc-compiler", choices=("inductor", "aot_eager", "eager"), default="inductor",
-                   help="deepcompile's inner compiler")
     p.add_argument("--cpu-threads", type=int, default=None,
                    help="torch CPU threads per rank (the FSDP2 peers run AdamW on the CPU; torchrun sets "
                         "OMP_NUM_THREADS=1). Default on cuda: the CPUs this process may use / local ranks")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--seed", type=int, default=0, help="model-weight seed (data seed is seed*1000+rank)")
-    p.add_argument("--pg-timeout", type=float, default=600.0, help="process-group timeout, seconds")
-    p.add_argument("--no-plot", action="store_true")
-    p.add_argument("--step-sync", choices=("stream", "device"), default="stream",
-                   help="end of a timed step: the compute stream (default; the offload copies may run under "
-                        "the next step, and the step time is the mean over the window, which ends with every "
-                        "stream done) or every stream (each step also waits for its own copies out)")
     args = p.parse_args(argv)
     z3.common_defaults(p, args, ALL_SYSTEMS)
     if "dc_zero3_uncapped" in args.systems:  # the cap comes from it: always first

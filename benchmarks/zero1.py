@@ -51,29 +51,13 @@ def _ints(s: str) -> list[int]:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=None,
-                   help="result JSON (default benchmarks/results/zero1_<device>_<N>gpu.json); PNG beside it")
-    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16, --tiny 2)")
-    p.add_argument("--steps", type=int, default=20, help="timed steps per system and shape")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps first (cover compilation)")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS),
-                   help=f"comma-separated, run in this order per shape; known: {','.join(ALL_SYSTEMS)}")
+    z3.add_common_args(p, "zero1", ALL_SYSTEMS, steps=20, warmup=3, systems_help=" (per shape)",
+                       warmup_help="untimed steps first (cover compilation)")
     p.add_argument("--micro-batches", default=None, help="comma-separated micro-batches per GPU (default 1,2)")
     p.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 512,1024; --tiny 128)")
-    p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1024 (smoke test)")
-    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                   help="cuda (NCCL) if available, else cpu (gloo)")
-    p.add_argument("--dtype", choices=tuple(z3.DTYPES), default=None,
-                   help="compute / gather / reduce dtype (default bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--dc-compiler", choices=("inductor", "aot_eager", "eager"), default="inductor",
-                   help="deepcompile's inner compiler")
-    p.add_argument("--lr", type=float, default=1e-4)
-    p.add_argument("--seed", type=int, default=0, help="model-weight seed (data seed is seed*1000+rank)")
-    p.add_argument("--pg-timeout", type=float, default=1800.0, help="process-group timeout, seconds")
     p.add_argument("--append", action="store_true",
                    help="keep the shapes already in --out that this run does not measure (same model and "
                         "GPU count): lets the grid be split over several invocations, one JSON and plot")
-    p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
     z3.common_defaults(p, args, ALL_SYSTEMS)
     args.micro_batches = _ints(args.micro_batches or "1,2")
@@ -250,14 +234,14 @@ def plot(path, result) -> str | None:
 
 
 def table(result) -> str:
-    hdr = (f"{'shape':14s} {'system':16s} {'status':7s} {'median ms':>10s} {'tok/s/GPU':>10s} "
+    hdr = (f"{'shape':14s} {'system':16s} {'status':7s} {'step ms':>10s} {'tok/s/GPU':>10s} "
            f"{'vs best peer':>12s} {'peak GiB':>9s} {'first step s':>12s}")
     lines = [hdr, "-" * len(hdr)]
     f = z3.cell
     for k, sh in result["shapes"].items():
         for n, e in sh["systems"].items():
             st = z3.status_of(e)
-            lines.append(f"{k:14s} {n:16s} {st:7s} {f(e.get('median_step_s') and e['median_step_s'] * 1e3, '10.1f')} "
+            lines.append(f"{k:14s} {n:16s} {st:7s} {f(e.get('step_s') and e['step_s'] * 1e3, '10.1f')} "
                          f"{f(e.get('tokens_per_s_per_gpu'), '10.0f')} {f(e.get('throughput_vs_best_peer'), '12.2f')} "
                          f"{f(e.get('peak_mem_gib'), '9.2f')} {f(e.get('first_step_s'), '12.1f')}")
             if st != "ok":
@@ -361,7 +345,7 @@ def main(argv=None):
                 if "error" in entry:
                     z3.log(f"{key} {name}: FAILED: {entry['error'][:300]}")
                 else:
-                    z3.log(f"{key} {name}: median {entry['median_step_s'] * 1e3:.1f} ms, "
+                    z3.log(f"{key} {name}: step {entry['step_s'] * 1e3:.1f} ms ({entry['step_time_basis']}), "
                            f"{entry['tokens_per_s_per_gpu']:.0f} tok/s/GPU"
                            + (f", peak {entry['peak_mem_gib']:.2f} GiB" if "peak_mem_gib" in entry else "")
                            + f", first step {entry['first_step_s']:.1f}s")

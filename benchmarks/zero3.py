@@ -77,30 +77,41 @@ TAG = "zero3"  # log prefix; benchmarks that import these helpers set their own
 # arguments, environment
 # ----------------------------------------------------------------------------------------------
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_common_args(p: argparse.ArgumentParser, bench: str, all_systems: list[str], *, steps: int, warmup: int,
+                    warmup_help: str, systems_help: str = "", pg_timeout: float = 1800.0,
+                    step_sync: str = "device") -> None:
+    """The options every benchmark shares, declared once (zero3, zero1 and offload add their own)."""
     p.add_argument("--out", default=None,
-                   help="result JSON path (default benchmarks/results/zero3_<device>_<N>gpu.json); "
-                        "the PNG goes next to it with the same stem")
+                   help=f"result JSON (default benchmarks/results/{bench}_<device>_<N>gpu.json); the PNG goes "
+                        "next to it with the same stem")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16, --tiny 2)")
-    p.add_argument("--steps", type=int, default=25, help="timed steps per system")
-    p.add_argument("--warmup", type=int, default=5,
-                   help="untimed steps first (must cover compilation and any pass-schedule recompile)")
-    p.add_argument("--systems", default=",".join(ALL_SYSTEMS),
-                   help=f"comma-separated, run in this order; known: {','.join(ALL_SYSTEMS)}")
+    p.add_argument("--steps", type=int, default=steps, help="timed steps per system")
+    p.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
+    p.add_argument("--systems", default=",".join(all_systems),
+                   help=f"comma-separated, run in this order; known: {','.join(all_systems)}{systems_help}")
     p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1024, seq 128 (smoke test)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda (NCCL) if available, else cpu (gloo)")
-    p.add_argument("--micro-batch", type=int, default=2, help="sequences per GPU per step")
-    p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, --tiny 128)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
                    help="compute / gather / reduce dtype (default bfloat16 on cuda, float32 on cpu)")
     p.add_argument("--dc-compiler", choices=("inductor", "aot_eager", "eager"), default="inductor",
                    help="deepcompile's inner compiler")
     p.add_argument("--lr", type=float, default=1e-4)
     p.add_argument("--seed", type=int, default=0, help="model-weight seed (data seed is seed*1000+rank)")
-    p.add_argument("--pg-timeout", type=float, default=1800.0, help="process-group timeout, seconds")
+    p.add_argument("--pg-timeout", type=float, default=pg_timeout, help="process-group timeout, seconds")
+    p.add_argument("--step-sync", choices=("device", "stream"), default=step_sync,
+                   help="end of a timed step: every stream done (device; the step time is the median) or the "
+                        "compute stream done (stream; side-stream copies may run under the next step, the "
+                        "window ends with every stream done, and the step time is the mean over it)")
     p.add_argument("--no-plot", action="store_true")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, "zero3", ALL_SYSTEMS, steps=25, warmup=5,
+                    warmup_help="untimed steps first (must cover compilation and any pass-schedule recompile)")
+    p.add_argument("--micro-batch", type=int, default=2, help="sequences per GPU per step")
+    p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, --tiny 128)")
     args = p.parse_args(argv)
     common_defaults(p, args, ALL_SYSTEMS)
     if args.seq is None:
@@ -760,13 +771,13 @@ def cell(v, fmt: str) -> str:
 
 
 def table(result) -> str:
-    hdr = f"{'system':22s} {'status':8s} {'median ms':>10s} {'tok/s/GPU':>10s} {'vs fsdp2c':>9s} " \
+    hdr = f"{'system':22s} {'status':8s} {'step ms':>10s} {'tok/s/GPU':>10s} {'vs fsdp2c':>9s} " \
           f"{'vs compute':>10s} {'peak GiB':>9s} {'warm-up s':>9s}"
     lines = [hdr, "-" * len(hdr)]
     f = cell
     for n, e in result["systems"].items():
         st = status_of(e)
-        lines.append(f"{n:22s} {st:8s} {f(e.get('median_step_s') and e['median_step_s'] * 1e3, '10.1f')} "
+        lines.append(f"{n:22s} {st:8s} {f(e.get('step_s') and e['step_s'] * 1e3, '10.1f')} "
                      f"{f(e.get('tokens_per_s_per_gpu'), '10.0f')} {f(e.get('throughput_vs_fsdp2_compiled'), '9.2f')} "
                      f"{f(e.get('step_time_vs_compute_bound'), '10.2f')} {f(e.get('peak_mem_gib'), '9.2f')} "
                      f"{f(e.get('warmup_total_s'), '9.1f')}")
@@ -877,7 +888,7 @@ def main(argv=None):
             if "error" in entry:
                 log(f"{name}: FAILED: {entry['error'][:300]}")
             else:
-                log(f"{name}: median {entry['median_step_s'] * 1e3:.1f} ms, "
+                log(f"{name}: step {entry['step_s'] * 1e3:.1f} ms ({entry['step_time_basis']}), "
                     f"{entry['tokens_per_s_per_gpu']:.0f} tok/s/GPU"
                     + (f", peak {entry['peak_mem_gib']:.2f} GiB" if "peak_mem_gib" in entry else "")
                     + f", warm-up {entry['warmup_total_s']:.1f}s")
