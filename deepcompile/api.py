@@ -42,7 +42,8 @@ class DeepCompileModel(nn.Module):
         passes = self.dc_config.passes_at(self.dc_step)
         profiling = self.dc_step == self.dc_config.profile_step
         if passes is not self._dc_passes or profiling != self.dc_backend.profiling:
-            self._recompile(passes, profiling)
+            if not (profiling and passes is self._dc_passes and self.dc_backend.profile_in_place()):
+                self._recompile(passes, profiling)
         return self._dc_compiled(*args, **kwargs)
 
     def _recompile(self, passes, profiling: bool = False) -> None:

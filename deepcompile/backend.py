@@ -53,6 +53,17 @@ class Backend:
         self.next_graph_id = 0
         self.compiled.clear()
 
+    def profile_in_place(self) -> bool:
+        """Make the graphs compiled now run through the profiler, without compiling again.
+        Possible when they were compiled here in Python (``aot_eager``/``eager``, the default
+        plan's warm-up compiler), not by Inductor: each such graph checks this flag per call.
+        Saves the profiling step a Dynamo trace and an AOTAutograd partition (about as long as
+        the first step's compile). False when a re-compile is needed."""
+        if self.profiling or not self.versions or self.config.compiler_at(self.step) == "inductor":
+            return False
+        self.profiling = True
+        return True
+
     def _observe(self, v: GraphVersion) -> None:
         self.versions.append(v)
         for o in self.observers:
@@ -86,13 +97,19 @@ class Backend:
         def make(kind: str):
             def compile_one(g: fx.GraphModule, inputs):
                 g = self.run_passes(g, graph_id, kind)
+
+                def sink(records, key=(graph_id, kind)):
+                    self.measured[key] = records
+                profiled = profiled_callable(g, sink)
                 if compiler == "profile":
-                    def sink(records, key=(graph_id, kind)):
-                        self.measured[key] = records
-                    return profiled_callable(g, sink)
-                if compiler == "eager":
-                    return compat.interpret(g)
-                return compat.boxed(g.forward)
+                    return profiled
+                fast = compat.interpret(g) if compiler == "eager" else compat.boxed(g.forward)
+
+                # the same graph can be profiled in place (see profile_in_place)
+                def run(args):
+                    return (profiled if self.profiling else fast)(args)
+                run._boxed_call = True
+                return run
             return compile_one
 
         return compat.aot_compile(gm, example_inputs, make("forward"), make("backward"), make("inference"))

@@ -160,7 +160,9 @@ def _profiled(rank, world):
 
     before = predict([v for v in model.dc_graphs if v.step == 0 and v.after == "zero3"], prof)
     after = predict([v for v in model.dc_graphs if v.step == 2 and v.after == "prefetch"], prof)
-    return losses, flat, final, (prof.comm.alpha_us, prof.comm.bytes_per_us), (before, after)
+    # the profiling step ran the step-0 graphs through the profiler: nothing compiled at step 1
+    compiled_at_profile_step = [v.kind for v in model.dc_graphs if v.step == 1]
+    return losses, flat, final, (prof.comm.alpha_us, prof.comm.bytes_per_us), (before, after), compiled_at_profile_step
 
 
 def test_profile_step_trains_agrees_across_ranks_and_guides_prefetch():
@@ -171,7 +173,8 @@ def test_profile_step_trains_agrees_across_ranks_and_guides_prefetch():
     mean = torch.tensor([r[0] for r in results]).mean(0)
     # the profiling step is a real training step: numerics unchanged
     torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=mean.dtype), rtol=1e-5, atol=1e-6)
-    (_, flat0, final0, comm0, pred0), (_, flat1, final1, comm1, pred1) = results
+    (_, flat0, final0, comm0, pred0, at1), (_, flat1, final1, comm1, pred1, _) = results
+    assert at1 == [], f"the profiling step compiled again: {at1}"
     kinds = {k for k, *_ in flat0}
     assert ((0, "forward") in kinds) and ((0, "backward") in kinds)
     assert sum(lat for _, _, lat, _ in flat0) > 0 and all(lat >= 0 for _, _, lat, _ in flat0)
