@@ -92,9 +92,20 @@ def test_adaptive_offload_follows_the_profile():
     between = roomy["state_bytes_between_steps"]
     assert between[:2] == [0, 0], between             # steps 0 and 1: no profile yet
     assert between[2:] == [roomy["state_total_bytes"]] * 3, between  # re-planned from step 2
-    tight = run_ranks(_adaptive, 2, 1e-3, timeout=600)[0]
-    assert all(b == 0 for b in tight["state_bytes_between_steps"])
-    assert any("above the" in m and "limit_mb" in m for m in tight["warnings"]), tight["warnings"]
+    tight = run_ranks(_adaptive, 2, 1e-3, timeout=600)
+    t0 = tight[0]
+    # without a profile the state leaves at once; with one the copies start after the step and
+    # the forward's release points free the device copies (here all of them: nothing fits)
+    assert t0["state_bytes_between_steps"][:2] == [0, 0], t0["state_bytes_between_steps"]
+    assert t0["state_bytes_between_steps"][2:] == [t0["state_total_bytes"]] * 3
+    assert t0["offload_stats"]["released_bytes"] == 2 * t0["state_total_bytes"]  # steps 3 and 4
+    assert t0["offload_stats"]["kept_on_device_bytes"] == 0
+    assert any("above the" in m and "limit_mb" in m for m in t0["warnings"]), t0["warnings"]
+    from tests.workloads import train_reference
+
+    ref, _ = train_reference(2, 5, 1)
+    mean = torch.tensor([r["losses"] for r in tight]).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(ref, dtype=mean.dtype), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- unit level
@@ -276,6 +287,8 @@ def test_forward_release_points_reserve_the_backward_peak():
     # points at nodes 1 and 3; the later peak is the backward's 800 MiB (its reload op ignored)
     assert [calls.index(n) for n, _ in parts] == [1, 3], parts
     assert [r for _, r in parts] == [(800 - 100) * MB, (800 - 300) * MB]
-    assert P.release_positions(gm, ctx, torch.device("cpu")) == []
+    ctx.params = P.OffloadOptimizerParams(limit_mb=0, headroom_mb=0, reload_points=2)
+    assert P.release_positions(gm, ctx, torch.device("cpu")) == []   # no limit known on the CPU
+    ctx.params = params
     ctx.profile = None
     assert P.release_positions(gm, ctx, torch.device("cuda")) == []

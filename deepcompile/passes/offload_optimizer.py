@@ -154,12 +154,12 @@ def reload_positions(gm: fx.GraphModule, ctx: PassContext, device: torch.device)
 
 def release_positions(gm: fx.GraphModule, ctx: PassContext, device: torch.device) -> list[tuple[fx.Node, int]]:
     """(node before which a release goes, bytes the rest of the step still needs above what is
-    allocated there), for a forward graph with a profile; [] without one (the state is then
-    freed as soon as its copy starts, the safe way). The rest of the step includes the
+    allocated there), for a forward graph with a profile and a known limit; [] otherwise (the
+    state is then freed as soon as its copy starts, the safe way). The rest of the step includes the
     backward: the highest profiled peak of any backward graph bounds every forward point."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     gp = ctx.profile.get(ctx.graph_id, ctx.kind) if ctx.profile is not None else None
-    if gp is None or device.type != "cuda" or device_limit_bytes(ctx.params, device) is None or len(nodes) < 2:
+    if gp is None or device_limit_bytes(ctx.params, device) is None or len(nodes) < 2:
         return []
     later = max((n.peak_bytes for (gid, kind), g in ctx.profile.graphs.items() if kind == "backward"
                  for n in g.nodes if not n.name.startswith("reload_optimizer_state")), default=0)

@@ -145,18 +145,17 @@ class CopyEngine:
                 host.copy_(src, non_blocking=True)
                 ev = torch.cuda.Event()
                 ev.record(s)
-            if defer_free:
-                self.pending.setdefault(key, []).append(
-                    _Pending(weakref.ref(st), host, nbytes, d2h_done=ev, state="copying"))
-                self.stats["offloads"] += 1
-                self.stats["offloaded_bytes"] += nbytes
-                return True
-            t.record_stream(s)  # the allocator must not hand the freed block out before the copy ends
+            if not defer_free:
+                t.record_stream(s)  # the allocator must not hand the freed block out before the copy ends
         else:
             host.copy_(src)
             ev = None
-        st.resize_(0)
-        self.pending.setdefault(key, []).append(_Pending(weakref.ref(st), host, nbytes, d2h_done=ev))
+        if defer_free:  # (on the CPU too, where the copy is already done: the same lifecycle, testable)
+            state = "copying"
+        else:
+            st.resize_(0)
+            state = "offloaded"
+        self.pending.setdefault(key, []).append(_Pending(weakref.ref(st), host, nbytes, d2h_done=ev, state=state))
         self.stats["offloads"] += 1
         self.stats["offloaded_bytes"] += nbytes
         return True
@@ -175,7 +174,8 @@ class CopyEngine:
         p = self.find(t, key)
         if p is None or p.state != "copying":
             return
-        torch.cuda.current_stream(t.device).wait_event(p.d2h_done)
+        if p.d2h_done is not None:
+            torch.cuda.current_stream(t.device).wait_event(p.d2h_done)
         t.untyped_storage().resize_(0)
         p.state = "offloaded"
 
@@ -209,7 +209,8 @@ class CopyEngine:
         if p.state == "copying":
             # never released: the bytes are still on the device; only the copy out (which reads
             # them) must end before anyone writes them
-            torch.cuda.current_stream(t.device).wait_event(p.d2h_done)
+            if p.d2h_done is not None:
+                torch.cuda.current_stream(t.device).wait_event(p.d2h_done)
             p.h2d_done = p.d2h_done   # the host buffer is free once that copy is done
             self._retire(key, p)
             return

@@ -117,7 +117,7 @@ class OptimizerStateOffload:
             return
         moved = []
         for key, t in self.choose():
-            if ENGINE.offload(t, key, defer_free=self.defer and t.is_cuda):
+            if ENGINE.offload(t, key, defer_free=self.defer):
                 moved.append((key, t))
         self.offloaded = moved
         self.stats["steps_offloaded"] += 1
