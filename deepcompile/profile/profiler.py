@@ -99,6 +99,46 @@ def _storages(v, out: dict) -> None:
             _storages(x, out)
 
 
+class _HeldEnv(dict):
+    """The interpreter's environment that keeps a running total of the bytes of the distinct
+    storages it holds, updated as values enter and leave. Summing over the whole environment at
+    every node instead was quadratic in the graph's size (3 of a 16-layer model's 5 s profiling
+    step on the CPU). A storage resized in place while held (a CPU activation offload) keeps the
+    size it entered with: the CPU's "device memory" is an approximation anyway."""
+
+    def __init__(self, items):
+        super().__init__()
+        self.refs: dict[int, list[int]] = {}   # data_ptr -> [values holding it, nbytes]
+        self.total = 0
+        for k, v in items:
+            self[k] = v
+
+    def _update(self, v, step: int) -> None:
+        seen: dict = {}
+        _storages(v, seen)
+        for ptr, nbytes in seen.items():
+            r = self.refs.get(ptr)
+            if r is None:
+                if step < 0:
+                    continue
+                r = self.refs[ptr] = [0, nbytes]
+                self.total += nbytes
+            r[0] += step
+            if r[0] <= 0:
+                self.total -= r[1]
+                del self.refs[ptr]
+
+    def __setitem__(self, k, v) -> None:
+        if k in self:
+            self._update(dict.__getitem__(self, k), -1)
+        dict.__setitem__(self, k, v)
+        self._update(v, +1)
+
+    def __delitem__(self, k) -> None:
+        self._update(dict.__getitem__(self, k), -1)
+        dict.__delitem__(self, k)
+
+
 class ProfilingInterpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule):
         super().__init__(gm, garbage_collect_values=True)
@@ -108,7 +148,16 @@ class ProfilingInterpreter(fx.Interpreter):
         self.records: list[NodeProfile] = []
         self._events: list[tuple[NodeProfile, torch.cuda.Event, torch.cuda.Event]] = []
 
+    def boxed_run(self, args_list):
+        if self.cuda:  # the allocator counts device memory; no environment walk needed
+            return super().boxed_run(args_list)
+        env = _HeldEnv(zip([n for n in self.graph.nodes if n.op == "placeholder"], args_list))
+        args_list.clear()
+        return self.run(initial_env=env)
+
     def _held(self) -> int:
+        if isinstance(self.env, _HeldEnv):
+            return self.env.total
         seen: dict = {}
         for v in self.env.values():
             _storages(v, seen)
