@@ -347,12 +347,9 @@ def plot(path, result) -> str | None:
     env = result["environment"]
     fig, axes = plt.subplots(1, 2, figsize=(max(11.0, 2.4 * len(names)), 5.0))
     ax = axes[0]
-    vals = [s[n].get("tokens_per_s_per_gpu") or 0.0 for n in names]
-    bars = ax.bar(range(len(names)), vals, color=[COLORS.get(n, "#55A868") for n in names])
-    for b, n, v in zip(bars, names, vals):
-        st = status(s[n])
-        ax.text(b.get_x() + b.get_width() / 2, b.get_height(), f"{v:.0f}" if st == "ok" else st,
-                ha="center", va="bottom", fontsize=8)
+    raw = [s[n].get("tokens_per_s_per_gpu") for n in names]
+    bars = ax.bar(range(len(names)), [v or 0.0 for v in raw], color=[COLORS.get(n, "#55A868") for n in names])
+    z3.label_bars(ax, bars, [z3.bar_label(v, status(s[n]), "{:.0f}") for n, v in zip(names, raw)])
     ax.set_title("tokens/s per GPU" + ("" if env["device_type"] == "cuda" else " (CPU smoke run)"), fontsize=10)
     ax = axes[1]
     w = 0.38
@@ -380,18 +377,12 @@ def plot(path, result) -> str | None:
 
 
 def table(result) -> str:
-    hdr = (f"{'system':24s} {'status':15s} {'step ms':>10s} {'tok/s/GPU':>10s} {'vs best peer':>12s} "
-           f"{'peak GiB':>9s} {'reserved':>9s} {'offloaded GiB':>13s}")
-    lines = [hdr, "-" * len(hdr)]
-    f = z3.cell
+    text_cols = [("system", 24), ("status", 15)]
+    num_cols = [z3.STEP_MS, z3.TOKENS, z3.col("vs best peer", "12.2f", "throughput_vs_best_peer"), z3.PEAK,
+                z3.col("reserved", "9.2f", "peak_reserved_gib"), z3.col("offloaded GiB", "13.2f", "offloaded_gib")]
+    lines = z3.table_header(text_cols, num_cols)
     for n, e in result["systems"].items():
-        st = status(e)
-        lines.append(f"{n:24s} {st:15s} {f(e.get('step_s') and e['step_s'] * 1e3, '10.1f')} "
-                     f"{f(e.get('tokens_per_s_per_gpu'), '10.0f')} {f(e.get('throughput_vs_best_peer'), '12.2f')} "
-                     f"{f(e.get('peak_mem_gib'), '9.2f')} {f(e.get('peak_reserved_gib'), '9.2f')} "
-                     f"{f(e.get('offloaded_gib'), '13.2f')}")
-        if st not in ("ok",):
-            lines.append(f"    {(e.get('skipped') or e.get('error', '') or e.get('note', ''))[:160]}")
+        lines += z3.table_row([n, status(e)], e, text_cols, num_cols)
     cap = result.get("cap") or {}
     c = result.get("comparison") or {}
     cb = cap.get("cap_bytes")

@@ -214,12 +214,9 @@ def plot(path, result) -> str | None:
                 v = e.get(key)
                 xs.append(i + (j - (len(names) - 1) / 2) * width)
                 vals.append((v or 0.0) * scale)
-                st = z3.status_of(e)
-                txts.append(fmt.format(v * scale) if st == "ok" and v is not None else ("n/a" if st == "ok" else st))
+                txts.append(z3.bar_label(v and v * scale, z3.status_of(e), fmt))
             bars = ax.bar(xs, vals, width=width, color=COLORS.get(n, "#55A868"), label=n)
-            for b, t in zip(bars, txts):
-                ax.text(b.get_x() + b.get_width() / 2, b.get_height(), t, ha="center", va="bottom",
-                        fontsize=6, rotation=90)
+            z3.label_bars(ax, bars, txts, fontsize=6, rotation=90)
         ax.set_xticks(range(len(keys)))
         ax.set_xticklabels([f"mb {shapes[k]['micro_batch']} x seq {shapes[k]['seq']}" for k in keys], fontsize=8)
         if key == "peak_mem_gib" and env["device_type"] != "cuda":
@@ -234,18 +231,13 @@ def plot(path, result) -> str | None:
 
 
 def table(result) -> str:
-    hdr = (f"{'shape':14s} {'system':16s} {'status':7s} {'step ms':>10s} {'tok/s/GPU':>10s} "
-           f"{'vs best peer':>12s} {'peak GiB':>9s} {'first step s':>12s}")
-    lines = [hdr, "-" * len(hdr)]
-    f = z3.cell
+    text_cols = [("shape", 14), ("system", 16), ("status", 7)]
+    num_cols = [z3.STEP_MS, z3.TOKENS, z3.col("vs best peer", "12.2f", "throughput_vs_best_peer"), z3.PEAK,
+                z3.col("first step s", "12.1f", "first_step_s")]
+    lines = z3.table_header(text_cols, num_cols)
     for k, sh in result["shapes"].items():
         for n, e in sh["systems"].items():
-            st = z3.status_of(e)
-            lines.append(f"{k:14s} {n:16s} {st:7s} {f(e.get('step_s') and e['step_s'] * 1e3, '10.1f')} "
-                         f"{f(e.get('tokens_per_s_per_gpu'), '10.0f')} {f(e.get('throughput_vs_best_peer'), '12.2f')} "
-                         f"{f(e.get('peak_mem_gib'), '9.2f')} {f(e.get('first_step_s'), '12.1f')}")
-            if st != "ok":
-                lines.append(f"    {(e.get('skipped') or e.get('error', ''))[:160]}")
+            lines += z3.table_row([k, n, z3.status_of(e)], e, text_cols, num_cols)
         c = sh.get("comparison") or {}
         if c.get("dc_throughput_vs_best_peer") is not None or c.get("dc_peak_below_ddp") is not None:
             r = c.get("dc_throughput_vs_best_peer")

@@ -730,16 +730,13 @@ def plot(path, result) -> str | None:
     names = list(systems)
     env = result["environment"]
     fig, axes = plt.subplots(1, 2, figsize=(max(10.0, 2.2 * len(names)), 4.8))
-    panels = [("median_step_s", 1e3, "median step time (ms)"), ("peak_mem_gib", 1.0, "peak memory, max over ranks (GiB)")]
+    panels = [("step_s", 1e3, "step time (ms)"), ("peak_mem_gib", 1.0, "peak memory, max over ranks (GiB)")]
     for ax, (key, scale, label) in zip(axes, panels):
-        vals = [(systems[n].get(key) or 0.0) * scale for n in names]
+        raw = [systems[n].get(key) for n in names]
         colors = ["#4C72B0" if n.startswith("dc_") else "#DD8452" if n.startswith("fsdp2") else "#55A868"
                   for n in names]
-        bars = ax.bar(range(len(names)), vals, color=colors)
-        for b, n, v in zip(bars, names, vals):
-            st = status_of(systems[n])
-            txt = f"{v:.1f}" if st == "ok" and systems[n].get(key) is not None else ("n/a" if st == "ok" else st)
-            ax.text(b.get_x() + b.get_width() / 2, b.get_height(), txt, ha="center", va="bottom", fontsize=8)
+        bars = ax.bar(range(len(names)), [(v or 0.0) * scale for v in raw], color=colors)
+        label_bars(ax, bars, [bar_label(v and v * scale, status_of(systems[n])) for n, v in zip(names, raw)])
         ax.set_xticks(range(len(names)))
         ax.set_xticklabels(names, rotation=25, ha="right", fontsize=8)
         ax.set_ylabel(label)
@@ -751,6 +748,18 @@ def plot(path, result) -> str | None:
                  f"({m['config']['num_hidden_layers']} layers), micro-batch {m['micro_batch']} x seq "
                  f"{m['seq']} per GPU, {result['args']['dtype']}", fontsize=10)
     return save_figure(fig, path)
+
+
+def bar_label(v, status: str, fmt: str = "{:.1f}") -> str:
+    """The text over a bar: the value, "n/a" where a system that ran has none, else its status."""
+    if status != "ok":
+        return status
+    return "n/a" if v is None else fmt.format(v)
+
+
+def label_bars(ax, bars, texts, **kw) -> None:
+    for b, t in zip(bars, texts):
+        ax.text(b.get_x() + b.get_width() / 2, b.get_height(), t, ha="center", va="bottom", **{"fontsize": 8, **kw})
 
 
 def save_figure(fig, json_path: str) -> str:
@@ -770,19 +779,41 @@ def cell(v, fmt: str) -> str:
     return format(v, fmt) if isinstance(v, (int, float)) else "-".rjust(width)
 
 
+# Table columns every benchmark prints: (title, format, value of a system's entry)
+STEP_MS = ("step ms", "10.1f", lambda e: e.get("step_s") and e["step_s"] * 1e3)
+TOKENS = ("tok/s/GPU", "10.0f", lambda e: e.get("tokens_per_s_per_gpu"))
+PEAK = ("peak GiB", "9.2f", lambda e: e.get("peak_mem_gib"))
+
+
+def col(title: str, fmt: str, key: str):
+    """A table column showing entry[key]."""
+    return (title, fmt, lambda e: e.get(key))
+
+
+def table_header(text_cols: list, num_cols: list) -> list[str]:
+    """The header line and its rule: text columns (title, width) left-aligned, numbers right."""
+    hdr = " ".join([f"{t:{w}s}" for t, w in text_cols]
+                   + [f"{t:>{int(fmt.split('.')[0])}s}" for t, fmt, _ in num_cols])
+    return [hdr, "-" * len(hdr)]
+
+
+def table_row(texts: list[str], e: dict, text_cols: list, num_cols: list) -> list[str]:
+    """A system's line (``texts`` fill the text columns, the last one is its status), and the
+    reason under it when it did not run cleanly."""
+    lines = [" ".join([f"{x:{w}s}" for x, (_, w) in zip(texts, text_cols)]
+                      + [cell(get(e), fmt) for _, fmt, get in num_cols])]
+    if texts[-1] != "ok":
+        lines.append(f"    {(e.get('skipped') or e.get('error', '') or e.get('note', ''))[:160]}")
+    return lines
+
+
 def table(result) -> str:
-    hdr = f"{'system':22s} {'status':8s} {'step ms':>10s} {'tok/s/GPU':>10s} {'vs fsdp2c':>9s} " \
-          f"{'vs compute':>10s} {'peak GiB':>9s} {'warm-up s':>9s}"
-    lines = [hdr, "-" * len(hdr)]
-    f = cell
+    text_cols = [("system", 22), ("status", 8)]
+    num_cols = [STEP_MS, TOKENS, col("vs fsdp2c", "9.2f", "throughput_vs_fsdp2_compiled"),
+                col("vs compute", "10.2f", "step_time_vs_compute_bound"), PEAK, col("warm-up s", "9.1f", "warmup_total_s")]
+    lines = table_header(text_cols, num_cols)
     for n, e in result["systems"].items():
-        st = status_of(e)
-        lines.append(f"{n:22s} {st:8s} {f(e.get('step_s') and e['step_s'] * 1e3, '10.1f')} "
-                     f"{f(e.get('tokens_per_s_per_gpu'), '10.0f')} {f(e.get('throughput_vs_fsdp2_compiled'), '9.2f')} "
-                     f"{f(e.get('step_time_vs_compute_bound'), '10.2f')} {f(e.get('peak_mem_gib'), '9.2f')} "
-                     f"{f(e.get('warmup_total_s'), '9.1f')}")
-        if st != "ok":
-            lines.append(f"    {e.get('skipped') or e.get('error', '')[:160]}")
+        lines += table_row([n, status_of(e)], e, text_cols, num_cols)
     return "\n".join(lines)
 
 

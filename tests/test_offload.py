@@ -193,23 +193,28 @@ def test_shared_storage_is_never_freed():
     assert torch.equal(t, torch.arange(4.0))
 
 
+def _relu_chain(n: int):
+    """A traced graph of ``n`` relus and its call nodes: positions for the offload points."""
+    import torch.fx as fx
+
+    def f(x):
+        for _ in range(n):
+            x = torch.relu(x)
+        return x
+
+    gm = fx.symbolic_trace(f)
+    return gm, [m for m in gm.graph.nodes if m.op == "call_function"]
+
+
 def test_state_comes_back_progressively_as_backward_frees_memory():
     """The pass spreads reload points over backward, each with the memory the rest of backward
     still needs; at run time each brings back as much state as fits in the memory really free."""
     from types import SimpleNamespace
 
-    import torch.fx as fx
-
     from deepcompile.passes import offload_optimizer as P
     from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
 
-    def f(x):
-        for _ in range(8):
-            x = torch.relu(x)
-        return x
-
-    gm = fx.symbolic_trace(f)
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    gm, calls = _relu_chain(8)
     MB = 2 ** 20
     # profiled backward: allocated memory falls 100 MiB per node from 800, each node peaks 10 above
     # it, except node 5, which peaks at 900 (a big temporary late in backward)
@@ -264,18 +269,10 @@ def test_forward_release_points_reserve_the_backward_peak():
     peak included; none on the CPU or without a profile (the state is then freed at once)."""
     from types import SimpleNamespace
 
-    import torch.fx as fx
-
     from deepcompile.passes import offload_optimizer as P
     from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
 
-    def f(x):
-        for _ in range(5):
-            x = torch.relu(x)
-        return x
-
-    gm = fx.symbolic_trace(f)
-    calls = [n for n in gm.graph.nodes if n.op == "call_function"]
+    gm, calls = _relu_chain(5)
     MB = 2 ** 20
     fwd = [NodeProfile(n.name, 1.0, (100 + 100 * i) * MB, (110 + 100 * i) * MB, 0) for i, n in enumerate(calls)]
     bwd = [NodeProfile("b0", 1.0, 650 * MB, 800 * MB, 0), NodeProfile("reload_optimizer_state", 1.0, 0, 10 ** 6 * MB, 0)]

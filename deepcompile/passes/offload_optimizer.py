@@ -101,9 +101,7 @@ def plan_bytes(ctx: PassContext, device: torch.device) -> tuple[int | None, str]
         return None, "no profile yet: offload all optimizer state"
     if limit is None:
         return None, "no memory limit known (CPU, limit_mb 0): offload all optimizer state"
-    # (the previous plan's own reloads are not part of what the step needs without state)
-    peak = max((n.peak_bytes for g in ctx.profile.graphs.values() for n in g.nodes
-                if not n.name.startswith("reload_optimizer_state")), default=0)
+    peak = _profiled_peak(ctx.profile)
     base = peak - mgr.resident_bytes()   # the profiled peak without any optimizer state on the device
     total = mgr.total_bytes()
     room = limit - int(ctx.params.headroom_mb * MIB)
@@ -133,21 +131,8 @@ def reload_positions(gm: fx.GraphModule, ctx: PassContext, device: torch.device)
     gp = ctx.profile.get(ctx.graph_id, ctx.kind) if ctx.profile is not None else None
     if gp is None or device_limit_bytes(ctx.params, device) is None or not nodes:
         return [(out, -1)]
-    prof = gp.by_name()
-    # suffix maximum of the profiled peaks: what any node from i on needs
-    suffix, m = [0] * (len(nodes) + 1), 0
-    for i in range(len(nodes) - 1, -1, -1):
-        p = prof.get(nodes[i].name)
-        m = max(m, p.peak_bytes if p is not None else 0)
-        suffix[i] = m
     k = min(ctx.params.reload_points, len(nodes))
-    parts: list[tuple[fx.Node, int]] = []
-    for j in range(k):
-        i = j * len(nodes) // k
-        before = prof.get(nodes[i - 1].name) if i > 0 else None
-        if before is None:
-            continue  # the allocated amount there is unknown: no place to judge from
-        parts.append((nodes[i], max(0, suffix[i] - before.mem_after_bytes)))
+    parts = _reserves(nodes, gp.by_name(), [j * len(nodes) // k for j in range(k)])
     parts.append((out, -1))
     return parts
 
@@ -161,22 +146,34 @@ def release_positions(gm: fx.GraphModule, ctx: PassContext, device: torch.device
     gp = ctx.profile.get(ctx.graph_id, ctx.kind) if ctx.profile is not None else None
     if gp is None or device_limit_bytes(ctx.params, device) is None or len(nodes) < 2:
         return []
-    later = max((n.peak_bytes for (gid, kind), g in ctx.profile.graphs.items() if kind == "backward"
-                 for n in g.nodes if not n.name.startswith("reload_optimizer_state")), default=0)
-    prof = gp.by_name()
+    k = min(ctx.params.reload_points, len(nodes) - 1)
+    return _reserves(nodes, gp.by_name(), [1 + j * (len(nodes) - 1) // k for j in range(k)],
+                     later=_profiled_peak(ctx.profile, "backward"))
+
+
+def _profiled_peak(profile, kind: str | None = None) -> int:
+    """The highest profiled peak over every graph (of ``kind``), the plan's own reloads left out
+    (they are not what the step needs without state)."""
+    return max((n.peak_bytes for (_, k), g in profile.graphs.items() if kind is None or k == kind
+                for n in g.nodes if not n.name.startswith("reload_optimizer_state")), default=0)
+
+
+def _reserves(nodes: list[fx.Node], prof: dict, positions: list[int], later: int = 0) -> list[tuple[fx.Node, int]]:
+    """(node i, reserve) for each position i whose previous node was profiled (where nothing is
+    known of the memory allocated there, there is no place to judge from): the reserve is the
+    highest profiled peak from node i on (or ``later``, a peak still to come after this graph)
+    minus what node i - 1 left allocated."""
     suffix, m = [0] * len(nodes), later
     for i in range(len(nodes) - 1, -1, -1):
         p = prof.get(nodes[i].name)
         m = max(m, p.peak_bytes if p is not None else 0)
         suffix[i] = m
-    k = min(ctx.params.reload_points, len(nodes) - 1)
-    parts = []
-    for j in range(k):
-        i = 1 + j * (len(nodes) - 1) // k
-        before = prof.get(nodes[i - 1].name)
+    out = []
+    for i in positions:
+        before = prof.get(nodes[i - 1].name) if i > 0 else None
         if before is not None:
-            parts.append((nodes[i], max(0, suffix[i] - before.mem_after_bytes)))
-    return parts
+            out.append((nodes[i], max(0, suffix[i] - before.mem_after_bytes)))
+    return out
 
 
 def anchor_before(gm: fx.GraphModule, pos: fx.Node) -> fx.Node | None:

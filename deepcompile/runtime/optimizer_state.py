@@ -41,6 +41,9 @@ class OptimizerStateOffload:
         self.defer = False                   # free the device copies lazily, from the forward's release points
         self.memory_now: Callable[[], int] = _allocated
         self.offloaded: list[tuple[tuple, torch.Tensor]] = []
+        # both walk ``offloaded`` in order: where the next release / reload call starts, so a
+        # step's dozens of graph points look at each tensor once, not once per point
+        self._next_release = self._next_reload = 0
         self.is_boundary: Callable[[], bool] = lambda: True
         self._hooks: list = []
         self.stats = {"steps_offloaded": 0, "last_offloaded_bytes": 0, "graph_reloads": 0, "late_reloads": 0,
@@ -120,6 +123,7 @@ class OptimizerStateOffload:
             if ENGINE.offload(t, key, defer_free=self.defer):
                 moved.append((key, t))
         self.offloaded = moved
+        self._next_release = self._next_reload = 0
         self.stats["steps_offloaded"] += 1
         self.stats["last_offloaded_bytes"] = self.offloaded_bytes()
 
@@ -133,16 +137,17 @@ class OptimizerStateOffload:
             return
         free = None if (reserve_bytes < 0 or self.room is None) else self.room - self.memory_now() - reserve_bytes
         started = False
-        for key, t in self.offloaded:
+        while self._next_reload < len(self.offloaded):
+            key, t = self.offloaded[self._next_reload]
             p = ENGINE.find(t, key)
-            if p is None or p.state != "offloaded":
-                continue
-            if free is not None:
-                if p.nbytes > free:
-                    break  # keep the order: the next call finds more room
-                free -= p.nbytes
-            ENGINE.reload(t, key)
-            started = True
+            if p is not None and p.state == "offloaded":
+                if free is not None:
+                    if p.nbytes > free:
+                        break  # keep the order: the next call finds more room
+                    free -= p.nbytes
+                ENGINE.reload(t, key)
+                started = True
+            self._next_reload += 1
         if started:
             self.stats["graph_reloads"] += 1
 
@@ -151,16 +156,15 @@ class OptimizerStateOffload:
         order, until ``reserve_bytes`` more fit beside what is allocated now under ``room``
         (-1, or no known room: free them all)."""
         need = None if (reserve_bytes < 0 or self.room is None) else self.memory_now() + reserve_bytes - self.room
-        for key, t in self.offloaded:
-            if need is not None and need <= 0:
-                break
+        while self._next_release < len(self.offloaded) and (need is None or need > 0):
+            key, t = self.offloaded[self._next_release]
             p = ENGINE.find(t, key)
-            if p is None or p.state != "copying":
-                continue
-            ENGINE.release(t, key)
-            self.stats["released_bytes"] += p.nbytes
-            if need is not None:
-                need -= p.nbytes
+            if p is not None and p.state == "copying":
+                ENGINE.release(t, key)
+                self.stats["released_bytes"] += p.nbytes
+                if need is not None:
+                    need -= p.nbytes
+            self._next_release += 1
 
     def bring_back(self) -> None:
         late = False
@@ -174,6 +178,7 @@ class OptimizerStateOffload:
         if late:
             self.stats["late_reloads"] += 1
         self.offloaded = []
+        self._next_release = self._next_reload = 0
 
 
 def _allocated() -> int:
