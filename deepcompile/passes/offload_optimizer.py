@@ -11,7 +11,7 @@ over each backward graph. Each carries, from the profile, how much memory the re
 will still need above what is allocated at that point; at run time the op reads the allocator's
 counter (exact at launch: the caching allocator is stream-ordered) and brings back as much state
 as fits under the limit beside that reserve. The decision uses the memory really allocated, not
-the profiled amount: the profile runs the unfused graph, whose peak was 0.8 GiB above the
+the profiled amount: the profile runs the unfused graph, whose peak was 0.6 GiB above the
 Inductor graph's on the 2-GPU offload benchmark, and a plan fixed at compile time from it brought
 the state back only at the very end of backward. As backward frees activations the state
 returns progressively and the copies overlap the rest of backward. With a profile the forward
