@@ -108,12 +108,12 @@ def add_common_args(p: argparse.ArgumentParser, bench: str, all_systems: list[st
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_args(p, "zero3", ALL_SYSTEMS, steps=25, warmup=5,
+    add_common_args(p, "zero3", ALL_SYSTEMS, steps=25, warmup=5, systems_help=" (NAME#2 runs NAME again, as a control)",
                     warmup_help="untimed steps first (must cover compilation and any pass-schedule recompile)")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per GPU per step")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, --tiny 128)")
     args = p.parse_args(argv)
-    common_defaults(p, args, ALL_SYSTEMS)
+    common_defaults(p, args, ALL_SYSTEMS, repeats=True)
     if args.seq is None:
         args.seq = 128 if args.tiny else 1024
     if args.steps < 1 or args.warmup < 0:
@@ -121,11 +121,19 @@ def parse_args(argv=None):
     return args
 
 
-def common_defaults(p: argparse.ArgumentParser, args, all_systems: list[str]) -> None:
+def base_name(name: str) -> str:
+    """``NAME#tag`` runs system NAME again later in the same invocation (a control: did the
+    machine or the process change between the first run and this one?), recorded under its own key."""
+    return name.split("#", 1)[0]
+
+
+def common_defaults(p: argparse.ArgumentParser, args, all_systems: list[str], repeats: bool = False) -> None:
     """The argument checks and defaults every benchmark shares: --systems parsed and checked,
     --device (cuda when present), --dtype (bf16 on cuda, fp32 on cpu), --layers (16, --tiny 2)."""
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = [s for s in args.systems if s not in all_systems]
+    unknown = [s for s in args.systems if (base_name(s) if repeats else s) not in all_systems]
+    if len(set(args.systems)) != len(args.systems):
+        p.error(f"--systems names one system twice: {args.systems}; run it again as NAME#2")
     if unknown:
         p.error(f"unknown systems {unknown}; known: {all_systems}")
     if args.device is None:
@@ -282,10 +290,10 @@ def build_dc(name, base_model, args, dev, extra=None):
     """``extra``: config keys that override / add to the default (e.g. zero_stage, passes)."""
     import deepcompile
     cfg = {"compiler": args.dc_compiler, "mixed_precision": {"param_dtype": args.dtype, "reduce_dtype": args.dtype}}
-    passes = DC_PASSES.get(name, ["zero3"])
+    passes = DC_PASSES.get(base_name(name), ["zero3"])
     if passes is not None:
         cfg["passes"] = list(passes)
-    if name == "dc_fsdp_budget":
+    if base_name(name) == "dc_fsdp_budget":
         cfg["passes"] = fsdp_budget_passes()
     cfg.update(copy.deepcopy(extra or {}))
     model = copy.deepcopy(base_model)
@@ -322,8 +330,14 @@ def dc_prediction(model, opt, res) -> None:
         res["compile_times"] = f"unavailable: {type(e).__name__}: {e}"
     prof = model.dc_profile
     p = predict(model.dc_graphs, prof)
-    res["predicted"] = {"from_profile": prof is not None, "step_ms": p["step_ms"],
+    # Without a profile the step time would come from fixed laptop-CPU rates (tens of seconds
+    # for this model): not a prediction, so none is recorded. The memory estimate needs only
+    # the graph's tensor sizes and is recorded either way.
+    res["predicted"] = {"from_profile": prof is not None, "step_ms": p["step_ms"] if prof is not None else None,
                         "graph_peak_gib": p["peak_bytes"] / GIB}
+    if prof is not None:
+        from deepcompile.profile.cost_model import profiled_ms_by_class
+        res["predicted"]["profiled_ms_by_class"] = profiled_ms_by_class(model.dc_graphs, prof)
     if torch.cuda.is_available():
         shards = sum(q.numel() * q.element_size() for q in model.parameters())
         between = torch.cuda.memory_allocated()
@@ -641,7 +655,8 @@ def summarise(name, per_rank, args, world) -> dict:
         entry["predicted"] = pr
         if "compile_times" in r0:
             entry["compile_times"] = r0["compile_times"]
-        entry["predicted_step_error"] = pr["step_ms"] / (med * 1e3) - 1.0
+        if pr.get("step_ms") is not None:
+            entry["predicted_step_error"] = pr["step_ms"] / (med * 1e3) - 1.0
         if args.device == "cuda" and "peak_gib" in pr:
             entry["predicted_peak_error"] = pr["peak_gib"] / r0["peak_alloc_gib"] - 1.0
     if args.device == "cuda":
@@ -675,7 +690,7 @@ def skip_reason(name, args):
             from deepcompile.passes import PASSES
         except Exception as e:
             return None, f"deepcompile.passes failed to import: {type(e).__name__}: {e}"
-        for p in DC_PASSES[name] or ["zero3", "prefetch", "selective_unshard"]:
+        for p in DC_PASSES[base_name(name)] or ["zero3", "prefetch", "selective_unshard"]:
             if p not in PASSES:
                 return f"pass {p} not implemented", None
     return None, None
@@ -899,11 +914,11 @@ def main(argv=None):
             continue
         log(f"{name}: start")
         dist.barrier()
-        if name == "compute_bound" and rank != 0:
+        if base_name(name) == "compute_bound" and rank != 0:
             mine = {"rank": rank, "idle": True}
         else:
             mine = run_on_rank(name, base_model, batches, args, rank, dev,
-                               collective=(name != "compute_bound"),
+                               collective=(base_name(name) != "compute_bound"),
                                after_train=dc_prediction if name.startswith("dc_") else None)
         dist.barrier()
         gathered = [None] * world

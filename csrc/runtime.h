@@ -85,6 +85,8 @@ class Runtime {
   void release(int64_t id);
   // selective unsharding: a gathered copy kept across micro-batches until the shards change
   at::Tensor gather_persistent(const at::Tensor& shard, int64_t id);
+  std::vector<at::Tensor> gather_persistent_many(const std::vector<at::Tensor>& shards,
+                                                 const std::vector<int64_t>& ids);
   void invalidate_persistent() { persistent_.clear(); }
   int64_t persistent_bytes() const;
   int64_t local_grad_bytes() const {

@@ -40,6 +40,10 @@ at::Tensor gather_persistent(const at::Tensor& shard, int64_t id) {
   return dc::runtime().gather_persistent(shard, id);
 }
 
+std::vector<at::Tensor> gather_persistent_many(at::TensorList shards, at::IntArrayRef ids) {
+  return dc::runtime().gather_persistent_many(shards.vec(), ids.vec());
+}
+
 void release_param(at::Tensor& /*gathered*/, int64_t id) { dc::runtime().release(id); }
 
 void reduce_grad(at::Tensor& grad, int64_t id) { dc::runtime().add_grad(grad, id); }
@@ -55,6 +59,7 @@ TORCH_LIBRARY(dc, m) {
   m.def("allgather_params(Tensor[] shards, int[] ids) -> Tensor");
   m.def("wait_allgather(Tensor handle, int id) -> Tensor");
   m.def("gather_persistent(Tensor shard, int id) -> Tensor");
+  m.def("gather_persistent_many(Tensor[] shards, int[] ids) -> Tensor[]");
   m.def("release_param(Tensor(a!) gathered, int id) -> ()");
   m.def("reduce_grad(Tensor(a!) grad, int id) -> ()");
   m.def("end_backward(Tensor(a!)[] grads, int graph_id) -> ()");
@@ -68,6 +73,7 @@ TORCH_LIBRARY(dc, m) {
   m.impl("allgather_params", &allgather_params);      \
   m.impl("release_param", &release_param);            \
   m.impl("gather_persistent", &gather_persistent);    \
+  m.impl("gather_persistent_many", &gather_persistent_many); \
   m.impl("reduce_grad", &reduce_grad);                \
   m.impl("end_backward", &end_backward);
 

@@ -29,26 +29,58 @@ def test_selective_unshard_under_inductor():
     _compare(2, 2, _cfg("inductor", 0.01), timeout=900)
 
 
-def test_kept_gathers_move_to_the_top_of_the_graph():
-    # a kept gather waited on at its first use is a point where compute waits for every rank; at
-    # the top they wait once, together (see the pass's docstring)
+def test_kept_after_prefetch_are_taken_out_of_its_groups():
+    # the default plan runs selective_unshard after prefetch, which has coalesced every gather
+    cfg = {"compiler": "aot_eager", "passes": ["zero3", {"name": "prefetch", "params": {"fuse_mb": 1.0}},
+                                               {"name": "selective_unshard", "params": {"budget_mb": 0.01}}]}
+    base = _compare(2, 2, {"compiler": "aot_eager", "passes": cfg["passes"][:2]})[0]["stats"]
+    kept = _compare(2, 2, cfg)[0]["stats"]
+    assert kept["persistent_hits"] > 0
+    assert kept["allgathers"] < base["allgathers"]
+
+
+def test_kept_gathers_become_one_collective_at_the_top():
     import torch
     import torch.fx as fx
 
-    from deepcompile.passes.selective_unshard import _hoist
+    from deepcompile.passes import selective_unshard as su
+    from deepcompile.passes.registry import PassContext
+    from deepcompile.runtime import ops
 
+    ops.ensure_registered()
+    DC = torch.ops.dc
     g = fx.Graph()
-    x, s1, s2 = g.placeholder("x"), g.placeholder("s1"), g.placeholder("s2")
+    x, s1, s2, s3 = (g.placeholder(n) for n in ("x", "s1", "s2", "s3"))
     a = g.call_function(torch.add, (x, 1))
-    k1 = g.call_function(torch.neg, (s1,))       # stands for gather_persistent(s1, id)
-    b = g.call_function(torch.mul, (a, k1))
-    c = g.call_function(torch.relu, (b,))
-    k2 = g.call_function(torch.neg, (s2,))
-    k3 = g.call_function(torch.neg, (c,))         # its "shard" is computed: goes right after it
-    d = g.call_function(torch.add, (k2, k3))
-    g.output(d)
-    _hoist(g, [k1, k2, k3])
-    order = [n.name for n in g.nodes]
-    assert order[:5] == ["x", "s1", "s2", k1.name, k2.name]
-    assert order.index(k3.name) == order.index(c.name) + 1
-    g.lint()
+    h = g.call_function(DC.allgather_params.default, ([s1, s2], [1, 2]))   # prefetch's group
+    w1 = g.call_function(DC.wait_allgather.default, (h, 1))
+    w2 = g.call_function(DC.wait_allgather.default, (h, 2))
+    b = g.call_function(torch.mul, (a, w1))
+    g.call_function(DC.release_param.default, (w1, 1))
+    c = g.call_function(torch.mul, (b, w2))
+    g.call_function(DC.release_param.default, (w2, 2))
+    i3 = g.call_function(DC.allgather_param.default, (s3, 3))
+    w3 = g.call_function(DC.wait_allgather.default, (i3, 3))
+    d = g.call_function(torch.add, (c, w3))
+    w3b = g.call_function(DC.wait_allgather.default, (i3, 3))          # a second use (tied weight)
+    e = g.call_function(torch.add, (d, w3b))
+    g.output(e)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    orig = su.choose
+    su.choose = lambda ctx: [1, 3]
+    try:
+        ctx = PassContext(graph_id=0, kind="forward", params=su.SelectiveUnshardParams(), param_meta={},
+                          world_size=2, rank=0, profile=None)
+        su.selective_unshard(gm, ctx)
+    finally:
+        su.choose = orig
+    nodes = list(gm.graph.nodes)
+    first = next(n for n in nodes if n.op != "placeholder")
+    assert first.target is DC.gather_persistent_many.default and first.args == ([s1, s3], [1, 3])
+    groups = [n for n in nodes if n.target is DC.allgather_params.default]
+    assert len(groups) == 1 and groups[0].args == ([s2], [2])          # 1 taken out, 2 stays
+    assert not any(n.target is DC.allgather_param.default for n in nodes)
+    assert [int(n.args[1]) for n in nodes if n.target is DC.wait_allgather.default] == [2]
+    assert [int(n.args[1]) for n in nodes if n.target is DC.release_param.default] == [2]
+    assert "kept gathered: 2 parameters" in ctx.notes[0]
+    gm.graph.lint()

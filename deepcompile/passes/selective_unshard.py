@@ -1,18 +1,18 @@
 """selective_unshard: keep the parameters whose gathering costs most per byte gathered.
 
-Runs after ``zero3`` (before ``prefetch``). A kept parameter is gathered once, by
-``gather_persistent``, and stays gathered across forward, backward and further micro-batches
-until the optimizer changes its shard (the runtime drops the copies at every optimizer step).
-Small parameters are the usual choice: a collective's fixed cost dominates their transfer, so
-keeping them resident saves the most time per byte of memory.
+A kept parameter is gathered once and stays gathered across forward, backward and further
+micro-batches until the optimizer changes its shard (the runtime drops the copies at every
+optimizer step). Small parameters are the usual choice: a collective's fixed cost dominates
+their transfer, so keeping them resident saves the most time per byte of memory.
 
-The kept gathers go to the top of the graph, not to their first use: a gather waited on where its
-value is needed is a point where this rank's compute waits for every other rank to reach the
-same collective, and a few dozen of them spread over the forward expose every bit of skew
-between ranks (measured on 2 H200s: 64.5 ms a step against 52.0 ms without the pass). At the top
-they wait once, together, and only in the first forward after an optimizer step; later ones hit
-the runtime's cache. Choices depend only on parameter
-sizes and the (rank-agreed) communication model, so every rank keeps the same parameters.
+Runs before or after ``prefetch``: a chosen parameter that prefetch already coalesced into a
+group is taken out of it (the default plan runs ``zero3, prefetch, selective_unshard``, and
+before, every chosen parameter of the 16-layer Llama sat in a group and nothing was kept).
+
+All kept parameters of a graph come from one ``gather_persistent_many`` at the graph's top: one
+coalesced collective and one wait, in the first forward after an optimizer step; every later
+graph finds them kept and gathers nothing. Choices depend only on parameter sizes and the
+(rank-agreed) communication model, so every rank keeps the same parameters.
 """
 from __future__ import annotations
 
@@ -52,48 +52,81 @@ def choose(ctx: PassContext) -> list[int]:
     return sorted(kept)
 
 
-def _hoist(g: fx.Graph, nodes: list[fx.Node]) -> None:
-    """Move each kept gather up to just after its shard is defined (the graph's top for a shard
-    that is a graph input), keeping their relative order."""
-    top = next(n for n in g.nodes if n.op not in ("placeholder", "get_attr"))
-    for p in nodes:
-        shard = p.args[0]
-        if p is top:
-            top = p.next
-            continue
-        if isinstance(shard, fx.Node) and shard.op not in ("placeholder", "get_attr"):
-            shard.append(p)
-        else:
-            top.prepend(p)
-
-
 @register_pass("selective_unshard", SelectiveUnshardParams)
 def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Keep cheap-to-hold, costly-to-gather parameters gathered across micro-batches."""
+    import operator
+
     keep = set(choose(ctx))
     g = gm.graph
-    n_kept = 0
-    kept_nodes = []
+    waits: dict[int, list[fx.Node]] = {}   # a parameter used twice (tied weights) has two waits
+    shards: dict[int, fx.Node | None] = {}
     for w in list(g.nodes):
-        if not is_op(w, DC.wait_allgather.default) or int(w.args[1]) not in keep:
-            continue
-        pid, issue = int(w.args[1]), w.args[0]
-        if not is_op(issue, DC.allgather_param.default):
-            continue  # already coalesced by an earlier prefetch: leave it
-        with g.inserting_before(w):
-            p = g.call_function(DC.gather_persistent.default, (issue.args[0], pid))
-        kept_nodes.append(p)
-        p.meta.update({k: v for k, v in w.meta.items() if k in ("val", "nn_module_stack", "stack_trace")})
-        p.meta["dc_param"] = pid
-        for r in [u for u in w.users if is_op(u, DC.release_param.default)]:
-            g.erase_node(r)
-        w.replace_all_uses_with(p)
-        g.erase_node(w)
-        g.erase_node(issue)
-        n_kept += 1
-    _hoist(g, kept_nodes)
-    ctx.notes.append(f"kept gathered: {n_kept} parameters in this graph ({len(keep)} chosen, "
-                     f"budget {ctx.params.budget_mb:g} MiB)")
+        if is_op(w, DC.wait_allgather.default) and int(w.args[1]) in keep:
+            pid = int(w.args[1])
+            waits.setdefault(pid, []).append(w)
+            shards.setdefault(pid, _gather_shard(w))
+    kept = list(waits)
+    if kept and all(shards[p] is not None for p in kept):
+        for pid in kept:
+            for w in waits[pid]:
+                _detach(g, w, pid)
+        top = next(n for n in g.nodes if n.op not in ("placeholder", "get_attr"))
+        with g.inserting_before(top):
+            many = g.call_function(DC.gather_persistent_many.default, ([shards[p] for p in kept], kept))
+            many.meta["dc_params"] = kept
+            many.meta["dc_param"] = kept[0]
+            items = []
+            for i, pid in enumerate(kept):
+                item = g.call_function(operator.getitem, (many, i))
+                item.meta.update({k: v for k, v in waits[pid][0].meta.items()
+                                  if k in ("val", "nn_module_stack", "stack_trace")})
+                item.meta["dc_param"] = pid
+                items.append(item)
+            vals = [it.meta.get("val") for it in items]
+            if all(v is not None for v in vals):
+                many.meta["val"] = vals
+        for pid, item in zip(kept, items):
+            for w in waits[pid]:
+                for r in [u for u in w.users if is_op(u, DC.release_param.default)]:
+                    g.erase_node(r)
+                w.replace_all_uses_with(item)
+                g.erase_node(w)
+    elif kept:
+        kept = []  # a shard computed inside the graph: leave this graph's gathers as they are
+    ctx.notes.append(f"kept gathered: {len(kept)} parameters in this graph ({len(keep)} chosen, "
+                     f"budget {ctx.params.budget_mb:g} MiB), in one collective at the top")
     g.lint()
     gm.recompile()
     return gm
+
+
+def _gather_shard(w: fx.Node) -> fx.Node | None:
+    """The shard a wait's parameter is gathered from, if it is a graph input (it is in the
+    graphs zero3 produces: the forward's parameters, the backward's saved shards)."""
+    issue, pid = w.args[0], int(w.args[1])
+    if is_op(issue, DC.allgather_param.default):
+        shard = issue.args[0]
+    elif is_op(issue, DC.allgather_params.default):
+        shard = issue.args[0][[int(p) for p in issue.args[1]].index(pid)]
+    else:
+        return None
+    return shard if isinstance(shard, fx.Node) and shard.op == "placeholder" else None
+
+
+def _detach(g: fx.Graph, w: fx.Node, pid: int) -> None:
+    """Take ``pid`` out of the collective that ``w`` waits on: a single gather is erased, a
+    coalesced one loses that parameter (and is erased once empty)."""
+    issue = w.args[0]
+    w.args = (None, w.args[1])  # drop the edge; w itself is erased by the caller
+    if is_op(issue, DC.allgather_params.default):
+        shards, pids = list(issue.args[0]), [int(p) for p in issue.args[1]]
+        i = pids.index(pid)
+        del shards[i], pids[i]
+        if pids:
+            issue.args = (shards, pids)
+            issue.meta["dc_params"] = pids
+            issue.meta["dc_param"] = pids[0]
+            return
+    if not issue.users:
+        g.erase_node(issue)

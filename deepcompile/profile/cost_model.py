@@ -55,3 +55,35 @@ def predict(versions, profile=None) -> dict:
     peak = max((s["allocated_bytes"] for s in samples), default=0)
     return {"step_ms": step_us / 1e3, "peak_bytes": int(peak), "per_graph_ms": {f"{g}/{k}": v / 1e3 for (g, k), v in per_graph.items()},
             "events": events, "samples": samples}
+
+
+def _op_class(target: str) -> str:
+    t = target.lower()
+    if t.startswith("dc."):
+        return "communication"
+    if any(k in t for k in ("attention", "sdpa", "flash", "efficient")):
+        return "attention"
+    if any(k in t for k in ("mm", "matmul", "linear", "conv")):
+        return "matmul"
+    return "other"
+
+
+def profiled_ms_by_class(versions, profile) -> dict:
+    """The profile's node latencies summed by kind of op (matmul, attention, communication
+    waits, other) over the latest version of each profiled graph. The profile runs the graphs
+    unfused, node by node; a compiled step fuses the "other" ops, so this split is what a
+    comparison with the measured step needs to see where the time goes."""
+    out = {"matmul": 0.0, "attention": 0.0, "communication": 0.0, "other": 0.0}
+    if profile is None:
+        return out
+    targets: dict = {}  # (graph_id, kind) -> node name -> target, over every version
+    for v in versions:
+        d = v if isinstance(v, dict) else vars(v)
+        if d["kind"] != "dynamo":
+            targets.setdefault((d["graph_id"], d["kind"]), {}).update(
+                {n["name"]: str(n.get("target", "")) for n in d["nodes"]})
+    for key, gp in profile.graphs.items():
+        target = targets.get(key, {})
+        for n in gp.nodes:
+            out[_op_class(target.get(n.name, ""))] += n.latency_ms
+    return {k: round(v, 3) for k, v in out.items()}

@@ -82,6 +82,10 @@ def ensure_registered():
         m = _meta(pid)
         return shard.new_empty(m.shape, dtype=m.gather_dtype)
 
+    @lib.register_fake("dc::gather_persistent_many")
+    def _(shards, pids):
+        return [s.new_empty(_meta(p).shape, dtype=_meta(p).gather_dtype) for s, p in zip(shards, pids)]
+
     @lib.register_fake("dc::release_param")
     def _(gathered, pid):
         return None
@@ -110,6 +114,7 @@ def ensure_registered():
                torch.ops.dc.end_backward.default):
         compat.mark_side_effect(op)
     compat.never_reuse_output(torch.ops.dc.gather_persistent.default)
+    compat.never_reuse_output(torch.ops.dc.gather_persistent_many.default)
     from deepcompile.runtime import offload
 
     offload.define_ops()
