@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
 import sys
 
@@ -249,27 +248,8 @@ def table(result) -> str:
 
 def load_previous(args, result, world) -> dict:
     """--append: the shapes of an earlier run in --out that this run does not measure."""
-    if not os.path.exists(args.out):
-        return {}
-    try:
-        with open(args.out) as f:
-            old = json.load(f)
-    except (OSError, ValueError) as e:
-        z3.log(f"--append: cannot read {args.out} ({e}); starting a new file")
-        return {}
-    same = (old.get("benchmark") == "zero1" and old.get("model", {}).get("config") == result["model"]["config"]
-            and old.get("environment", {}).get("world_size") == world
-            and old.get("environment", {}).get("device") == result["environment"]["device"])
-    if not same:
-        z3.log(f"--append: {args.out} is another model, device or GPU count; not merged (overwritten)")
-        return {}
     mine = {shape_key(mb, seq) for mb in args.micro_batches for seq in args.seqs}
-    kept = {k: v for k, v in old.get("shapes", {}).items() if k not in mine}
-    for v in kept.values():
-        v.setdefault("measured", old.get("environment", {}).get("date_utc"))
-    result["appended_to"] = old.get("appended_to", []) + [old.get("environment", {}).get("date_utc")]
-    z3.log(f"--append: keeping {sorted(kept)} from {args.out}")
-    return kept
+    return z3.load_previous(args.out, result, world, "shapes", mine)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -112,6 +112,9 @@ def parse_args(argv=None):
                     warmup_help="untimed steps first (must cover compilation and any pass-schedule recompile)")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per GPU per step")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, --tiny 128)")
+    p.add_argument("--append", action="store_true",
+                   help="keep the systems already in --out that this run does not measure (same model, "
+                        "device and GPU count): run each system in its own process, one invocation each")
     args = p.parse_args(argv)
     common_defaults(p, args, ALL_SYSTEMS, repeats=True)
     if args.seq is None:
@@ -144,6 +147,33 @@ def common_defaults(p: argparse.ArgumentParser, args, all_systems: list[str], re
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.layers is None:
         args.layers = 2 if args.tiny else 16
+
+
+def load_previous(path: str, result: dict, world: int, key: str, mine: set) -> dict:
+    """--append: the entries under ``key`` ("systems", "shapes") of an earlier run of the same
+    benchmark in ``path`` that this run does not measure (same model, device and GPU count).
+    Each keeps the date it was measured at; ``result["appended_to"]`` lists the earlier runs."""
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path) as f:
+            old = json.load(f)
+    except (OSError, ValueError) as e:
+        log(f"--append: cannot read {path} ({e}); starting a new file")
+        return {}
+    same = (old.get("benchmark") == result["benchmark"]
+            and old.get("model", {}).get("config") == result["model"]["config"]
+            and old.get("environment", {}).get("world_size") == world
+            and old.get("environment", {}).get("device") == result["environment"]["device"])
+    if not same:
+        log(f"--append: {path} is another benchmark, model, device or GPU count; not merged (overwritten)")
+        return {}
+    kept = {k: v for k, v in old.get(key, {}).items() if k not in mine}
+    for v in kept.values():
+        v.setdefault("measured", old.get("environment", {}).get("date_utc"))
+    result["appended_to"] = old.get("appended_to", []) + [old.get("environment", {}).get("date_utc")]
+    log(f"--append: keeping {sorted(kept)} from {path}")
+    return kept
 
 
 def finish(args, result, plot_fn, table_fn, header: str) -> None:
@@ -338,6 +368,10 @@ def dc_prediction(model, opt, res) -> None:
     if prof is not None:
         from deepcompile.profile.cost_model import profiled_ms_by_class
         res["predicted"]["profiled_ms_by_class"] = profiled_ms_by_class(model.dc_graphs, prof)
+        res["predicted"]["per_graph_ms"] = p["per_graph_ms"]  # where the predicted step goes
+        if prof.comm is not None:  # the measured alpha-beta line the prediction's collectives use
+            res["predicted"]["comm_model"] = {"alpha_us": prof.comm.alpha_us,
+                                              "allgather_gb_per_s": prof.comm.bytes_per_us / 1e3}
     if torch.cuda.is_available():
         shards = sum(q.numel() * q.element_size() for q in model.parameters())
         between = torch.cuda.memory_allocated()
@@ -904,6 +938,12 @@ def main(argv=None):
                   "after a similar one may show a shorter compile time.",
         "systems": {},
     }
+
+    if args.append:  # every rank: dc_fsdp_budget reads the peaks of systems measured earlier
+        previous = load_previous(args.out, result, world, "systems", set(args.systems))
+        PEAKS.update({k: v["peak_mem_gib"] for k, v in previous.items() if v.get("peak_mem_gib")})
+        if rank == 0:
+            result["systems"].update(previous)
 
     for name in args.systems:
         skipped, err = skip_reason(name, args)
