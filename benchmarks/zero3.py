@@ -296,6 +296,25 @@ def dynamo_unique_graphs():
         return None
 
 
+def process_state(args) -> dict:
+    """What a process carries from one system to the next: threads, Python objects, resident
+    memory, and the CUDA allocator's device allocations and retries. Recorded before and after
+    every system, because a deepcompile system measured later in a process ran slower than one
+    measured earlier (benchmarks/README.md, "order mattered") and the cause is not yet found."""
+    st = {"threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
+          "python_objects": len(gc.get_objects())}
+    try:
+        with open("/proc/self/status") as f:
+            st["rss_gib"] = next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) / 2**20
+    except (OSError, StopIteration, ValueError):
+        pass
+    if args.device == "cuda":
+        m = torch.cuda.memory_stats()
+        st["cuda_mallocs"] = m.get("num_device_alloc")
+        st["cuda_alloc_retries"] = m.get("num_alloc_retries")
+    return st
+
+
 def median(xs):
     return statistics.median(xs) if xs else None
 
@@ -581,6 +600,7 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
         res["alloc_before_gib"] = torch.cuda.memory_allocated() / GIB
+    res["process_before"] = process_state(args)
     graphs0 = dynamo_unique_graphs()
     setup_ok = False
     try:
@@ -618,6 +638,7 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
             if args.device == "cuda":
                 res["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
                 res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+            res["process_after_train"] = process_state(args)
             if after_train is not None:
                 after_train(model, opt, res)
         except Exception as e:  # noqa: BLE001  (OOM, compile errors, anything: record and go on)
@@ -702,6 +723,7 @@ def summarise(name, per_rank, args, world) -> dict:
         entry["setup_peak_gib_by_rank"] = {str(r["rank"]): r["setup_peak_gib"] for r in ran}
         entry["alloc_before_gib_by_rank"] = {str(r["rank"]): r["alloc_before_gib"] for r in ran}
         entry["alloc_after_gib_by_rank"] = {str(r["rank"]): r["alloc_after_gib"] for r in ran}
+    entry["process_rank0"] = {k: r0.get(k) for k in ("process_before", "process_after_train")}
     return entry
 
 
