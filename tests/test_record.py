@@ -162,3 +162,8 @@ def test_estimate_prices_unprofiled_nodes_at_the_profiled_rate():
     events, _ = estimate([x, a, b], 0, "forward")
     d = {e["node"]: e["end_us"] - e["start_us"] for e in events}
     assert d["b"] == pytest.approx(OP_OVERHEAD_US + 2 * mb / COMPUTE_BYTES_PER_US, abs=1e-3)
+    # unpacking a multi-output op (selective_unshard's gather_persistent_many) moves nothing
+    g = {"name": "g", "op": "call_function", "target": "getitem", "shape": [1024, 1024], "dtype": "float32",
+         "args": [{"node": "b"}, 0]}
+    events, _ = estimate([x, a, b, g], 0, "forward", latency_us={"a": 10.0})
+    assert {e["node"]: e["end_us"] - e["start_us"] for e in events}["g"] == pytest.approx(0.0)

@@ -150,6 +150,8 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
         elif op == "call_function" or op == "call_module" or op == "call_method":
             if latency_us is not None and name in latency_us:
                 d = latency_us[name]
+            elif n.get("target") in ("getitem", "_operator.getitem", "operator.getitem"):
+                d = 0.0  # unpacks a multi-output op's result (gather_persistent_many's parameters)
             else:
                 d = OP_OVERHEAD_US + moved(n) / rate
             ev(name, "compute", t, t + d)
