@@ -24,6 +24,16 @@ def mark_side_effect(op) -> None:
         fn(op)
 
 
+def gpu_spin(cycles: int) -> None:
+    """Enqueue a kernel that spins for ``cycles`` GPU clock cycles on the current stream.
+
+    The profiler parks the compute stream with it so that its CUDA events time kernels, not the
+    interpreter (``profile.profiler._GpuLead``). ``torch.cuda._sleep`` is private (it backs
+    torch's own stream tests) and has the same signature in 2.11 and 2.13.
+    """
+    torch.cuda._sleep(int(cycles))
+
+
 def is_compiled_module(model) -> bool:
     """``torch.compile(model)`` returns an OptimizedModule (torch._dynamo.eval_frame)."""
     from torch._dynamo.eval_frame import OptimizedModule

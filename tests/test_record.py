@@ -167,3 +167,27 @@ def test_estimate_prices_unprofiled_nodes_at_the_profiled_rate():
          "args": [{"node": "b"}, 0]}
     events, _ = estimate([x, a, b, g], 0, "forward", latency_us={"a": 10.0})
     assert {e["node"]: e["end_us"] - e["start_us"] for e in events}["g"] == pytest.approx(0.0)
+
+
+def test_estimate_kept_parameters_are_one_collective_waited_at_once():
+    from deepcompile.record.estimate import estimate
+    from deepcompile.profile.cost_model import CommModel
+
+    s1 = {"name": "s1", "op": "placeholder", "target": "s1", "shape": [512], "dtype": "float32"}
+    many = {"name": "many", "op": "call_function", "target": "dc.gather_persistent_many",
+            "shape": [[1024], [1024]], "dtype": None, "args": [[{"node": "s1"}, {"node": "s1"}], [1, 2]]}
+    g0 = {"name": "g0", "op": "call_function", "target": "getitem", "shape": [1024], "dtype": "bfloat16",
+          "args": [{"node": "many"}, 0]}
+    g1 = {"name": "g1", "op": "call_function", "target": "getitem", "shape": [1024], "dtype": "bfloat16",
+          "args": [{"node": "many"}, 1]}
+    comm = CommModel(alpha_us=10.0, bytes_per_us=1.0, copy_bytes_per_us=1.0)
+    events, samples = estimate([s1, many, g0, g1], 0, "forward", latency_us={}, comm=comm)
+    ag = [e for e in events if e["stream"] == "allgather"]
+    assert len(ag) == 1 and ag[0]["end_us"] - ag[0]["start_us"] == 10.0 + 4096  # two bf16 params
+    compute = [e for e in events if e["stream"] == "compute" and e["node"] == "many"]
+    assert compute[0]["end_us"] == ag[0]["end_us"]  # compute waits for it
+    # the parameters are counted once (by the getitems), not again as the op's tuple
+    assert max(x["allocated_bytes"] for x in samples) == 2048 + 4096
+    # in the backward the runtime's cache has them: no collective
+    events, _ = estimate([s1, many, g0, g1], 0, "backward", latency_us={}, comm=comm)
+    assert not [e for e in events if e["stream"] == "allgather"]

@@ -121,8 +121,9 @@ def _detach(g: fx.Graph, w: fx.Node, pid: int) -> None:
     w.args = (None, w.args[1])  # drop the edge; w itself is erased by the caller
     if is_op(issue, DC.allgather_params.default):
         shards, pids = list(issue.args[0]), [int(p) for p in issue.args[1]]
-        i = pids.index(pid)
-        del shards[i], pids[i]
+        if pid in pids:  # (a second wait on the same group already took it out)
+            i = pids.index(pid)
+            del shards[i], pids[i]
         if pids:
             issue.args = (shards, pids)
             issue.meta["dc_params"] = pids

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
+from deepcompile import compat
 from deepcompile.profile.cost_model import CommModel
 
 
@@ -146,7 +147,7 @@ class _GpuLead:
     kernels take on the GPU. A starved GPU runs each node's kernels as they arrive and the
     events around a node then measure the interpreter's dispatch: the nodes of a 76 ms
     (compiled, 2 H200s) step summed to 257 ms. So the profiler parks the compute stream in a
-    spin kernel (``torch.cuda._sleep``) at the start of each graph, and again whenever it sees
+    spin kernel (``compat.gpu_spin``) at the start of each graph, and again whenever it sees
     that the stream has nearly caught up (an event from ``CHECK_EVERY`` nodes back has already
     run): the queued nodes then run back to back and their events time only them. A spin sits
     between one node's end event and the next node's start event, so no node is charged for it.
@@ -160,9 +161,9 @@ class _GpuLead:
     def cycles_per_ms(cls) -> float:
         if cls._cycles_per_ms is None:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda._sleep(1000)  # warm the kernel up
+            compat.gpu_spin(1000)  # warm the kernel up
             a.record()
-            torch.cuda._sleep(2_000_000)
+            compat.gpu_spin(2_000_000)
             b.record()
             b.synchronize()
             cls._cycles_per_ms = 2_000_000 / max(a.elapsed_time(b), 1e-3)
@@ -170,7 +171,7 @@ class _GpuLead:
 
     @classmethod
     def spin(cls) -> None:
-        torch.cuda._sleep(int(cls.SPIN_MS * cls.cycles_per_ms()))
+        compat.gpu_spin(int(cls.SPIN_MS * cls.cycles_per_ms()))
 
 
 class ProfilingInterpreter(fx.Interpreter):

@@ -20,6 +20,7 @@ DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
 COMPUTE_BYTES_PER_US = 4_000.0     # ~4 GB/s effective, a laptop-CPU-ish order of magnitude
 COMM_BYTES_PER_US = 1_000.0        # ~1 GB/s
 OP_OVERHEAD_US = 2.0
+GETITEM = ("getitem", "_operator.getitem", "operator.getitem")
 
 
 def _numel(shape: Any) -> int:
@@ -76,10 +77,14 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
         for r in inputs_of(n):
             last_use[r] = i
     waits_of: dict[str, list[dict]] = {}
+    unpacked: dict[str, int] = {}  # a multi-output op -> bytes of the values its getitems take out
     for m in nodes:
         if m.get("target") == "dc.wait_allgather":
             for r in inputs_of(m):
                 waits_of.setdefault(r, []).append(m)
+        if m.get("target") in GETITEM:
+            for r in inputs_of(m):
+                unpacked[r] = unpacked.get(r, 0) + node_bytes(m)
 
     def moved(n: dict) -> int:
         return size[n["name"]] + sum(size.get(r, 0) for r in inputs_of(n) if r in by_name)
@@ -127,6 +132,22 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
             ag_end[name] = end
             live[name] = nbytes  # the gathered buffers exist from the issue on
             t += 0.5
+        elif c in ("gather_persistent", "gather_persistent_many"):
+            # kept parameters: one collective in the forward, waited at once; the backward finds
+            # them in the runtime's cache (as do later micro-batches, which this per-graph
+            # estimate does not know apart from the first)
+            if kind == "backward":
+                ev(name, "compute", t, t + 0.1)
+            else:
+                nbytes = unpacked.get(name, size[name])
+                start = max(t, ag_free)
+                end = start + comm_us(nbytes)
+                ev(name, "allgather", start, end)
+                ag_free = end
+                ev(name, "compute", t, max(end, t + 0.1))  # the wait: compute stalls until it ends
+                t = max(t, end)
+            if name not in unpacked:
+                live[name] = size[name]  # (the getitems of a multi-output one hold its values)
         elif c == "wait_allgather":
             src = next((r for r in inputs_of(n) if r in ag_end), None)
             start = t
@@ -150,7 +171,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
         elif op == "call_function" or op == "call_module" or op == "call_method":
             if latency_us is not None and name in latency_us:
                 d = latency_us[name]
-            elif n.get("target") in ("getitem", "_operator.getitem", "operator.getitem"):
+            elif n.get("target") in GETITEM:
                 d = 0.0  # unpacks a multi-output op's result (gather_persistent_many's parameters)
             else:
                 d = OP_OVERHEAD_US + moved(n) / rate
