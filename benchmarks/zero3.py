@@ -112,6 +112,8 @@ def parse_args(argv=None):
                     warmup_help="untimed steps first (must cover compilation and any pass-schedule recompile)")
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per GPU per step")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, --tiny 128)")
+    p.add_argument("--replot", metavar="JSON", default=None,
+                   help="no run: draw the plot and print the table of an earlier result (benchmarks/zero3_each.sh)")
     p.add_argument("--append", action="store_true",
                    help="keep the systems already in --out that this run does not measure (same model, "
                         "device and GPU count): run each system in its own process, one invocation each")
@@ -933,6 +935,16 @@ def build_base_model(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            result = json.load(f)
+        add_ratios(result["systems"])
+        png = plot(args.replot, result)
+        e = result["environment"]
+        print(f"{e['device']} x{e['world_size']}, torch {e['torch']}, nccl {e['nccl']}; "
+              f"systems each in a process of their own: {list(result['systems'])}" + (f"\nplot: {png}" if png else ""))
+        print(table(result))
+        return
     rank, world, dev = init_dist(args)
     env = environment(args, world)
     if args.out is None:

@@ -1,0 +1,26 @@
+#!/bin/bash
+# Every system of benchmarks/zero3.py in a process of its own, into one JSON (--append), so that
+# no system is measured after another in the same process (see "order mattered" in
+# benchmarks/README.md). A system that fails is recorded in the JSON and the next one still runs.
+#
+#   benchmarks/zero3_each.sh NPROC OUT SYSTEMS [more zero3.py options]
+#   benchmarks/zero3_each.sh 2 benchmarks/results/zero3_h200_2gpu_each.json \
+#       compute_bound,fsdp2_compiled,dc_zero3,dc_default,dc_prefetch
+#
+# dc_fsdp_budget reads fsdp2_compiled's and dc_zero3's peaks from the JSON: list it after them.
+set -u
+if [ $# -lt 3 ]; then
+  sed -n '2,10p' "$0" >&2
+  exit 2
+fi
+nproc=$1 out=$2 systems=$3
+shift 3
+here=$(dirname "$0")
+rm -f "$out"
+status=0
+for s in ${systems//,/ }; do
+  torchrun --nproc-per-node="$nproc" "$here/zero3.py" --out "$out" --systems "$s" --append --no-plot "$@" || status=1
+done
+# the table and the plot of everything, from the JSON alone
+python "$here/zero3.py" --replot "$out" || status=1
+exit $status
