@@ -941,8 +941,9 @@ def main(argv=None):
         add_ratios(result["systems"])
         png = plot(args.replot, result)
         e = result["environment"]
+        runs = len(result.get("appended_to", [])) + 1
         print(f"{e['device']} x{e['world_size']}, torch {e['torch']}, nccl {e['nccl']}; "
-              f"systems each in a process of their own: {list(result['systems'])}" + (f"\nplot: {png}" if png else ""))
+              f"{len(result['systems'])} systems from {runs} run(s)" + (f"\nplot: {png}" if png else ""))
         print(table(result))
         return
     rank, world, dev = init_dist(args)
