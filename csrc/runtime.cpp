@@ -151,15 +151,7 @@ at::Tensor Runtime::finish_allgather(int64_t id) {
 }
 
 at::Tensor Runtime::gather_persistent(const at::Tensor& shard, int64_t id) {
-  auto it = persistent_.find(id);
-  if (it != persistent_.end()) {
-    stats_.persistent_hits += 1;
-    return it->second;
-  }
-  start_allgather(shard, id);
-  at::Tensor full = finish_allgather(id);
-  persistent_[id] = full;
-  return full;
+  return gather_persistent_many({shard}, {id})[0];
 }
 
 std::vector<at::Tensor> Runtime::gather_persistent_many(const std::vector<at::Tensor>& shards,

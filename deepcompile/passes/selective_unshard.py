@@ -66,8 +66,8 @@ def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             pid = int(w.args[1])
             waits.setdefault(pid, []).append(w)
             shards.setdefault(pid, _gather_shard(w))
-    kept = list(waits)
-    if kept and all(shards[p] is not None for p in kept):
+    kept = [p for p in waits if shards[p] is not None]  # (a shard computed in the graph: left alone)
+    if kept:
         for pid in kept:
             for w in waits[pid]:
                 _detach(g, w, pid)
@@ -92,8 +92,6 @@ def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     g.erase_node(r)
                 w.replace_all_uses_with(item)
                 g.erase_node(w)
-    elif kept:
-        kept = []  # a shard computed inside the graph: leave this graph's gathers as they are
     ctx.notes.append(f"kept gathered: {len(kept)} parameters in this graph ({len(keep)} chosen, "
                      f"budget {ctx.params.budget_mb:g} MiB), in one collective at the top")
     g.lint()

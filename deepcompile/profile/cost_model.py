@@ -57,15 +57,18 @@ def predict(versions, profile=None) -> dict:
             "events": events, "samples": samples}
 
 
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm"}
+
+
 def _op_class(target: str) -> str:
-    t = target.lower()
-    if t.startswith("dc."):
+    """By the op's own name ("aten.addmm" -> "addmm"): a substring test would file
+    ``convert_element_type`` under convolutions."""
+    if target.startswith("dc."):
         return "communication"
-    if any(k in t for k in ("attention", "sdpa", "flash", "efficient")):
+    name = target.split(".")[1] if target.count(".") >= 1 else target
+    if "attention" in name or "flash" in name:
         return "attention"
-    if any(k in t for k in ("mm", "matmul", "linear", "conv")):
-        return "matmul"
-    return "other"
+    return "matmul" if name in MATMUL_OPS else "other"
 
 
 def profiled_ms_by_class(versions, profile) -> dict:

@@ -182,14 +182,12 @@ class ProfilingInterpreter(fx.Interpreter):
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.records: list[NodeProfile] = []
         self._events: list[tuple[NodeProfile, torch.cuda.Event, torch.cuda.Event]] = []
-        self.spins = 0  # how often the GPU was parked to keep it behind the host (_GpuLead)
 
     def _keep_gpu_behind(self) -> None:
         k = len(self._events)
         if k == 0 or (k % _GpuLead.CHECK_EVERY == 0
                       and self._events[k - _GpuLead.CHECK_EVERY][1].query()):
             _GpuLead.spin()
-            self.spins += 1
 
     def boxed_run(self, args_list):
         if self.cuda:  # the allocator counts device memory; no environment walk needed
