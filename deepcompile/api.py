@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from typing import Callable, Iterable
 
@@ -60,6 +61,11 @@ class DeepCompileModel(nn.Module):
         """The agreed profile of the profiling step (None before it has run)."""
         return self.dc_backend.profile
 
+    def _dc_before_optimizer_step(self, *_args) -> None:
+        # the profiling step times optimizer.step() too: the cost model predicts whole steps
+        if self.dc_backend.profiling and self.dc_backend.measured:
+            object.__setattr__(self, "_dc_opt_timer", _StepTimer(self._dc_device()))
+
     def _dc_on_optimizer_step(self, *_args) -> None:
         ops.C.invalidate_persistent()  # the shards changed: kept gathered copies are stale
         if self.dc_backend.profiling and self.dc_backend.measured:
@@ -73,15 +79,40 @@ class DeepCompileModel(nn.Module):
         prof = Profile(graphs={k: GraphProfile(k[0], k[1], v) for k, v in sorted(b.measured.items())},
                        hardware=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                        step=self.dc_step)
-        device = next(iter(self.dc_sharded)).shard.device if self.dc_sharded else torch.device("cpu")
-        prof.comm = benchmark_comm(self.dc_group, device)
+        timer = self.__dict__.pop("_dc_opt_timer", None)
+        prof.optimizer_ms = timer.stop() if timer is not None else 0.0
+        prof.comm = benchmark_comm(self.dc_group, self._dc_device())
         b.profile = agree(prof, self.dc_group)
         b.measured = {}
+
+    def _dc_device(self) -> torch.device:
+        return next(iter(self.dc_sharded)).shard.device if self.dc_sharded else torch.device("cpu")
 
     @property
     def dc_graphs(self):
         """Every graph version the backend produced (input and after each pass)."""
         return self.dc_backend.versions
+
+
+class _StepTimer:
+    """Milliseconds from construction to ``stop()``: CUDA events on the current stream (the
+    kernels' time, as the profiler's node latencies are), wall time on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        if not self.cuda:
+            return (time.perf_counter() - self.t0) * 1e3
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        return float(self.start.elapsed_time(end))
 
 
 def _resolve_group(group):
@@ -210,6 +241,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"deepcompile.initialize: make_optimizer returned {type(opt).__name__}, "
                         "expected a torch.optim.Optimizer")
+    opt.register_step_pre_hook(wrapped._dc_before_optimizer_step)
     opt.register_step_post_hook(wrapped._dc_on_optimizer_step)  # real steps only (not accumulation)
     opt = _wrap_optimizer(opt, cfg.gradient_accumulation_steps, cfg.zero_stage == 1)
     optimizer_state.MANAGER.attach(opt, opt.dc_next_is_boundary)  # idle unless offload_optimizer plans

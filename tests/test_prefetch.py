@@ -2,6 +2,7 @@
 both on the graph and in measured gathered memory."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.dist_utils import run_ranks
@@ -163,7 +164,12 @@ def _profiled(rank, world):
     after = predict([v for v in model.dc_graphs if v.step == 2 and v.after == "prefetch"], prof)
     # the profiling step ran the step-0 graphs through the profiler: nothing compiled at step 1
     compiled_at_profile_step = [v.kind for v in model.dc_graphs if v.step == 1]
-    return losses, flat, final, (prof.comm.alpha_us, prof.comm.bytes_per_us), (before, after), compiled_at_profile_step
+    # the profile carries the profiling step's optimizer.step(), in records too
+    from deepcompile.profile.profiler import Profile
+    back = Profile.from_records(prof.to_records())
+    assert back.optimizer_ms == prof.optimizer_ms
+    return (losses, flat, final, (prof.comm.alpha_us, prof.comm.bytes_per_us, prof.optimizer_ms), (before, after),
+            compiled_at_profile_step)
 
 
 def test_profile_step_trains_agrees_across_ranks_and_guides_prefetch():
@@ -181,6 +187,9 @@ def test_profile_step_trains_agrees_across_ranks_and_guides_prefetch():
     assert sum(lat for _, _, lat, _ in flat0) > 0 and all(lat >= 0 for _, _, lat, _ in flat0)
     assert flat0 == flat1, "ranks hold different profiles after agreement"
     assert comm0 == comm1 and comm0[1] > 0
+    assert comm0[2] > 0, "the profiling step did not time optimizer.step()"
+    # a predicted step is its graphs plus the optimizer
+    assert pred0[0]["step_ms"] == pytest.approx(sum(pred0[0]["per_graph_ms"].values()) + comm0[2])
     assert final0 and final0 == final1, "ranks compiled different graphs from the profile"
     moved = _issue_distance(final0[0])
     assert max(moved.values()) > 1, "the profile-guided prefetch moved nothing"

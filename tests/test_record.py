@@ -191,3 +191,48 @@ def test_estimate_kept_parameters_are_one_collective_waited_at_once():
     # in the backward the runtime's cache has them: no collective
     events, _ = estimate([s1, many, g0, g1], 0, "backward", latency_us={}, comm=comm)
     assert not [e for e in events if e["stream"] == "allgather"]
+
+
+def test_estimate_trusts_a_profiled_name_only_for_the_same_op_and_prices_views_at_nothing():
+    """The final graph is traced again, so its ``mm_1`` may be the profiled graph's ``permute_1``'s
+    neighbour: a latency follows a name only when the op is the same; views cost nothing."""
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+    from deepcompile.record.estimate import estimate_versions
+
+    def node(name, target, args=()):
+        return {"name": name, "op": "call_function", "target": target, "shape": [1024, 1024],
+                "dtype": "float32", "args": [{"node": a} for a in args]}
+    x = {"name": "x", "op": "placeholder", "target": "x", "shape": [1024, 1024], "dtype": "float32"}
+    profiled = [x, node("mm", "aten.mm.default", ["x", "x"]), node("add", "aten.add.Tensor", ["mm", "x"])]
+    # re-traced: a permute took the name "add", the add became "add_1"
+    final = [x, node("mm", "aten.mm.default", ["x", "x"]), node("add", "aten.permute.default", ["mm"]),
+             node("add_1", "aten.add.Tensor", ["add", "x"])]
+    prof = Profile(graphs={(0, "forward"): GraphProfile(0, "forward", [
+        NodeProfile("x", 0.0, 0, 0, 0), NodeProfile("mm", 0.5, 0, 0, 0), NodeProfile("add", 0.03, 0, 0, 0)])})
+    versions = [{"graph_id": 0, "kind": "forward", "after": "zero3", "step": 0, "nodes": profiled},
+                {"graph_id": 0, "kind": "forward", "after": "prefetch", "step": 2, "nodes": final}]
+    events, _ = estimate_versions(versions, prof)
+    d = {e["node"]: e["end_us"] - e["start_us"] for e in events}
+    assert d["mm"] == pytest.approx(500.0)
+    assert d["add"] == 0.0                          # the permute: no kernel, not the add's 30 us
+    # the unmatched add is priced at the measured rate of memory-bound ops (the add: 12 MiB in
+    # 30 us), not at one that includes the matmul's compute-bound 500 us
+    assert d["add_1"] == pytest.approx(2.0 + 30.0, rel=1e-3)
+
+
+def test_estimate_backward_ends_with_its_last_reduce():
+    from deepcompile.profile.cost_model import CommModel
+    from deepcompile.record.estimate import estimate
+
+    g = {"name": "g", "op": "placeholder", "target": "g", "shape": [1 << 20], "dtype": "float32"}
+    r = {"name": "r", "op": "call_function", "target": "dc.reduce_grad", "shape": None, "dtype": None,
+         "args": [{"node": "g"}]}
+    e = {"name": "e", "op": "call_function", "target": "dc.end_backward", "shape": None, "dtype": None,
+         "args": [[{"node": "r"}], 0]}
+    comm = CommModel(alpha_us=10.0, bytes_per_us=10_000.0, copy_bytes_per_us=1.0)
+    # the profiled end_backward (5 ms: it also timed the profiler's synchronisation) is not used
+    events, _ = estimate([g, r, e], 0, "backward", latency_us={"e": 5000.0}, comm=comm)
+    reduce_end = next(x["end_us"] for x in events if x["stream"] == "reduce")
+    assert reduce_end == pytest.approx(10.0 + (4 << 20) / 10_000.0)
+    assert max(x["end_us"] for x in events) == pytest.approx(reduce_end)
+    assert next(x for x in events if x["node"] == "e")["end_us"] == pytest.approx(reduce_end)

@@ -55,6 +55,7 @@ class Profile:
     comm: CommModel | None = None
     hardware: str = ""
     step: int = -1
+    optimizer_ms: float = 0.0   # the profiling step's optimizer.step(), measured (part of a step)
 
     def get(self, graph_id: int, kind: str) -> GraphProfile | None:
         return self.graphs.get((graph_id, kind))
@@ -62,6 +63,7 @@ class Profile:
     def to_records(self) -> list[dict]:
         comm = None if self.comm is None else dict(self.comm.__dict__)
         return [{"graph_id": g.graph_id, "kind": g.kind, "hardware": self.hardware, "comm": comm,
+                 "optimizer_ms": self.optimizer_ms,
                  "nodes": [dict(n.__dict__) for n in g.nodes]} for g in self.graphs.values()]
 
     @classmethod
@@ -77,6 +79,7 @@ class Profile:
             prof.hardware = str(r.get("hardware") or "")
             if r.get("comm"):
                 prof.comm = CommModel(**r["comm"])
+            prof.optimizer_ms = float(r.get("optimizer_ms") or 0.0)
         return prof
 
 
@@ -267,12 +270,14 @@ def agree(profile: Profile, group=None) -> Profile:
                            "every rank must run the same model and inputs shapes")
     flat = [x for k in keys for n in profile.graphs[k].nodes
             for x in (n.latency_ms, float(n.mem_after_bytes), float(n.peak_bytes), float(n.out_bytes))]
+    flat.append(float(profile.optimizer_ms))
     backend = dist.get_backend(group)
     dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
     t = torch.tensor(flat, dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     vals = t.cpu().tolist()
     i = 0
+    profile.optimizer_ms = vals.pop()
     for k in keys:
         for n in profile.graphs[k].nodes:
             n.latency_ms, n.mem_after_bytes, n.peak_bytes, n.out_bytes = (

@@ -21,6 +21,34 @@ COMPUTE_BYTES_PER_US = 4_000.0     # ~4 GB/s effective, a laptop-CPU-ish order o
 COMM_BYTES_PER_US = 1_000.0        # ~1 GB/s
 OP_OVERHEAD_US = 2.0
 GETITEM = ("getitem", "_operator.getitem", "operator.getitem")
+# Ops that only make a new view of their input's memory: no kernel, in eager or compiled code.
+# The final graph is traced again (under Inductor's decompositions), so it has views the
+# profiled graph did not (``t`` becomes ``permute``); pricing those by the bytes they "move"
+# cost tens of ms on the 953M Llama.
+VIEW_OPS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "unsqueeze", "squeeze",
+            "slice", "select", "alias", "as_strided", "detach", "split", "split_with_sizes", "unbind",
+            "view_as", "unflatten", "flatten", "_reshape_alias", "narrow"}
+MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm"}
+
+
+def op_name(target: str) -> str:
+    """``aten.addmm.default`` -> ``addmm`` (the op's own name; a substring test would file
+    ``convert_element_type`` under convolutions)."""
+    parts = str(target).split(".")
+    return parts[1] if len(parts) >= 2 else parts[0]
+
+
+def op_class(target: str) -> str:
+    """matmul, attention, communication, view or other (pointwise, reductions, copies)."""
+    target = str(target)
+    if target.startswith("dc."):
+        return "communication"
+    name = op_name(target)
+    if "attention" in name or "flash" in name:
+        return "attention"
+    if name in MATMUL_OPS:
+        return "matmul"
+    return "view" if name in VIEW_OPS else "other"
 
 
 def _numel(shape: Any) -> int:
@@ -63,12 +91,31 @@ def comm_kind(n: dict) -> str | None:
     return t[3:] if n.get("op") == "call_function" and t.startswith("dc.") else None
 
 
+def memory_bound_rate(nodes: list[dict], latency_us: dict) -> float | None:
+    """Bytes per microsecond at which ``nodes``' profiled memory-bound ops ran, or None.
+
+    A compiled graph can hold compute nodes the profiled graph did not; the estimate costs those
+    at this rate (aggregate, so large nodes set it rather than launch-bound small ones; matmuls
+    and attention left out, their time is not bytes), not at the laptop-CPU constant, which on a
+    GPU makes one unmatched large node cost tens of ms. Views cost nothing either way."""
+    size = {n["name"]: node_bytes(n) for n in nodes}
+    b = us = 0.0
+    for n in nodes:
+        if (n["op"] == "call_function" and n["name"] in latency_us
+                and op_class(n.get("target", "")) == "other"):
+            b += size[n["name"]] + sum(size.get(r, 0) for r in inputs_of(n))
+            us += latency_us[n["name"]]
+    return b / us if b > 0 and us > 0 else None
+
+
 def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | None = None,
-             comm: Any = None) -> tuple[list[dict], list[dict]]:
+             comm: Any = None, rate: float | None = None) -> tuple[list[dict], list[dict]]:
     """(schedule events, memory samples by node index) for one graph version.
 
     ``latency_us`` (node name -> measured microseconds) and ``comm`` (a CommModel) replace the
     fixed bandwidth assumptions where a profile exists: that is the cost model's prediction.
+    ``rate``: bytes/us for compute nodes without a latency (default: ``memory_bound_rate`` of
+    ``nodes`` and ``latency_us``).
     """
     by_name = {n["name"]: n for n in nodes}
     size = {n["name"]: node_bytes(n) for n in nodes}
@@ -89,18 +136,9 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
     def moved(n: dict) -> int:
         return size[n["name"]] + sum(size.get(r, 0) for r in inputs_of(n) if r in by_name)
 
-    # A compiled graph can hold compute nodes the profiled graph did not. Cost those at the
-    # bandwidth this graph was measured at (aggregate, so large nodes set it rather than
-    # launch-bound small ones), not at the laptop-CPU constant, which on a GPU makes one
-    # unmatched large node cost tens of ms.
-    rate = COMPUTE_BYTES_PER_US
-    if latency_us:
-        matched = [(moved(n), latency_us[n["name"]]) for n in nodes
-                   if n["op"] in ("call_function", "call_module", "call_method") and comm_kind(n) is None
-                   and n["name"] in latency_us]
-        b, us = sum(m for m, _ in matched), sum(u for _, u in matched)
-        if b > 0 and us > 0:
-            rate = b / us
+    if rate is None:
+        rate = memory_bound_rate(nodes, latency_us) if latency_us else None
+    rate = rate or COMPUTE_BYTES_PER_US
 
     def comm_us(nbytes: float) -> float:
         return comm.allgather_us(nbytes) if comm is not None else OP_OVERHEAD_US + nbytes / COMM_BYTES_PER_US
@@ -165,14 +203,19 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
             ev(name, "reduce", start, end)
             red_free = end
             t += 0.5
+        elif c == "end_backward":
+            # the backward ends when the last reduce has: the reduce stream's own timeline, not
+            # the profiled wait (which also timed the profiler's own synchronisation)
+            ev(name, "compute", t, max(t, red_free, t + 0.1))
+            t = max(t, red_free)
         elif c == "release_param":
             for r in inputs_of(n):
                 live.pop(r, None)
         elif op == "call_function" or op == "call_module" or op == "call_method":
             if latency_us is not None and name in latency_us:
                 d = latency_us[name]
-            elif n.get("target") in GETITEM:
-                d = 0.0  # unpacks a multi-output op's result (gather_persistent_many's parameters)
+            elif n.get("target") in GETITEM or op_class(n.get("target", "")) == "view":
+                d = 0.0  # unpacks a multi-output op's result / makes a view: no kernel
             else:
                 d = OP_OVERHEAD_US + moved(n) / rate
             ev(name, "compute", t, t + d)
@@ -198,21 +241,44 @@ def estimate_versions(versions: Iterable[Any], profile: Any = None) -> tuple[lis
     ``deepcompile.profile.profiler.Profile`` the estimate uses measured latencies and the
     measured communication model."""
     last: dict[tuple[int, str], Any] = {}
+    every: dict[tuple[int, str], list] = {}
     for v in versions:
         d = v if isinstance(v, dict) else vars(v)
         if d["kind"] != "dynamo":
             last[(d["graph_id"], d["kind"])] = d
+            every.setdefault((d["graph_id"], d["kind"]), []).append(d)
     events, samples = [], []
     for (gid, kind), d in sorted(last.items(), key=lambda kv: (kv[0][0], kv[0][1] != "forward")):
-        lat, comm = None, None
+        lat, comm, rate = None, None, None
         if profile is not None:
             gp = profile.get(gid, kind)
-            lat = {x.name: x.latency_ms * 1e3 for x in gp.nodes} if gp is not None else None
+            if gp is not None:
+                lat, rate = matched_latency_us(gp, every[(gid, kind)], d)
             comm = profile.comm
-        e, s = estimate(d["nodes"], gid, kind, lat, comm)
+        e, s = estimate(d["nodes"], gid, kind, lat, comm, rate)
         events += e
         samples += s
     return events, samples
+
+
+def matched_latency_us(gp: Any, versions: list[dict], final: dict) -> tuple[dict[str, float], float | None]:
+    """The profiled latencies (us) that belong to ``final``'s nodes, by node name, and the
+    profiled graph's ``memory_bound_rate``.
+
+    The final graph is traced anew at the re-compile (under Inductor's decompositions), so a
+    name can stand for another op than in the profiled graph (its ``add`` may be a ``permute``):
+    a latency is taken only where the profiled graph's node of that name has the same target.
+    The profiled graph is the version whose node names are exactly the profile's; without one
+    (a record that lacks it) every name is trusted."""
+    lat = {x.name: x.latency_ms * 1e3 for x in gp.nodes}
+    names = set(lat)
+    profiled = next((v for v in reversed(versions) if {n["name"] for n in v["nodes"]} == names), None)
+    if profiled is None:
+        return lat, None
+    target = {n["name"]: n.get("target") for n in profiled["nodes"]}
+    return ({n["name"]: lat[n["name"]] for n in final["nodes"]
+             if n["name"] in lat and target.get(n["name"]) == n.get("target")},
+            memory_bound_rate(profiled["nodes"], lat))
 
 
 def fmt_bytes(n: float) -> str:
