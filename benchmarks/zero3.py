@@ -349,6 +349,7 @@ def build_dc(name, base_model, args, dev, extra=None):
     cfg.update(copy.deepcopy(extra or {}))
     model = copy.deepcopy(base_model)
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), cfg)
+    object.__setattr__(model, "_bench_name", name.replace("#", "_"))  # file names (BENCH_GRAPHS)
     notes = {"config": cfg, "optimizer": f"torch.optim.AdamW(lr={args.lr}) over the fp32 flat shards",
              "what": "deepcompile.initialize(model, AdamW, config); the whole model is torch.compile'd "
                      "with the deepcompile backend"}
@@ -380,7 +381,9 @@ def dc_prediction(model, opt, res) -> None:
     except Exception as e:  # noqa: BLE001
         res["compile_times"] = f"unavailable: {type(e).__name__}: {e}"
     prof = model.dc_profile
-    p = predict(model.dc_graphs, prof)
+    # the final graphs are Inductor's unless the run chose another compiler: fused pointwise ops
+    p = predict(model.dc_graphs, prof, fused=model.dc_config.compiler == "inductor")
+    dump_graphs(model, prof, res)
     # Without a profile the step time would come from fixed laptop-CPU rates (tens of seconds
     # for this model): not a prediction, so none is recorded. The memory estimate needs only
     # the graph's tensor sizes and is recorded either way.
@@ -390,6 +393,7 @@ def dc_prediction(model, opt, res) -> None:
         from deepcompile.profile.cost_model import profiled_ms_by_class
         res["predicted"]["profiled_ms_by_class"] = profiled_ms_by_class(model.dc_graphs, prof)
         res["predicted"]["per_graph_ms"] = p["per_graph_ms"]  # where the predicted step goes
+        res["predicted"]["optimizer_ms"] = p.get("optimizer_ms")  # measured in the profiling step
         if prof.comm is not None:  # the measured alpha-beta line the prediction's collectives use
             res["predicted"]["comm_model"] = {"alpha_us": prof.comm.alpha_us,
                                               "allgather_gb_per_s": prof.comm.bytes_per_us / 1e3}
@@ -398,6 +402,23 @@ def dc_prediction(model, opt, res) -> None:
         between = torch.cuda.memory_allocated()
         res["predicted"].update({"allocated_between_steps_gib": between / GIB, "shards_gib": shards / GIB,
                                  "peak_gib": (between - shards + p["peak_bytes"]) / GIB})
+
+
+def dump_graphs(model, prof, res) -> None:
+    """``BENCH_GRAPHS=DIR``: rank 0 writes every graph version and the agreed profile of this
+    system to DIR/<system>_graphs.json.gz, so that the cost model can be re-run offline against
+    the measured step (``deepcompile.profile.cost_model.predict(versions, Profile.from_records(...))``)."""
+    out_dir = os.environ.get("BENCH_GRAPHS")
+    if not out_dir or res.get("rank") != 0:
+        return
+    import gzip
+
+    os.makedirs(out_dir, exist_ok=True)
+    versions = [{k: v for k, v in vars(g).items()} for g in model.dc_graphs if g.kind != "dynamo"]
+    path = os.path.join(out_dir, f"{getattr(model, '_bench_name', 'dc')}_graphs.json.gz")
+    with gzip.open(path, "wt") as f:
+        json.dump({"versions": versions, "profile": prof.to_records() if prof is not None else None}, f)
+    log(f"graphs and profile: {path}")
 
 
 def release_dc(model, opt) -> None:

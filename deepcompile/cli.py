@@ -143,7 +143,8 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
                 print(f"step {step:>4}/{steps}  loss {lv:.4f}  {dt * 1e3:8.1f} ms", flush=True)
         if model.dc_profile is not None:
             rec.profile(model.dc_profile.to_records())
-        events, samples = estimate.estimate_versions(model.dc_graphs, model.dc_profile)
+        events, samples = estimate.estimate_versions(model.dc_graphs, model.dc_profile,
+                                                     fused=model.dc_config.compiler == "inductor")
         rec.schedule(events + measured, replace=True)
         if rank == 0 and overlap.get("overlap_fraction") is not None:
             print(f"measured step {steps}: compute busy {overlap['compute_busy_us'] / 1e3:.1f} ms, communication "

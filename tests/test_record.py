@@ -231,8 +231,58 @@ def test_estimate_backward_ends_with_its_last_reduce():
          "args": [[{"node": "r"}], 0]}
     comm = CommModel(alpha_us=10.0, bytes_per_us=10_000.0, copy_bytes_per_us=1.0)
     # the profiled end_backward (5 ms: it also timed the profiler's synchronisation) is not used
-    events, _ = estimate([g, r, e], 0, "backward", latency_us={"e": 5000.0}, comm=comm)
+    events, _ = estimate([g, r, e], 0, "backward", latency_us={"e": 5000.0}, comm=comm, rate=1e12)
     reduce_end = next(x["end_us"] for x in events if x["stream"] == "reduce")
     assert reduce_end == pytest.approx(10.0 + (4 << 20) / 10_000.0)
     assert max(x["end_us"] for x in events) == pytest.approx(reduce_end)
     assert next(x for x in events if x["node"] == "e")["end_us"] == pytest.approx(reduce_end)
+
+
+def test_fused_estimate_charges_only_what_crosses_a_kernel():
+    """Under Inductor a chain of pointwise ops is one kernel: it reads the matmul's output once
+    and writes what the next matmul reads; the intermediate values cost nothing."""
+    from deepcompile.record.estimate import OP_OVERHEAD_US, estimate
+
+    MB = 1 << 20
+
+    def node(name, target, args, shape=(MB // 4,)):
+        return {"name": name, "op": "call_function", "target": target, "shape": list(shape),
+                "dtype": "float32", "args": [{"node": a} for a in args]}
+    x = {"name": "x", "op": "placeholder", "target": "x", "shape": [MB // 4], "dtype": "float32"}
+    nodes = [x, node("mm", "aten.mm.default", ["x", "x"]),
+             node("a", "aten.mul.Tensor", ["mm", "x"]),      # reads mm and x (outside): 2 MiB
+             node("b", "aten.relu.default", ["a"]),           # inside: free
+             node("v", "aten.view.default", ["b"]),           # a view: free, looked through
+             node("c", "aten.add.Tensor", ["v", "x"]),        # reads x again: 1 MiB, writes 1 MiB (mm2 uses it)
+             node("mm2", "aten.mm.default", ["c", "x"]),
+             {"name": "output", "op": "output", "target": "output", "args": [[{"node": "mm2"}]]}]
+    lat = {"mm": 100.0, "a": 50.0, "b": 50.0, "c": 50.0, "mm2": 100.0}
+    rate = 1000.0  # bytes/us
+    ev, _ = estimate(nodes, 0, "forward", lat, rate=rate, fused=True)
+    d = {e["node"]: e["end_us"] - e["start_us"] for e in ev}
+    assert d["mm"] == 100.0 and d["mm2"] == 100.0          # matmuls keep their profiled time
+    assert d["a"] == pytest.approx(2 * MB / rate)           # no output leaves the kernel here
+    assert d["b"] == 0.0 and d["v"] == 0.0
+    assert d["c"] == pytest.approx(OP_OVERHEAD_US + 2 * MB / rate)
+    # unfused (aot_eager), every op costs its profiled latency
+    ev, _ = estimate(nodes, 0, "forward", lat, rate=rate, fused=False)
+    d = {e["node"]: e["end_us"] - e["start_us"] for e in ev}
+    assert (d["a"], d["b"], d["c"]) == (50.0, 50.0, 50.0)
+
+
+def test_hidden_collectives_still_cost_compute_their_memory_traffic():
+    from deepcompile.profile.cost_model import CommModel
+    from deepcompile.record.estimate import estimate
+
+    s = {"name": "s", "op": "placeholder", "target": "s", "shape": [1 << 18], "dtype": "float32"}
+    ag = {"name": "ag", "op": "call_function", "target": "dc.allgather_param", "shape": [1 << 20],
+          "dtype": "float32", "args": [{"node": "s"}, 0]}
+    comm = CommModel(alpha_us=1.0, bytes_per_us=1e6, copy_bytes_per_us=1.0)
+    ev, _ = estimate([s, ag], 0, "forward", {}, comm=comm, rate=4096.0)
+    on = {e["stream"]: e["end_us"] - e["start_us"] for e in ev if e["node"] == "ag"}
+    assert on["allgather"] == pytest.approx(1.0 + (4 << 20) / 1e6, abs=1e-3)  # the collective: alpha + bytes/bw
+    # the compute stream: 0.5 us to issue it, and the 4 MiB it writes at 4096 bytes/us
+    assert on["compute"] == pytest.approx(0.5 + (4 << 20) / 4096.0)
+    # without a profile (no comm model) only the issue is charged
+    ev, _ = estimate([s, ag], 0, "forward")
+    assert {e["stream"]: e["end_us"] - e["start_us"] for e in ev}["compute"] == pytest.approx(0.5)

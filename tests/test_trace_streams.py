@@ -29,3 +29,31 @@ def test_streams_are_labelled_and_measured(tmp_path):
     assert T.strip(s[7]["occupancy"]) == "# #" and T.strip(s[21]["occupancy"]) == " # "
     assert res["waits"][0]["ms"] == 12.0
     assert "d2h" in T.report(res, 10)
+
+
+def test_predict_offline_on_the_committed_h200_dump(tmp_path, capsys):
+    """The cost model re-run on a committed GPU run's graphs and profile (no GPU needed): fused
+    kernels predict less than the node-by-node profile, the classes add up to the step, and
+    the trace's kernels are filed by kind (cuDNN attention is not a matmul)."""
+    import predict_offline as P
+
+    res = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+    ev = [{"ph": "X", "cat": "kernel", "name": "cudnn_generated_fort_native_sdpa_sm90_flash_fprop", "tid": 7,
+           "ts": 0, "dur": 3000},
+          {"ph": "X", "cat": "kernel", "name": "nvjet_hsh_256x128_2x1_v_bz_coopA_NNT", "tid": 7, "ts": 3000, "dur": 6000},
+          {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "tid": 17, "ts": 0, "dur": 9000}]
+    trace = tmp_path / "t.json.gz"
+    with gzip.open(trace, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+    assert P.main([str(res / "zero3_h200_2gpu_dc_default_graphs.json.gz"),
+                   "--result", str(res / "zero3_h200_2gpu_graphs.json"),
+                   "--trace", str(trace), "--trace-steps", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    fused, unfused = out["fused"], out["unfused"]
+    assert 0 < fused["step_ms"] < unfused["step_ms"]
+    for p in (fused, unfused):
+        assert abs(sum(p["by_class_ms"].values()) - p["step_ms"]) < 0.05 * p["step_ms"]
+    assert fused["by_class_ms"]["matmul"] == unfused["by_class_ms"]["matmul"] > 0
+    assert out["measured_step_ms"] > 0 and out["error_fused"] == round(fused["step_ms"] / out["measured_step_ms"] - 1, 3)
+    assert out["traced_gpu_ms_per_step"] == {"attention": 3.0, "matmul": 6.0, "communication": 9.0,
+                                             "busy_without_communication": 9.0}

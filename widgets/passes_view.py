@@ -156,7 +156,7 @@ class PassesModel:
             for kind in record.kinds(gid):
                 if kind != "dynamo":
                     versions.extend(record.versions(gid, kind))
-        p = predict(versions, prof)
+        p = predict(versions, prof, fused=self.compiler == "inductor")
         return (f"predicted from the recorded profile ({prof.hardware or 'unknown hardware'}), for the "
                 f"pass values this run compiled with: step {p['step_ms']:.2f} ms, peak "
                 f"{p['peak_bytes'] / 2**20:.1f} MiB of graph memory. Predicting other pass values "

@@ -38,16 +38,17 @@ def default_model(backend: str) -> CommModel:
     return DEFAULTS["nccl" if "nccl" in backend else "gloo"]
 
 
-def predict(versions, profile=None) -> dict:
+def predict(versions, profile=None, fused: bool = False) -> dict:
     """Predicted step time and memory of the latest compiled graphs (a list of GraphVersion or
     record dicts), from a profile where one exists: compute ops take their measured latency,
     collectives the measured alpha-beta time, waits block compute until their collective ends,
     buffers live from allocation (a gather's from its issue) to their last use. The step adds
     the profiling step's measured ``optimizer.step()`` (its graphs' time alone left out a
-    quarter of a ZeRO-3 step's AdamW on an H200)."""
+    quarter of a ZeRO-3 step's AdamW on an H200). ``fused``: the graphs are compiled by
+    Inductor, whose fused kernels move only what crosses them (``record.estimate.fused_us``)."""
     from deepcompile.record.estimate import estimate_versions
 
-    events, samples = estimate_versions(versions, profile)
+    events, samples = estimate_versions(versions, profile, fused)
     step_us = 0.0
     per_graph: dict = {}
     for e in events:
