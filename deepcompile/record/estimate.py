@@ -115,8 +115,9 @@ def fused_us(nodes: list[dict], rate: float) -> dict[str, float]:
     what something else needs, so a node costs the bytes that cross a kernel's boundary: what
     it reads from a graph input, a matmul, attention or a collective, and what it writes if a
     graph output or such an op uses it (views are looked through; they are no kernel). On the
-    953M Llama the unfused, node-by-node profile of these ops was 33 ms against about 5 ms in
-    the compiled step. Kernel launch is charged once per written output."""
+    953M Llama on an H200 the unfused, node-by-node profile of these ops was 32.7 ms, this
+    3.8 ms, and a trace of the compiled step 3.1 ms of Inductor kernels. Kernel launch is
+    charged once per written output."""
     by_name = {n["name"]: n for n in nodes}
     size = {n["name"]: node_bytes(n) for n in nodes}
     cls = {n["name"]: ("input" if n["op"] in ("placeholder", "get_attr") else
