@@ -3,12 +3,12 @@
 GPU measured: the step time (a benchmark's result JSON) and, where a trace exists, the GPU's own
 busy time per kind of kernel (``BENCH_TRACE``).
 
-    BENCH_GRAPHS=DIR torchrun ... benchmarks/zero3.py --systems dc_default   # writes DIR/dc_default_graphs.json.gz
-    python benchmarks/predict_offline.py benchmarks/results/zero3_h200_2gpu_dc_default_graphs.json.gz \
+    BENCH_GRAPHS=DIR torchrun ... benchmarks/zero3.py --systems dc_default   # a run record in DIR/dc_default
+    python benchmarks/predict_offline.py benchmarks/results/zero3_h200_2gpu_dc_default_record \
         --result benchmarks/results/zero3_h200_2gpu_graphs.json \
         --trace benchmarks/results/zero3_h200_2gpu_dc_default_trace_rank0.json.gz --trace-steps 3
 
-Needs no GPU: the prediction reads only the serialized graphs and the agreed profile. A step
+Needs no GPU: the prediction reads only the recorded graphs and the agreed profile. A step
 that is longer than the GPU's busy time is host-bound (the GPU waits for kernel launches), which
 a model of the GPU's timeline does not see.
 """
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import os
 import sys
@@ -28,6 +27,7 @@ if REPO not in sys.path:
 from deepcompile.profile.cost_model import predict  # noqa: E402
 from deepcompile.profile.profiler import Profile  # noqa: E402
 from deepcompile.record.estimate import comm_kind, op_class  # noqa: E402
+from deepcompile.record.reader import read_run  # noqa: E402
 
 
 def kernel_class(name: str) -> str:
@@ -51,11 +51,8 @@ def traced_ms(path: str, steps: int) -> dict:
     for e in load(path):
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
             out[kernel_class(e["name"])] += e["dur"] / 1e3 / steps
-    streams = collections.Counter()
-    for e in load(path):
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and kernel_class(e["name"]) != "communication":
-            streams["compute"] += e["dur"] / 1e3 / steps
-    return {**{k: round(v, 2) for k, v in out.items()}, "busy_without_communication": round(streams["compute"], 2)}
+    busy = sum(v for k, v in out.items() if k != "communication")
+    return {**{k: round(v, 2) for k, v in out.items()}, "busy_without_communication": round(busy, 2)}
 
 
 def predicted_by_class(p: dict, versions: list[dict]) -> dict:
@@ -75,23 +72,23 @@ def predicted_by_class(p: dict, versions: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("graphs", help="a BENCH_GRAPHS dump (<system>_graphs.json.gz)")
+    ap.add_argument("record", help="a run record with a profile (BENCH_GRAPHS writes DIR/<system>)")
     ap.add_argument("--result", help="the benchmark JSON of the same run (the measured step)")
     ap.add_argument("--system", default="dc_default")
     ap.add_argument("--trace", help="a BENCH_TRACE Chrome trace of the same code (rank 0)")
     ap.add_argument("--trace-steps", type=int, default=3, help="steps the trace holds")
     a = ap.parse_args(argv)
-    with gzip.open(a.graphs, "rt") as f:
-        d = json.load(f)
-    if not d.get("profile"):
-        print(f"{a.graphs}: no profile in this dump (the system ran no profiling step)", file=sys.stderr)
+    rec = read_run(a.record)
+    if not rec.profile:
+        print(f"{a.record}: no profile in this record (the system ran no profiling step)", file=sys.stderr)
         return 2
-    prof = Profile.from_records(d["profile"])
+    prof = Profile.from_records(rec.profile)
+    versions = [vars(g) for g in rec.graphs]
     out = {}
     for fused in (True, False):
-        p = predict(d["versions"], prof, fused=fused)
+        p = predict(versions, prof, fused=fused)
         out["fused" if fused else "unfused"] = {"step_ms": round(p["step_ms"], 2), "per_graph_ms": p["per_graph_ms"],
-                                                "by_class_ms": predicted_by_class(p, d["versions"])}
+                                                "by_class_ms": predicted_by_class(p, versions)}
     if a.result:
         with open(a.result) as f:
             e = json.load(f)["systems"][a.system]

@@ -349,7 +349,6 @@ def build_dc(name, base_model, args, dev, extra=None):
     cfg.update(copy.deepcopy(extra or {}))
     model = copy.deepcopy(base_model)
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), cfg)
-    object.__setattr__(model, "_bench_name", name.replace("#", "_"))  # file names (BENCH_GRAPHS)
     notes = {"config": cfg, "optimizer": f"torch.optim.AdamW(lr={args.lr}) over the fp32 flat shards",
              "what": "deepcompile.initialize(model, AdamW, config); the whole model is torch.compile'd "
                      "with the deepcompile backend"}
@@ -405,19 +404,21 @@ def dc_prediction(model, opt, res) -> None:
 
 
 def dump_graphs(model, prof, res) -> None:
-    """``BENCH_GRAPHS=DIR``: rank 0 writes every graph version and the agreed profile of this
-    system to DIR/<system>_graphs.json.gz, so that the cost model can be re-run offline against
-    the measured step (``deepcompile.profile.cost_model.predict(versions, Profile.from_records(...))``)."""
+    """``BENCH_GRAPHS=DIR``: rank 0 writes this system's graph versions and agreed profile as a
+    run record (``deepcompile.record``) in DIR/<system>, so that the cost model can be re-run
+    offline against the measured step (``benchmarks/predict_offline.py``) and the graphs opened
+    in the report and the inspector."""
     out_dir = os.environ.get("BENCH_GRAPHS")
     if not out_dir or res.get("rank") != 0:
         return
-    import gzip
+    from deepcompile.record.writer import RunRecorder
 
-    os.makedirs(out_dir, exist_ok=True)
-    versions = [{k: v for k, v in vars(g).items()} for g in model.dc_graphs if g.kind != "dynamo"]
-    path = os.path.join(out_dir, f"{getattr(model, '_bench_name', 'dc')}_graphs.json.gz")
-    with gzip.open(path, "wt") as f:
-        json.dump({"versions": versions, "profile": prof.to_records() if prof is not None else None}, f)
+    path = os.path.join(out_dir, res["system"].replace("#", "_"))
+    with RunRecorder(path, rank=0, world=1, config=model.dc_config) as rec:
+        for v in model.dc_graphs:
+            rec.graph_version(v)
+        if prof is not None:
+            rec.profile(prof.to_records())
     log(f"graphs and profile: {path}")
 
 
@@ -618,7 +619,7 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
     collectives): the process-group timeout (--pg-timeout) ends the run, and the JSON written after
     each system keeps what finished.
     """
-    res = {"rank": rank}
+    res = {"rank": rank, "system": name}
     model = opt = None
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()

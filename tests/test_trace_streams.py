@@ -45,7 +45,7 @@ def test_predict_offline_on_the_committed_h200_dump(tmp_path, capsys):
     trace = tmp_path / "t.json.gz"
     with gzip.open(trace, "wt") as f:
         json.dump({"traceEvents": ev}, f)
-    assert P.main([str(res / "zero3_h200_2gpu_dc_default_graphs.json.gz"),
+    assert P.main([str(res / "zero3_h200_2gpu_dc_default_record"),
                    "--result", str(res / "zero3_h200_2gpu_graphs.json"),
                    "--trace", str(trace), "--trace-steps", "1"]) == 0
     out = json.loads(capsys.readouterr().out)

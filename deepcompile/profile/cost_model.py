@@ -63,22 +63,22 @@ def predict(versions, profile=None, fused: bool = False) -> dict:
 
 def profiled_ms_by_class(versions, profile) -> dict:
     """The profile's node latencies summed by kind of op (matmul, attention, communication
-    waits, other) over the latest version of each profiled graph. The profile runs the graphs
-    unfused, node by node; a compiled step fuses the "other" ops, so this split is what a
-    comparison with the measured step needs to see where the time goes."""
-    from deepcompile.record.estimate import op_class
+    waits, views, other), each node filed by its op in the graph the profile measured. The
+    profile runs the graphs unfused, node by node; a compiled step fuses the "other" ops, so
+    this split is what a comparison with the measured step needs to see where the time goes."""
+    from deepcompile.record.estimate import op_class, profiled_version
 
     out = {"matmul": 0.0, "attention": 0.0, "communication": 0.0, "view": 0.0, "other": 0.0}
     if profile is None:
         return out
-    targets: dict = {}  # (graph_id, kind) -> node name -> target, over every version
+    by_key: dict = {}  # (graph_id, kind) -> its versions
     for v in versions:
         d = v if isinstance(v, dict) else vars(v)
         if d["kind"] != "dynamo":
-            targets.setdefault((d["graph_id"], d["kind"]), {}).update(
-                {n["name"]: str(n.get("target", "")) for n in d["nodes"]})
+            by_key.setdefault((d["graph_id"], d["kind"]), []).append(d)
     for key, gp in profile.graphs.items():
-        target = targets.get(key, {})
+        measured = profiled_version(gp, by_key.get(key, []))
+        target = {n["name"]: str(n.get("target", "")) for n in (measured or {"nodes": []})["nodes"]}
         for n in gp.nodes:
             out[op_class(target.get(n.name, ""))] += n.latency_ms
     return {k: round(v, 3) for k, v in out.items()}
