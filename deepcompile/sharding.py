@@ -1,4 +1,6 @@
-"""Flat, padded parameter shards and how tracing sees them.
+"""Row-aligned, padded parameter shards and how tracing sees them.
+
+(IN PROGRESS, lead: shards are becoming row-aligned N-d tensors; see /work/notes/SHARD_LAYOUT.md.)
 
 Design decision (DESIGN.md, "how tracing sees a sharded parameter")
 ------------------------------------------------------------------
