@@ -24,9 +24,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-from deepcompile.profile.cost_model import predict  # noqa: E402
+from deepcompile.plan.cost_model import predict  # noqa: E402
 from deepcompile.profile.profiler import Profile  # noqa: E402
-from deepcompile.record.estimate import comm_kind, op_class  # noqa: E402
+from deepcompile.plan.estimate import comm_kind, op_class  # noqa: E402
 from deepcompile.record.reader import read_run  # noqa: E402
 
 

@@ -37,7 +37,7 @@ def build_record(run_dir: Path, n_layer: int) -> float:
 
     import deepcompile
     from deepcompile.models import GPT, GPTConfig
-    from deepcompile.record import estimate
+    from deepcompile.plan import estimate
     from deepcompile.record.writer import RunRecorder
 
     with socket.socket() as s:

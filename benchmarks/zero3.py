@@ -373,7 +373,7 @@ def dc_prediction(model, opt, res) -> None:
     taken), next to what was measured. Persistent memory (shards, optimizer state) is measured,
     not predicted: predicted peak = allocated between steps - this rank's shards + the predicted
     peak of the graphs (whose inputs include the shards)."""
-    from deepcompile.profile.cost_model import predict
+    from deepcompile.plan.cost_model import predict
 
     try:  # where the compile time went (Dynamo, AOTAutograd, Inductor), cumulative in this process
         res["compile_times"] = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
@@ -389,7 +389,7 @@ def dc_prediction(model, opt, res) -> None:
     res["predicted"] = {"from_profile": prof is not None, "step_ms": p["step_ms"] if prof is not None else None,
                         "graph_peak_gib": p["peak_bytes"] / GIB}
     if prof is not None:
-        from deepcompile.profile.cost_model import profiled_ms_by_class
+        from deepcompile.plan.cost_model import profiled_ms_by_class
         res["predicted"]["profiled_ms_by_class"] = profiled_ms_by_class(model.dc_graphs, prof)
         res["predicted"]["per_graph_ms"] = p["per_graph_ms"]  # where the predicted step goes
         res["predicted"]["optimizer_ms"] = p.get("optimizer_ms")  # measured in the profiling step

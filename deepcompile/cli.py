@@ -101,7 +101,7 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
 
     import deepcompile
     from deepcompile.profile import trace
-    from deepcompile.record import estimate
+    from deepcompile.plan import estimate
     from deepcompile.record.writer import RunRecorder, memory_stats
 
     rec = None
@@ -220,7 +220,7 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 
 def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
-    from deepcompile.record.estimate import fmt_bytes
+    from deepcompile.plan.estimate import fmt_bytes
     from deepcompile.record.reader import read_all_steps, read_run
     from deepcompile.report.graph_layout import diff
 

@@ -158,7 +158,7 @@ def _profiled(rank, world):
     prof = model.dc_profile
     flat = [(k, n.name, n.latency_ms, n.peak_bytes) for k, gp in sorted(prof.graphs.items()) for n in gp.nodes]
     final = [v.nodes for v in model.dc_graphs if v.step == 2 and v.after == "prefetch"]
-    from deepcompile.profile.cost_model import predict
+    from deepcompile.plan.cost_model import predict
 
     before = predict([v for v in model.dc_graphs if v.step == 0 and v.after == "zero3"], prof)
     after = predict([v for v in model.dc_graphs if v.step == 2 and v.after == "prefetch"], prof)

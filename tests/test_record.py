@@ -145,7 +145,7 @@ def test_writer_live_and_slots(tmp_path):
 
 
 def test_estimate_prices_unprofiled_nodes_at_the_profiled_rate():
-    from deepcompile.record.estimate import COMPUTE_BYTES_PER_US, OP_OVERHEAD_US, estimate
+    from deepcompile.plan.estimate import COMPUTE_BYTES_PER_US, OP_OVERHEAD_US, estimate
 
     x = {"name": "x", "op": "placeholder", "target": "x", "shape": [1024, 1024], "dtype": "float32"}
     a = {"name": "a", "op": "call_function", "target": "aten.relu", "shape": [1024, 1024], "dtype": "float32",
@@ -170,8 +170,8 @@ def test_estimate_prices_unprofiled_nodes_at_the_profiled_rate():
 
 
 def test_estimate_kept_parameters_are_one_collective_waited_at_once():
-    from deepcompile.record.estimate import estimate
-    from deepcompile.profile.cost_model import CommModel
+    from deepcompile.plan.estimate import estimate
+    from deepcompile.plan.cost_model import CommModel
 
     s1 = {"name": "s1", "op": "placeholder", "target": "s1", "shape": [512], "dtype": "float32"}
     many = {"name": "many", "op": "call_function", "target": "dc.gather_persistent_many",
@@ -197,7 +197,7 @@ def test_estimate_trusts_a_profiled_name_only_for_the_same_op_and_prices_views_a
     """The final graph is traced again, so its ``mm_1`` may be the profiled graph's ``permute_1``'s
     neighbour: a latency follows a name only when the op is the same; views cost nothing."""
     from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
-    from deepcompile.record.estimate import estimate_versions
+    from deepcompile.plan.estimate import estimate_versions
 
     def node(name, target, args=()):
         return {"name": name, "op": "call_function", "target": target, "shape": [1024, 1024],
@@ -222,8 +222,8 @@ def test_estimate_trusts_a_profiled_name_only_for_the_same_op_and_prices_views_a
 
 
 def test_estimate_backward_ends_with_its_last_reduce():
-    from deepcompile.profile.cost_model import CommModel
-    from deepcompile.record.estimate import estimate
+    from deepcompile.plan.cost_model import CommModel
+    from deepcompile.plan.estimate import estimate
 
     g = {"name": "g", "op": "placeholder", "target": "g", "shape": [1 << 20], "dtype": "float32"}
     r = {"name": "r", "op": "call_function", "target": "dc.reduce_grad", "shape": None, "dtype": None,
@@ -242,7 +242,7 @@ def test_estimate_backward_ends_with_its_last_reduce():
 def test_fused_estimate_charges_only_what_crosses_a_kernel():
     """Under Inductor a chain of pointwise ops is one kernel: it reads the matmul's output once
     and writes what the next matmul reads; the intermediate values cost nothing."""
-    from deepcompile.record.estimate import OP_OVERHEAD_US, estimate
+    from deepcompile.plan.estimate import OP_OVERHEAD_US, estimate
 
     MB = 1 << 20
 
@@ -272,8 +272,8 @@ def test_fused_estimate_charges_only_what_crosses_a_kernel():
 
 
 def test_hidden_collectives_still_cost_compute_their_memory_traffic():
-    from deepcompile.profile.cost_model import CommModel
-    from deepcompile.record.estimate import estimate
+    from deepcompile.plan.cost_model import CommModel
+    from deepcompile.plan.estimate import estimate
 
     s = {"name": "s", "op": "placeholder", "target": "s", "shape": [1 << 18], "dtype": "float32"}
     ag = {"name": "ag", "op": "call_function", "target": "dc.allgather_param", "shape": [1 << 20],

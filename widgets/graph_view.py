@@ -34,7 +34,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-from deepcompile.record import estimate as E
+from deepcompile.plan import estimate as E
 from deepcompile.report import graph_layout as L
 
 COLOR_MODES = ("kind", "latency", "memory")

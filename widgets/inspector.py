@@ -27,7 +27,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Iterable
 
-from deepcompile.record import estimate as E
+from deepcompile.plan import estimate as E
 from deepcompile.record.reader import RecordError, read_run
 
 from .canvas import have_anywidget, make_canvas

@@ -147,7 +147,7 @@ class PassesModel:
         if record is None or not getattr(record, "profile", None):
             return ("no profile in this record: a prediction needs the measured per-operator profile "
                     "of a previous iteration (run with a profile step, e.g. demo --profile-step 1)")
-        from deepcompile.profile.cost_model import predict
+        from deepcompile.plan.cost_model import predict
         from deepcompile.profile.profiler import Profile
 
         prof = Profile.from_records(record.profile)

@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from deepcompile.record import estimate as E
+from deepcompile.plan import estimate as E
 from deepcompile.record import schema as S
 from deepcompile.record.reader import RecordError, load_json, read_run, read_steps
 

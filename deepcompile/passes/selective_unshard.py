@@ -24,7 +24,7 @@ import torch.fx as fx
 from deepcompile.params import spec
 from deepcompile.passes.registry import PassContext, register_pass
 from deepcompile.passes.zero3 import is_op
-from deepcompile.profile.cost_model import default_model
+from deepcompile.plan.cost_model import default_model
 
 DC = torch.ops.dc
 

@@ -45,8 +45,8 @@ def predict(versions, profile=None, fused: bool = False) -> dict:
     buffers live from allocation (a gather's from its issue) to their last use. The step adds
     the profiling step's measured ``optimizer.step()`` (its graphs' time alone left out a
     quarter of a ZeRO-3 step's AdamW on an H200). ``fused``: the graphs are compiled by
-    Inductor, whose fused kernels move only what crosses them (``record.estimate.fused_us``)."""
-    from deepcompile.record.estimate import estimate_versions
+    Inductor, whose fused kernels move only what crosses them (``plan.estimate.fused_us``)."""
+    from deepcompile.plan.estimate import estimate_versions
 
     events, samples = estimate_versions(versions, profile, fused)
     step_us = 0.0
@@ -66,7 +66,7 @@ def profiled_ms_by_class(versions, profile) -> dict:
     waits, views, other), each node filed by its op in the graph the profile measured. The
     profile runs the graphs unfused, node by node; a compiled step fuses the "other" ops, so
     this split is what a comparison with the measured step needs to see where the time goes."""
-    from deepcompile.record.estimate import op_class, profiled_version
+    from deepcompile.plan.estimate import op_class, profiled_version
 
     out = {"matmul": 0.0, "attention": 0.0, "communication": 0.0, "view": 0.0, "other": 0.0}
     if profile is None:

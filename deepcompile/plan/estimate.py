@@ -1,8 +1,9 @@
 """A naive, order-based estimate of a graph's schedule and memory, from the record's node lists.
 
-This is *not* the cost model (``deepcompile.profile``): it needs no hardware and no run, only
-the serialized graph, and exists so that a record always has a schedule and a memory timeline to
-show (marked ``source: "predicted"``) before a profiler has measured anything. Assumptions:
+Without a profile it needs no hardware and no run, only the serialized graph, and exists so
+that a record always has a schedule and a memory timeline to show (marked ``source:
+"predicted"``) before a profiler has measured anything; with one (``latency_us``, ``comm``) it
+is the engine of the cost model (``plan.cost_model.predict``). Assumptions:
 compute ops run in graph order on the compute stream at a fixed bandwidth; ``allgather_param``
 starts on the allgather stream when issued and ``wait_allgather`` blocks compute until it ends;
 ``reduce_grad`` runs on the reduce stream; a tensor is freed after its last user, a gathered

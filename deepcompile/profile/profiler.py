@@ -12,7 +12,7 @@ mostly the interpreter's Python and the sync itself, not the GPU work (the nodes
 Llama step summed to 15 s), and a device-wide sync serialises the collectives' streams.
 
 A micro-benchmark times allgather and reduce-scatter by message size on the actual process
-group and fits the alpha-beta :class:`~deepcompile.profile.cost_model.CommModel`.
+group and fits the alpha-beta :class:`~deepcompile.plan.cost_model.CommModel`.
 
 Profiles are agreed across ranks (element-wise maximum) before any pass reads them: a rank
 that decided differently would issue different collectives and deadlock the job.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from deepcompile import compat
-from deepcompile.profile.cost_model import CommModel
+from deepcompile.plan.cost_model import CommModel
 
 
 @dataclass

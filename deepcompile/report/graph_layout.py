@@ -25,7 +25,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from deepcompile.record.estimate import comm_kind, inputs_of
+from deepcompile.plan.estimate import comm_kind, inputs_of
 
 COMM_COLORS = {
     "allgather_param": "#f4a261", "wait_allgather": "#f6bd60", "release_param": "#e9c46a",

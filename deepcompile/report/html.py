@@ -15,7 +15,7 @@
   plus each level's strings, and graphviz lays out each distinct level once, all of them in at
   most ``workers`` processes;
 * the schedule as one timeline per stream, the memory timeline as a line chart (measured where
-  the record has them, else the naive prediction of ``deepcompile.record.estimate``);
+  the record has them, else the naive prediction of ``deepcompile.plan.estimate``);
 * per-operator latency and memory tables, sortable by clicking a column header.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from deepcompile.record import estimate as E
+from deepcompile.plan import estimate as E
 from deepcompile.record.reader import RunRecord, read_all_steps, read_run
 from deepcompile.report import graph_layout as L
 
