@@ -38,6 +38,7 @@ class DeepCompileModel(nn.Module):
         object.__setattr__(self, "_dc_compiled", torch.compile(module, backend=backend))
         object.__setattr__(self, "dc_step", 0)
         object.__setattr__(self, "_dc_passes", config.passes)
+        object.__setattr__(self, "dc_plan", None)  # the planner's choice and why (deepcompile.plan.planner)
 
     def forward(self, *args, **kwargs):
         passes = self.dc_config.passes_at(self.dc_step)
@@ -52,7 +53,12 @@ class DeepCompileModel(nn.Module):
         # the memory their code objects pin) must not survive the switch.
         compat.reset_dynamo(self.module)
         optimizer_state.MANAGER.plan(0)  # the new pass list decides again (nothing, without offload_optimizer)
-        self.dc_backend.use_passes(passes, self.dc_step, profiling)
+        planned = passes
+        if not profiling and self.dc_config.plan and self.dc_backend.profile is not None:
+            from deepcompile.plan.planner import plan_model
+
+            planned = plan_model(self, passes)  # budgets from the profile and the memory limit
+        self.dc_backend.use_passes(planned, self.dc_step, profiling)
         object.__setattr__(self, "_dc_passes", passes)
         object.__setattr__(self, "_dc_compiled", torch.compile(self.module, backend=self.dc_backend))
 
@@ -62,7 +68,12 @@ class DeepCompileModel(nn.Module):
         return self.dc_backend.profile
 
     def _dc_before_optimizer_step(self, *_args) -> None:
-        # the profiling step times optimizer.step() too: the cost model predicts whole steps
+        # Kept gathered parameters are dropped before the step, not after it: the step does not
+        # read them and would otherwise carry them at its peak (the planner's memory model
+        # counts on this).
+        ops.C.invalidate_persistent()
+        # the profiling step times optimizer.step() too (and its peak memory): the cost model
+        # predicts whole steps
         if self.dc_backend.profiling and self.dc_backend.measured:
             object.__setattr__(self, "_dc_opt_timer", _StepTimer(self._dc_device()))
 
@@ -81,6 +92,7 @@ class DeepCompileModel(nn.Module):
                        step=self.dc_step)
         timer = self.__dict__.pop("_dc_opt_timer", None)
         prof.optimizer_ms = timer.stop() if timer is not None else 0.0
+        prof.optimizer_peak_bytes = timer.peak_bytes if timer is not None else 0
         prof.comm = benchmark_comm(self.dc_group, self._dc_device())
         b.profile = agree(prof, self.dc_group)
         b.measured = {}
@@ -100,7 +112,9 @@ class _StepTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.peak_bytes = 0  # CUDA: the allocator's peak between construction and stop()
         if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
             self.start = torch.cuda.Event(enable_timing=True)
             self.start.record()
         else:
@@ -112,6 +126,7 @@ class _StepTimer:
         end = torch.cuda.Event(enable_timing=True)
         end.record()
         end.synchronize()
+        self.peak_bytes = int(torch.cuda.max_memory_allocated())
         return float(self.start.elapsed_time(end))
 
 

@@ -66,6 +66,16 @@ class Config:
                                             "compiles once, with the final pass list")
     auto_schedule: bool = spec(True, help="ZeRO-3 with none of passes, schedule, profile_step given: compile "
                                           "zero3 at step 0, profile step 1, then zero3+prefetch+selective_unshard")
+    memory_limit_gib: float | None = spec(None, min=0.001, max=1e6,
+                                          help="device memory (GiB) the planned passes must fit in, the same on every "
+                                               "rank (default: 90% of the device, lowered to the free memory of the "
+                                               "fullest rank)")
+    device_memory_gib: float | None = spec(None, min=0.001, max=1e6,
+                                           help="the device's capacity for the planner (default: what CUDA reports; "
+                                                "on the CPU, MemTotal)")
+    plan: bool | None = spec(None, help="after the profile, fill the parameters not set by hand of prefetch and "
+                                        "selective_unshard (adding offload_optimizer when nothing fits otherwise) from "
+                                        "the profile and memory_limit_gib; default: on for the default ZeRO-3 plan")
 
     def validate(self, path: str = "config") -> None:
         first = "zero3" if self.zero_stage == 3 else "zero12"
@@ -136,6 +146,8 @@ class Config:
         if "warmup_compiler" not in explicit and self.compiler == "inductor":
             self.warmup_compiler = "aot_eager"
         self.profile_step = 1
+        if self.plan is None:  # the default plan's budgets come from the planner (deepcompile.plan)
+            self.plan = True
         self.schedule = [build(ScheduleEntry, {"step": 2, "passes": ["zero3", "prefetch", "selective_unshard"]},
                                "config.schedule[0]")]
         self.validate()

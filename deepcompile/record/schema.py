@@ -17,6 +17,7 @@ hand-written (no dependency): each raises :class:`RecordError` naming the file a
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 FORMAT_VERSION = 1
@@ -60,8 +61,32 @@ def _tname(t) -> str:
             bool: "true/false", type(None): "null"}.get(t, t.__name__)
 
 
+# Integers beyond int64 are no count, size or id a run writes, and they overflow the report's
+# float arithmetic (int / int of 10**400 raises OverflowError); times drawn on an axis must be
+# finite (a NaN start makes every tick NaN).
+MAX_INT = (1 << 63) - 1
+
+
+def _check_value(file: str, path: str, v: Any, types, *, finite: bool = False) -> Any:
+    ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in _as_tuple(types))
+    if not ok:
+        _fail(file, path, f"expected {_tname(types)}, got {_short(v)}")
+    if isinstance(v, int) and not isinstance(v, bool) and not -MAX_INT <= v <= MAX_INT:
+        _fail(file, path, f"{_short(v)} is out of range (at most {MAX_INT} in magnitude)")
+    if finite and isinstance(v, float) and not (math.isfinite(v) and abs(v) <= MAX_INT):
+        _fail(file, path, f"expected a finite number, got {v!r}")
+    return v
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 200:
+        return f"an integer of {v.bit_length()} bits"   # repr of a huge int is slow and useless
+    r = repr(v) if not isinstance(v, (list, dict)) else f"a {type(v).__name__} of {len(v)} item(s)"
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 def _field(file: str, obj: Any, key: str, types, where: str, *, optional: bool = False,
-           choices: tuple | None = None) -> Any:
+           choices: tuple | None = None, finite: bool = False) -> Any:
     if not isinstance(obj, dict):
         _fail(file, where, f"expected an object, got {type(obj).__name__}")
     path = f"{where}.{key}" if where else key
@@ -72,11 +97,9 @@ def _field(file: str, obj: Any, key: str, types, where: str, *, optional: bool =
     v = obj[key]
     if optional and v is None:
         return None
-    ok = isinstance(v, types) and not (isinstance(v, bool) and bool not in _as_tuple(types))
-    if not ok:
-        _fail(file, path, f"expected {_tname(types)}, got {v!r:.60}")
+    _check_value(file, path, v, types, finite=finite)
     if choices is not None and v not in choices:
-        _fail(file, path, f"{v!r} is not one of {list(choices)}")
+        _fail(file, path, f"{_short(v)} is not one of {list(choices)}")
     return v
 
 
@@ -89,6 +112,10 @@ def _list(file: str, obj: Any, key: str, where: str, optional: bool = False) -> 
     return v if v is not None else []
 
 
+STATUSES = ("running", "complete", "failed", "interrupted")
+MAX_DEPTH = 32   # nesting of a node's args: deeper is no FX graph, and would overflow recursive readers
+
+
 def check_manifest(file: str, m: Any) -> dict:
     if not isinstance(m, dict):
         _fail(file, "", "expected a JSON object")
@@ -99,14 +126,65 @@ def check_manifest(file: str, m: Any) -> dict:
               "reads; upgrade deepcompile to read it")
     if v < 1:
         _fail(file, "format_version", f"{v} is not a valid format version")
-    _field(file, m, "world_size", int, "")
+    world = _field(file, m, "world_size", int, "")
+    if world < 1:
+        _fail(file, "world_size", f"expected at least 1, got {world}")
     ranks = _list(file, m, "ranks", "")
     for i, r in enumerate(ranks):
-        if not isinstance(r, int) or isinstance(r, bool):
-            _fail(file, f"ranks[{i}]", f"expected an integer, got {r!r}")
-    _field(file, m, "status", str, "", choices=("running", "complete", "failed"))
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world:
+            _fail(file, f"ranks[{i}]", f"expected an integer from 0 to world_size - 1 ({world - 1}), got {_short(r)}")
+    if len(set(ranks)) != len(ranks):
+        _fail(file, "ranks", "lists a rank twice")
+    _field(file, m, "status", str, "", choices=STATUSES)
     _field(file, m, "created", str, "", optional=True)
+    _field(file, m, "tool", str, "", optional=True)
+    _field(file, m, "reason", str, "", optional=True)
     return m
+
+
+_SCALAR = (int, float, str, bool, type(None))
+
+
+def _check_pass_list(file: str, passes: Any, where: str) -> None:
+    if not isinstance(passes, list):
+        _fail(file, where, f"expected a list of pass names or {{name, params}} objects, got {_short(passes)}")
+    for i, p in enumerate(passes):
+        w = f"{where}[{i}]"
+        if isinstance(p, str):
+            continue
+        if not isinstance(p, dict):
+            _fail(file, w, f"expected a pass name or a {{name, params}} object, got {_short(p)}")
+        _field(file, p, "name", str, w)
+        params = _field(file, p, "params", dict, w, optional=True) or {}
+        for k, v in params.items():
+            if isinstance(v, list):
+                for j, x in enumerate(v):
+                    _check_value(file, f"{w}.params.{k}[{j}]", x, _SCALAR)
+            else:
+                _check_value(file, f"{w}.params.{k}", v, _SCALAR)
+
+
+def check_config(file: str, c: Any) -> dict:
+    """``Config.to_dict()`` as recorded. Keys are optional (another version may lack some) and
+    unknown keys pass, but the keys that readers use must have their types."""
+    if not isinstance(c, dict):
+        _fail(file, "", "expected a JSON object")
+    _field(file, c, "zero_stage", int, "", optional=True)
+    for k in ("compiler", "warmup_compiler"):
+        _field(file, c, k, str, "", optional=True)
+    for k in ("profile_step", "gradient_accumulation_steps", "reduce_bucket_size", "max_inflight_reduces"):
+        _field(file, c, k, int, "", optional=True)
+    _field(file, c, "auto_schedule", bool, "", optional=True)
+    mp = _field(file, c, "mixed_precision", dict, "", optional=True)
+    for k in ("param_dtype", "reduce_dtype"):
+        if mp:
+            _field(file, mp, k, str, "mixed_precision", optional=True)
+    if c.get("passes") is not None:
+        _check_pass_list(file, c["passes"], "passes")
+    for i, e in enumerate(_list(file, c, "schedule", "", optional=True)):
+        _field(file, e, "step", int, f"schedule[{i}]")
+        _check_pass_list(file, e.get("passes", []), f"schedule[{i}].passes")
+    return c
 
 
 def check_environment(file: str, e: Any) -> dict:
@@ -116,7 +194,8 @@ def check_environment(file: str, e: Any) -> dict:
         _field(file, e, k, str, "")
     _field(file, e, "world_size", int, "")
     _field(file, e, "rank", int, "")
-    _list(file, e, "devices", "")
+    for i, d in enumerate(_list(file, e, "devices", "")):
+        _check_value(file, f"devices[{i}]", d, str)
     return e
 
 
@@ -134,8 +213,40 @@ def check_graph_index(file: str, idx: Any) -> list:
         notes = _list(file, e, "notes", w, optional=True)
         if not all(isinstance(n, str) for n in notes):
             _fail(file, f"{w}.notes", "expected a list of strings")
-        _field(file, e, "seconds", _NUM, w, optional=True)
+        _field(file, e, "seconds", _NUM, w, optional=True, finite=True)
     return idx
+
+
+def _check_arg(file: str, a: Any, where: str, depth: int = 0) -> None:
+    """A node argument: a literal, a list, or an object; ``{"node": NAME}`` names another node."""
+    if depth > MAX_DEPTH:
+        _fail(file, where, f"nested more than {MAX_DEPTH} levels deep")
+    if isinstance(a, list):
+        for i, x in enumerate(a):
+            _check_arg(file, x, f"{where}[{i}]", depth + 1)
+    elif isinstance(a, dict):
+        if set(a) == {"node"}:
+            _check_value(file, f"{where}.node", a["node"], str)
+        for k, x in a.items():
+            _check_arg(file, x, f"{where}.{k}", depth + 1)
+    else:
+        _check_value(file, where, a, _SCALAR)
+
+
+def _check_shape(file: str, shape: Any, where: str) -> None:
+    """Sizes (int, or str for a symbolic size), or a list of those for a tuple output."""
+    if shape is None:
+        return
+    if not isinstance(shape, list):
+        _fail(file, where, f"expected a list of sizes or null, got {_short(shape)}")
+    for i, s in enumerate(shape):
+        if isinstance(s, list):
+            for j, x in enumerate(s):
+                _check_value(file, f"{where}[{i}][{j}]", x, (int, str))
+        else:
+            _check_value(file, f"{where}[{i}]", s, (int, str))
+            if isinstance(s, int) and s < 0:
+                _fail(file, f"{where}[{i}]", f"a size cannot be negative, got {s}")
 
 
 def check_nodes(file: str, nodes: Any, where: str = "nodes") -> list:
@@ -146,8 +257,14 @@ def check_nodes(file: str, nodes: Any, where: str = "nodes") -> list:
         _field(file, n, "name", str, w)
         _field(file, n, "op", str, w)
         _field(file, n, "target", str, w)
-        _field(file, n, "args", list, w)
+        _check_arg(file, _field(file, n, "args", list, w), f"{w}.args")
         _field(file, n, "scope", str, w)
+        _check_shape(file, n.get("shape"), f"{w}.shape")
+        _field(file, n, "dtype", str, w, optional=True)
+        kw = _field(file, n, "kwargs", dict, w, optional=True)
+        if kw:
+            _check_arg(file, kw, f"{w}.kwargs")
+        _field(file, n, "param", int, w, optional=True)
     return nodes
 
 
@@ -172,8 +289,9 @@ def check_profile(file: str, p: Any) -> dict:
         for j, n in enumerate(_list(file, g, "nodes", w)):
             wn = f"{w}.nodes[{j}]"
             _field(file, n, "name", str, wn)
+            _field(file, n, "target", str, wn, optional=True)
             for k in ("latency_ms",):
-                _field(file, n, k, _NUM, wn, optional=True)
+                _field(file, n, k, _NUM, wn, optional=True, finite=True)
             for k in ("mem_after_bytes", "peak_bytes", "out_bytes"):
                 _field(file, n, k, int, wn, optional=True)
     return p
@@ -188,8 +306,8 @@ def check_schedule(file: str, s: Any) -> dict:
         _field(file, e, "kind", str, w, choices=GRAPH_KINDS)
         _field(file, e, "node", str, w)
         _field(file, e, "stream", str, w, choices=STREAMS)
-        a = _field(file, e, "start_us", _NUM, w)
-        b = _field(file, e, "end_us", _NUM, w)
+        a = _field(file, e, "start_us", _NUM, w, finite=True)
+        b = _field(file, e, "end_us", _NUM, w, finite=True)
         if b < a:
             _fail(file, w, f"end_us {b} is before start_us {a}")
         _field(file, e, "source", str, w, choices=SOURCES)
@@ -203,17 +321,19 @@ def check_memory(file: str, m: Any) -> dict:
         w = f"samples[{i}]"
         if not isinstance(e, dict) or ("t_us" not in e and "node_index" not in e):
             _fail(file, w, "each sample needs t_us or node_index")
-        _field(file, e, "t_us", _NUM, w, optional=True)
+        _field(file, e, "t_us", _NUM, w, optional=True, finite=True)
         _field(file, e, "node_index", int, w, optional=True)
         _field(file, e, "allocated_bytes", int, w)
         _field(file, e, "reserved_bytes", int, w, optional=True)
         _field(file, e, "graph_id", int, w, optional=True)
         _field(file, e, "kind", str, w, optional=True, choices=GRAPH_KINDS)
         _field(file, e, "source", str, w, optional=True, choices=SOURCES)
+        _field(file, e, "node", str, w, optional=True)
     return m
 
 
 def check_step(file: str, line_no: int, s: Any) -> dict:
+    """One step. ``time_s`` and ``loss`` may be NaN or infinite: a diverged run logs them."""
     w = f"line {line_no}"
     _field(file, s, "step", int, w)
     _field(file, s, "time_s", _NUM, w)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime as _dt
 import html
 import json
+import math
 import os
 from collections import defaultdict
 from pathlib import Path
@@ -102,45 +103,71 @@ document.querySelectorAll('table.sortable').forEach(function(t){
 
 
 # --------------------------------------------------------------------------- small SVG charts
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    if hi <= lo:
-        return [lo]
-    import math
+def _finite(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-    step = 10 ** math.floor(math.log10((hi - lo) / n))
-    for m in (1, 2, 5, 10):
-        if (hi - lo) / (step * m) <= n:
-            step *= m
-            break
-    t = math.ceil(lo / step) * step
-    out = []
-    while t <= hi + 1e-12:
-        out.append(t)
-        t += step
-    return out
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    """Round tick values from ``lo`` to ``hi``: at most ~n of them, whatever the numbers (a range
+    far below the float resolution of its values, or one that overflows, gets its ends)."""
+    if not (_finite(lo) and _finite(hi)):
+        return []
+    try:
+        span = float(hi) - float(lo)
+        if span <= 0 or not math.isfinite(span):
+            return [lo] if span <= 0 else [lo, hi]
+        step = 10.0 ** math.floor(math.log10(span / n))
+        for m in (1, 2, 5, 10):
+            if span / (step * m) <= n:
+                step *= m
+                break
+        if step <= 0:
+            return [lo]
+        k0 = math.ceil(lo / step)
+        out: list[float] = []
+        for k in range(k0, k0 + 2 * n + 2):   # bounded: a step below the values' resolution stops too
+            t = k * step
+            if t > hi + abs(step) * 1e-9 or (out and t <= out[-1]):
+                break
+            out.append(t)
+        return out or [lo]
+    except (OverflowError, ValueError, ZeroDivisionError):
+        return [lo, hi]
 
 
 def _num(v: float) -> str:
     return f"{v:.4g}"
 
 
+def _scale(lo: float, hi: float, a: float, b: float):
+    """x -> position in [a, b]; halves first so that ``hi - lo`` cannot overflow to inf."""
+    lo2, span2 = lo / 2, (hi / 2 - lo / 2) or 0.5
+    return lambda x: a + (x / 2 - lo2) / span2 * (b - a)
+
+
 def line_chart(series: list[tuple[str, list[float], list[float], str]], *, title: str, xlabel: str,
                ylabel: str, yfmt=_num, width: int = 560, height: int = 240, cls: str = "") -> str:
-    xs_all = [x for s in series for x in s[1]]
-    ys_all = [y for s in series for y in s[2] if y is not None]
-    if not xs_all or not ys_all:
-        return f'<p class="empty">{esc(title)}: no data</p>'
+    """Lines of ``(label, xs, ys, color)``. A y of None, NaN or ±inf (a diverged loss) is a gap
+    in its line, and the chart says how many points were not finite."""
+    pts_all = [(x, y) for s in series for x, y in zip(s[1], s[2]) if _finite(x) and _finite(y)]
+    bad = sum(1 for s in series for x, y in zip(s[1], s[2]) if y is not None and not (_finite(x) and _finite(y)))
+    note = (f'<text class="gap-note" x="{width - 12}" y="14" text-anchor="end" fill="#c62828">{bad} point(s) '
+            "NaN/inf: gaps</text>") if bad else ""
+    if not pts_all:
+        extra = f" ({bad} NaN/inf value(s))" if bad else ""
+        return f'<p class="empty">{esc(title)}: no data{extra}</p>'
+    xs_all, ys_all = [p[0] for p in pts_all], [p[1] for p in pts_all]
     x0, x1 = min(xs_all), max(xs_all)
     y0, y1 = min(0.0, min(ys_all)), max(ys_all)
     x1 = x1 if x1 > x0 else x0 + 1
     y1 = y1 if y1 > y0 else y0 + 1
     L_, R, T, B = 70, 12, 24, 36
     pw, ph = width - L_ - R, height - T - B
-    sx = lambda x: L_ + (x - x0) / (x1 - x0) * pw  # noqa: E731
-    sy = lambda y: T + ph - (y - y0) / (y1 - y0) * ph  # noqa: E731
+    sx = _scale(x0, x1, L_, L_ + pw)
+    sy = _scale(y0, y1, T + ph, T)
     out = [f'<svg class="chart {cls}" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'font-family="Helvetica,Arial,sans-serif" font-size="10">',
-           f'<text x="{L_}" y="14" font-size="12" font-weight="bold">{esc(title)}</text>']
+           f'<text x="{L_}" y="14" font-size="12" font-weight="bold">{esc(title)}</text>', note]
     for t in _ticks(y0, y1):
         out.append(f'<line x1="{L_}" x2="{L_ + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#eee"/>'
                    f'<text x="{L_ - 4}" y="{sy(t) + 3:.1f}" text-anchor="end">{esc(yfmt(t))}</text>')
@@ -151,9 +178,20 @@ def line_chart(series: list[tuple[str, list[float], list[float], str]], *, title
     out.append(f'<text transform="translate(12,{T + ph / 2}) rotate(-90)" text-anchor="middle">{esc(ylabel)}</text>')
     lx = L_ + 8
     for label, xs, ys, color in series:
-        pts = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys) if y is not None)
-        out.append(f'<polyline class="series" points="{pts}" fill="none" stroke="{color}" stroke-width="1.6">'
-                   f'<title>{esc(label)}</title></polyline>')
+        runs: list[list[str]] = [[]]     # one polyline per stretch of finite points
+        for x, y in zip(xs, ys):
+            if _finite(x) and _finite(y):
+                runs[-1].append(f"{sx(x):.1f},{sy(y):.1f}")
+            elif runs[-1]:
+                runs.append([])
+        for pts in runs:
+            if len(pts) == 1:   # a lone finite point between gaps: a dot, or it would not show
+                cx, cy = pts[0].split(",")
+                out.append(f'<circle class="series" cx="{cx}" cy="{cy}" r="2" fill="{color}"><title>{esc(label)}'
+                           "</title></circle>")
+            elif pts:
+                out.append(f'<polyline class="series" points="{" ".join(pts)}" fill="none" stroke="{color}" '
+                           f'stroke-width="1.6"><title>{esc(label)}</title></polyline>')
         if len(series) > 1:
             out.append(f'<rect x="{lx}" y="{T + 4}" width="10" height="3" fill="{color}"/>'
                        f'<text x="{lx + 13}" y="{T + 9}">{esc(label)}</text>')
@@ -220,6 +258,15 @@ def _section_steps(rec: RunRecord, all_steps: dict[int, list[dict]]) -> str:
         out.append("<p class='empty'>no steps recorded (yet)</p></section>")
         return "".join(out)
     xs = [s["step"] for s in st]
+    bad_loss = [s["step"] for s in st if s.get("loss") is not None and not _finite(s["loss"])]
+    bad_time = [s["step"] for s in st if not _finite(s["time_s"])]
+    if bad_loss:
+        out.append(f"<p class='note diverged'><b>The run diverged:</b> the loss is NaN or infinite at "
+                   f"{len(bad_loss)} of {len(st)} step(s), from step {bad_loss[0]}; those steps are gaps "
+                   "in the loss chart.</p>")
+    if bad_time:
+        out.append(f"<p class='note'>{len(bad_time)} step time(s) are NaN or infinite (from step {bad_time[0]}); "
+                   "they are gaps in the step-time chart.</p>")
     out.append(line_chart([("loss", xs, [s.get("loss") for s in st], "#4e79a7")], title="loss (rank 0)",
                           xlabel="step", ylabel="loss", cls="loss"))
     out.append(line_chart([("time", xs, [s["time_s"] for s in st], "#e15759")], title="step time",
@@ -234,9 +281,8 @@ def _section_steps(rec: RunRecord, all_steps: dict[int, list[dict]]) -> str:
         mem = s.get("mem") or {}
         loss = s.get("loss")
         rows.append(f"<tr><td class=num data-v='{s['step']}'>{s['step']}</td>"
-                    f"<td class=num data-v='{loss if loss is not None else 'NaN'}'>"
-                    f"{'' if loss is None else f'{loss:.4f}'}</td>"
-                    f"<td class=num data-v='{s['time_s']}'>{s['time_s']:.3f}</td>"
+                    f"<td class=num data-v='{_js_num(loss)}'>{'' if loss is None else f'{loss:.4f}'}</td>"
+                    f"<td class=num data-v='{_js_num(s['time_s'])}'>{s['time_s']:.3f}</td>"
                     + "".join(f"<td class=num data-v='{mem.get(k, 0)}'>{E.fmt_bytes(mem.get(k, 0))}</td>"
                               for k in ("allocated", "reserved", "peak")) + "</tr>")
     out.append("<div class='scroll'><table class='sortable'><thead><tr><th>step</th><th>loss</th><th>time (s)</th>"
@@ -246,6 +292,15 @@ def _section_steps(rec: RunRecord, all_steps: dict[int, list[dict]]) -> str:
     out.append("<p>Peak memory: " + ", ".join(f"rank {r}: {E.fmt_bytes(p)}" for r, p in sorted(peaks.items()))
                + "</p></section>")
     return "".join(out)
+
+
+def _js_num(v: Any) -> str:
+    """A number as the sort script's ``parseFloat`` reads it (Python writes ``nan``/``inf``)."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "NaN"
+    if isinstance(v, float) and math.isinf(v):
+        return "Infinity" if v > 0 else "-Infinity"
+    return str(v)
 
 
 def _legend() -> str:
