@@ -56,6 +56,7 @@ class Profile:
     hardware: str = ""
     step: int = -1
     optimizer_ms: float = 0.0   # the profiling step's optimizer.step(), measured (part of a step)
+    optimizer_peak_bytes: int = 0  # the allocator's peak during that optimizer.step() (CUDA; 0: not measured)
 
     def get(self, graph_id: int, kind: str) -> GraphProfile | None:
         return self.graphs.get((graph_id, kind))
@@ -63,7 +64,7 @@ class Profile:
     def to_records(self) -> list[dict]:
         comm = None if self.comm is None else dict(self.comm.__dict__)
         return [{"graph_id": g.graph_id, "kind": g.kind, "hardware": self.hardware, "comm": comm,
-                 "optimizer_ms": self.optimizer_ms,
+                 "optimizer_ms": self.optimizer_ms, "optimizer_peak_bytes": self.optimizer_peak_bytes,
                  "nodes": [dict(n.__dict__) for n in g.nodes]} for g in self.graphs.values()]
 
     @classmethod
@@ -80,6 +81,7 @@ class Profile:
             if r.get("comm"):
                 prof.comm = CommModel(**r["comm"])
             prof.optimizer_ms = float(r.get("optimizer_ms") or 0.0)
+            prof.optimizer_peak_bytes = int(r.get("optimizer_peak_bytes") or 0)
         return prof
 
 
@@ -270,6 +272,7 @@ def agree(profile: Profile, group=None) -> Profile:
                            "every rank must run the same model and inputs shapes")
     flat = [x for k in keys for n in profile.graphs[k].nodes
             for x in (n.latency_ms, float(n.mem_after_bytes), float(n.peak_bytes), float(n.out_bytes))]
+    flat.append(float(profile.optimizer_peak_bytes))
     flat.append(float(profile.optimizer_ms))
     backend = dist.get_backend(group)
     dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
@@ -278,6 +281,7 @@ def agree(profile: Profile, group=None) -> Profile:
     vals = t.cpu().tolist()
     i = 0
     profile.optimizer_ms = vals.pop()
+    profile.optimizer_peak_bytes = int(vals.pop())
     for k in keys:
         for n in profile.graphs[k].nodes:
             n.latency_ms, n.mem_after_bytes, n.peak_bytes, n.out_bytes = (

@@ -1,0 +1,128 @@
+"""The memory of a plan, by category, and its peak: from what the profiling step measured.
+
+The profiling step measured the zero3-only plan: per node the memory allocated after it and the
+peak during it (the CUDA allocator's counters on GPU, so every resident byte is in them: shards,
+optimizer state, gradients, reduce buckets, the gathered parameter in use, activations), and the
+optimizer step's peak. A plan differs from the profiled one only in what it adds or takes away:
+
+- parameters kept gathered (``selective_unshard``): gathered at the top of the first forward and
+  resident until the optimizer step, so they add their whole size to every point of forward and
+  backward. They are dropped *before* ``optimizer.step()`` (``api._dc_before_optimizer_step``),
+  so the optimizer step does not carry them;
+- gathers prefetched ahead of need (``prefetch``): at most ``budget_mb`` of gathered parameters
+  ahead of their use, and a coalesced group (``fuse_mb``) lands at once; bounded by what is
+  still gathered per use (nothing when everything is kept);
+- optimizer state offloaded (``offload_optimizer``): off the device during forward and backward,
+  back for the step, so it lowers the forward/backward peak, not the step's.
+
+So ``peak = max(profiled fwd/bwd peak + kept + prefetch - offloaded, profiled optimizer peak)``.
+Two sources of error, both on the safe side: a kept parameter in use at the profiled peak is
+counted twice (at most one layer's parameters), and the profile runs the graph node by node,
+unfused, whose peak was up to 0.6 GiB above Inductor's on the 953M Llama (unfused pointwise
+intermediates). The categories split the peak for the record; "activations" is what remains of the
+profiled peak after the known categories (it includes the parameter being used at that node).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+MIB = 2 ** 20
+GIB = 2 ** 30
+
+
+@dataclass
+class MemoryFacts:
+    """What a plan's memory is computed from (bytes, one rank, identical on every rank)."""
+    fb_peak: int                  # profiled forward/backward peak (the zero3-only plan)
+    optimizer_peak: int           # profiled optimizer.step() peak
+    shard_bytes: int              # this rank's parameter shards
+    grad_bytes: int               # this rank's gradient shards (the optimizer's .grad)
+    state_bytes: int              # optimizer state (resident while profiled)
+    reduce_bytes: int = 0         # reduce-scatter buckets in flight at most
+    gathered: dict[int, int] = field(default_factory=dict)  # parameter id -> gathered bytes
+    fb_peak_at: str = ""          # where the profiled peak was ("graph 0 backward, node mm_3")
+
+    @property
+    def gathered_total(self) -> int:
+        return sum(self.gathered.values())
+
+
+@dataclass
+class PlanMemory:
+    """A plan's predicted memory at its peak, by category (bytes)."""
+    parameter_shards: int
+    optimizer_state: int          # on the device during forward/backward
+    gradients: int                # gradient shards + reduce buckets in flight (at most)
+    gathered_kept: int            # selective_unshard: resident forward -> backward, across micro-batches
+    gathered_prefetch: int        # prefetch: in flight ahead of use (at most)
+    activations: int              # the rest of the profiled peak (includes the parameter in use)
+    offloaded: int                # optimizer state on the host during forward/backward (not on the device)
+    fb_peak: int                  # forward/backward peak of this plan
+    optimizer_peak: int           # optimizer step peak of this plan
+    peak: int                     # max of the two
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def summary(self) -> str:
+        parts = [("shards", self.parameter_shards), ("optimizer state", self.optimizer_state),
+                 ("gradients", self.gradients), ("kept gathered", self.gathered_kept),
+                 ("prefetch", self.gathered_prefetch), ("activations", self.activations)]
+        s = ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts if v)
+        if self.offloaded:
+            s += f"; offloaded {self.offloaded / GIB:.2f}"
+        return f"peak {self.peak / GIB:.2f} GiB ({s} GiB)"
+
+
+def prefetch_bytes(facts: MemoryFacts, kept: int, budget_mb: float, fuse_mb: float) -> int:
+    """Gathered bytes prefetch holds ahead of need, at most: its budget, or a fused group's size
+    if larger (a group lands at once), never more than what is not kept."""
+    ahead = int(max(budget_mb, fuse_mb) * MIB)
+    return max(0, min(ahead, facts.gathered_total - kept))
+
+
+def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0) -> PlanMemory:
+    """The predicted memory of a plan that keeps ``kept`` bytes gathered, prefetches up to
+    ``prefetch`` bytes and offloads ``offloaded`` bytes of optimizer state (see the module doc)."""
+    offloaded = max(0, min(offloaded, facts.state_bytes))
+    fb = facts.fb_peak + kept + prefetch - offloaded
+    opt = facts.optimizer_peak
+    grads = facts.grad_bytes + facts.reduce_bytes
+    known = facts.shard_bytes + facts.state_bytes + grads
+    return PlanMemory(parameter_shards=facts.shard_bytes, optimizer_state=facts.state_bytes - offloaded,
+                      gradients=grads, gathered_kept=kept, gathered_prefetch=prefetch,
+                      activations=max(0, facts.fb_peak - known), offloaded=offloaded,
+                      fb_peak=fb, optimizer_peak=opt, peak=max(fb, opt))
+
+
+def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, grad_bytes: int | None = None,
+                       reduce_bytes: int = 0) -> MemoryFacts:
+    """MemoryFacts of a run: the agreed profile's peaks, the parameters' sizes (``param_meta``:
+    id -> ParamMeta) and the optimizer's state bytes. The plan's own offload points
+    (``reload_optimizer_state``) are left out of the peak, as ``offload_optimizer`` does."""
+    import torch
+
+    def size(dt) -> int:
+        return torch.empty((), dtype=dt).element_size()
+
+    best, where = 0, ""
+    for (gid, kind), g in sorted(profile.graphs.items()):
+        for n in g.nodes:
+            if n.name.startswith("reload_optimizer_state") or n.name.startswith("release_optimizer_state"):
+                continue
+            if n.peak_bytes > best:
+                best, where = n.peak_bytes, f"graph {gid} {kind}, node {n.name}"
+    shards = sum(m.chunk * size(m.dtype) for m in param_meta.values())
+    grads = grad_bytes if grad_bytes is not None else sum(
+        m.chunk * size(m.dtype) for m in param_meta.values() if m.requires_grad)
+    gathered = {pid: m.chunk * world * size(m.gather_dtype) for pid, m in param_meta.items()}
+    if getattr(profile, "hardware", "") == "cpu":
+        # the CPU profile counts only the tensors its interpreter holds (graph inputs and
+        # values), not the optimizer's state and gradient shards held outside the graphs
+        best += int(state_bytes) + grads
+    opt_peak = int(getattr(profile, "optimizer_peak_bytes", 0) or 0)
+    if opt_peak <= 0:  # not measured (a CPU run, an older record): what the step holds at least
+        opt_peak = shards + grads + state_bytes
+    return MemoryFacts(fb_peak=int(best), optimizer_peak=opt_peak, shard_bytes=shards, grad_bytes=grads,
+                       state_bytes=int(state_bytes), reduce_bytes=int(reduce_bytes), gathered=gathered,
+                       fb_peak_at=where)

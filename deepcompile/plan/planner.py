@@ -1,0 +1,452 @@
+"""The planner: the default plan's pass parameters from what was measured.
+
+Inputs: the agreed profile (forward/backward memory per node, the optimizer step's peak, latencies
+and the communication model), the parameters' sizes, the device's capacity and the user's limit
+(``memory_limit_gib``; default 90% of the device). Output: ``selective_unshard.budget_mb`` (what
+stays gathered from forward to backward and across micro-batches), ``prefetch.budget_mb`` and
+``fuse_mb`` (how far ahead gathers go and how they coalesce) and, only when nothing fits
+otherwise, ``offload_optimizer.limit_mb``. Among candidate plans (a grid of kept fractions x
+prefetch budgets), the one the cost model predicts fastest whose predicted peak
+(:mod:`deepcompile.plan.memory`) is within the limit; a plan predicted above the limit is never
+chosen, and when none fits the error says how much is missing and which knob helps.
+
+Step time comes from the cost model itself (``cost_model.predict``): the profiled graphs are
+copied and the candidate's passes run on the copies, so the prediction sees the same collectives,
+groups and kept parameters the real compile will. Without those graphs (a profile read from a
+record, the synthetic tests) an analytic model stands in (:func:`analytic_step_ms`), and the
+record says which one decided.
+
+Every rank must decide alike, or ranks issue different collectives and the job deadlocks: the
+profile is agreed (element-wise max), and the memory the decision uses is one all-reduce MIN of
+every rank's capacity, free memory and limit (:func:`agree_memory`); the rest is deterministic.
+Hand-set pass parameters (given in the config's pass entries) are kept as they are and the
+planner plans around them.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from deepcompile.plan.estimate import fmt_bytes
+from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes
+
+DEFAULT_LIMIT_FRACTION = 0.9
+PREFETCH_LEVELS_MB = (2048.0, 512.0, 64.0, 0.0)  # how far ahead gathers may run
+KEEP_FRACTIONS = (1.0, 0.5, 0.25, 0.0)           # of all parameters' gathered bytes
+FUSE_MB = 128.0                                  # coalesced group size, never above the prefetch budget
+HOST_BYTES_PER_US = 20e3                         # pinned host <-> device copies (~20 GB/s, PCIe)
+PLANNED = {"selective_unshard": ("budget_mb",), "prefetch": ("budget_mb", "fuse_mb"),
+           "offload_optimizer": ("limit_mb",)}
+
+
+class PlanError(RuntimeError):
+    """No plan fits the memory limit."""
+
+
+# ----------------------------------------------------------------------------------------- memory
+@dataclass
+class DeviceMemory:
+    """The memory the plan must fit in, identical on every rank (bytes)."""
+    capacity: int        # the device's total memory (smallest over ranks)
+    available: int       # free memory plus this process's own allocator cache (smallest over ranks)
+    limit: int           # what the plan must fit in: min(user limit or 90% of capacity, available)
+    source: str          # where the limit came from
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def local_memory(device, device_memory_gib: float | None = None) -> tuple[int, int]:
+    """(capacity, available) bytes of this rank's device. CUDA: total memory and free memory
+    plus what this process's caching allocator already holds (reusable by the step). CPU (gloo):
+    ``device_memory_gib`` if configured, else MemTotal; available: MemAvailable plus this
+    process's resident set."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        cap = int(device_memory_gib * GIB) if device_memory_gib else int(total)
+        return cap, min(cap, int(free) + int(torch.cuda.memory_reserved(device)))
+    total = _meminfo("MemTotal") or 0
+    cap = int(device_memory_gib * GIB) if device_memory_gib else total
+    avail = _meminfo("MemAvailable")
+    if avail is None:
+        return cap, cap
+    rss = 0
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    return cap, min(cap, avail + rss)
+
+
+def agree_memory(local: tuple[int, int], limit_gib: float | None, group=None, device=None) -> DeviceMemory:
+    """One all-reduce MIN over every rank's (capacity, available, limit): the plan is decided
+    from the same figures everywhere (free memory jitters between ranks; a rank that planned
+    from its own would compile other collectives and hang the job)."""
+    import torch
+    import torch.distributed as dist
+
+    cap, avail = int(local[0]), int(local[1])
+    lim = float(limit_gib) * GIB if limit_gib else DEFAULT_LIMIT_FRACTION * cap
+    vals = [float(cap), float(avail), float(lim)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if device is None:
+            dev = "cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu"
+            device = torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
+        t = torch.tensor(vals, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        vals = t.cpu().tolist()
+    cap, avail, lim = int(vals[0]), int(vals[1]), int(vals[2])
+    source = (f"memory_limit_gib {float(limit_gib):g}" if limit_gib
+              else f"{DEFAULT_LIMIT_FRACTION:.0%} of the device's {cap / GIB:.1f} GiB")
+    if avail < lim:
+        source += f", lowered to the {avail / GIB:.2f} GiB free on the fullest rank"
+        lim = avail
+    return DeviceMemory(capacity=cap, available=avail, limit=lim, source=source)
+
+
+# ----------------------------------------------------------------------------------------- candidates
+@dataclass
+class Candidate:
+    keep_mb: float
+    prefetch_mb: float
+    fuse_mb: float
+    offload_limit_mb: float | None   # None: no offload_optimizer
+    kept: int                        # bytes kept gathered
+    prefetch: int                    # bytes prefetched ahead, at most
+    offloaded: int                   # optimizer state bytes offloaded
+    memory: PlanMemory | None = None
+    step_ms: float = math.inf
+
+    def params(self) -> dict[str, dict]:
+        out = {"selective_unshard": {"budget_mb": self.keep_mb},
+               "prefetch": {"budget_mb": self.prefetch_mb, "fuse_mb": self.fuse_mb}}
+        if self.offload_limit_mb is not None:
+            out["offload_optimizer"] = {"limit_mb": self.offload_limit_mb}
+        return out
+
+    def summary(self) -> dict:
+        return {"params": self.params(), "step_ms": round(self.step_ms, 3),
+                "peak_bytes": self.memory.peak, "peak_gib": round(self.memory.peak / GIB, 3),
+                "memory": self.memory.to_dict(), "kept_bytes": self.kept, "offloaded_bytes": self.offloaded}
+
+
+@dataclass
+class Plan:
+    chosen: Candidate
+    runner_up: Candidate | None
+    memory: DeviceMemory
+    facts: MemoryFacts
+    hand_set: dict
+    time_model: str
+    considered: int
+    fitting: int
+    why: str = ""
+    passes: list = field(default_factory=list)   # the pass list compiled with the plan
+
+    def to_dict(self) -> dict:
+        f = asdict(self.facts)
+        f["gathered_total"] = self.facts.gathered_total
+        f.pop("gathered")
+        return {"chosen": self.chosen.summary(),
+                "runner_up": None if self.runner_up is None else self.runner_up.summary(),
+                "limit_bytes": self.memory.limit, "capacity_bytes": self.memory.capacity,
+                "available_bytes": self.memory.available, "limit_source": self.memory.source,
+                "limit_gib": round(self.memory.limit / GIB, 3), "capacity_gib": round(self.memory.capacity / GIB, 3),
+                "facts": f, "hand_set": self.hand_set, "time_model": self.time_model,
+                "considered": self.considered, "fitting": self.fitting, "why": self.why,
+                "passes": self.passes}
+
+    def summary_line(self) -> str:
+        c = self.chosen
+        p = c.params()
+        s = (f"plan: keep {fmt_bytes(c.kept)} gathered (selective_unshard.budget_mb {p['selective_unshard']['budget_mb']:g}), "
+             f"prefetch.budget_mb {p['prefetch']['budget_mb']:g}, fuse_mb {p['prefetch']['fuse_mb']:g}")
+        if c.offload_limit_mb is not None:
+            s += f", offload {fmt_bytes(c.offloaded)} of optimizer state (limit_mb {c.offload_limit_mb:g})"
+        return s + (f"; predicted {c.step_ms:.1f} ms, peak {fmt_bytes(c.memory.peak)} "
+                    f"of a {fmt_bytes(self.memory.limit)} limit ({self.memory.source})")
+
+
+def keep_levels(facts: MemoryFacts) -> list[float]:
+    """selective_unshard budgets (MiB) to try: everything, halves, a quarter, nothing (the
+    largest first). "Everything" gets a MiB of slack so rounding never leaves a parameter out."""
+    total = facts.gathered_total
+    out = []
+    for f in KEEP_FRACTIONS:
+        mb = round(total / MIB + 1.0, 3) if f == 1.0 else round(total * f / MIB, 3)
+        if mb not in out:
+            out.append(mb)
+    return out
+
+
+def candidates(facts: MemoryFacts, kept_bytes: Callable[[float], int], hand: dict) -> list[Candidate]:
+    """Every keep x prefetch combination, hand-set values held fixed."""
+    hk = hand.get("selective_unshard", {})
+    hp = hand.get("prefetch", {})
+    keeps = [hk["budget_mb"]] if "budget_mb" in hk else keep_levels(facts)
+    out, seen = [], set()
+    for keep_mb in keeps:
+        kept = kept_bytes(keep_mb)
+        rest = facts.gathered_total - kept
+        levels = [hp["budget_mb"]] if "budget_mb" in hp else (PREFETCH_LEVELS_MB if rest > 0 else (0.0,))
+        for pf in levels:
+            fuse = hp.get("fuse_mb", min(FUSE_MB, pf))
+            key = (kept, pf, fuse)
+            if key in seen:
+                continue
+            seen.add(key)
+            out.append(Candidate(keep_mb, pf, fuse, None, kept, prefetch_bytes(facts, kept, pf, fuse), 0))
+    return out
+
+
+def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], int],
+           step_ms: Callable[[Candidate], float], hand: dict | None = None, time_model: str = "",
+           offload_headroom_mb: float = 1024.0, allow_offload: bool = True) -> Plan:
+    """The fastest predicted candidate whose predicted peak is within ``mem.limit``; offload
+    only when no candidate fits without it. Raises PlanError when nothing fits."""
+    hand = hand or {}
+    cands = candidates(facts, kept_bytes, hand)
+    for c in cands:
+        c.memory = plan_memory(facts, c.kept, c.prefetch)
+    fit = [c for c in cands if c.memory.peak <= mem.limit]
+    offloading = False
+    if not fit and allow_offload:
+        # what each would need offloaded: the forward/backward peak down to limit - headroom
+        headroom = hand.get("offload_optimizer", {}).get("headroom_mb", offload_headroom_mb) * MIB
+        room = mem.limit - headroom
+        for c in cands:
+            need = c.memory.fb_peak - room
+            if 0 < need <= facts.state_bytes and facts.optimizer_peak <= mem.limit:
+                c.offloaded = int(need)
+                c.offload_limit_mb = hand.get("offload_optimizer", {}).get(
+                    "limit_mb", round((mem.limit - c.kept - c.prefetch) / MIB, 3))
+                c.memory = plan_memory(facts, c.kept, c.prefetch, c.offloaded)
+                fit.append(c)
+        offloading = True
+    if not fit:
+        raise PlanError(_nothing_fits(facts, mem, cands, offload_headroom_mb))
+    for c in fit:
+        c.step_ms = float(step_ms(c))
+    # fastest first; a tie goes to the plan that uses less memory
+    fit.sort(key=lambda c: (round(c.step_ms, 6), c.memory.peak, -c.keep_mb))
+    best = fit[0]
+    runner = fit[1] if len(fit) > 1 else None
+    why = (f"fastest predicted of {len(fit)} plans within the limit (of {len(cands)} considered)"
+           + ("; none fit without offloading optimizer state" if offloading else ""))
+    if runner is not None:
+        why += (f"; runner-up {runner.step_ms:.1f} ms at {runner.memory.peak / GIB:.2f} GiB "
+                f"(keep {runner.keep_mb:g} MiB, prefetch {runner.prefetch_mb:g} MiB)")
+    return Plan(best, runner, mem, facts, dict(hand),
+                time_model, len(cands), len(fit), why)
+
+
+def _nothing_fits(facts: MemoryFacts, mem: DeviceMemory, cands: list[Candidate], headroom_mb: float) -> str:
+    smallest = min(cands, key=lambda c: c.memory.peak)
+    fb_min = smallest.memory.fb_peak - facts.state_bytes + headroom_mb * MIB  # all state offloaded
+    need = max(min(smallest.memory.peak, max(fb_min, facts.optimizer_peak)), facts.optimizer_peak)
+    short = need - mem.limit
+    act = smallest.memory.activations
+    if facts.optimizer_peak > mem.limit:
+        where = (f"the optimizer step alone peaks at {facts.optimizer_peak / GIB:.2f} GiB (shards, gradients and "
+                 f"{facts.state_bytes / GIB:.2f} GiB of state, which offloading cannot take off the step), and "
+                 f"forward/backward needs {fb_min / GIB:.2f} GiB at least")
+        knob = ("spread the model over more ranks (smaller shards and state) or raise memory_limit_gib"
+                + ("; a smaller micro-batch lowers forward/backward" if fb_min > mem.limit else ""))
+    else:
+        where = (f"forward/backward peaks at {fb_min / GIB:.2f} GiB even with nothing kept gathered, no prefetch "
+                 f"and all {facts.state_bytes / GIB:.2f} GiB of optimizer state offloaded "
+                 f"(offload_optimizer, {headroom_mb:g} MiB headroom); activations take ~{act / GIB:.2f} GiB of it "
+                 f"(profiled peak at {facts.fb_peak_at or 'unknown'})")
+        knob = ("use a smaller micro-batch (activations scale with it) or add 'offload_activations', "
+                "or raise memory_limit_gib")
+    return (f"deepcompile planner: no plan fits the memory limit of {mem.limit / GIB:.2f} GiB ({mem.source}): "
+            f"{where}; {short / GIB:.2f} GiB missing. To fit: {knob}.")
+
+
+# ----------------------------------------------------------------------------------------- time
+def analytic_step_ms(c: Candidate, facts: MemoryFacts, comm, compute_ms: float, optimizer_ms: float,
+                     accumulation: int = 1) -> float:
+    """A coarse step time where the profiled graphs are not at hand: compute, plus the gathers
+    each micro-batch still does (not-kept parameters twice, forward and backward; kept ones
+    once per optimizer step), of which prefetch hides a share that grows with its budget
+    against the largest parameter (never more than the compute), plus offload copies out and
+    back (not hidden)."""
+    kept_ids, rest = _split_kept(facts, c.kept)
+    us = 0.0
+    if rest:
+        group = max(c.fuse_mb * MIB, 1.0)
+        sizes = sorted(rest)
+        n_groups = max(1, math.ceil(sum(sizes) / group)) if c.fuse_mb > 0 else len(sizes)
+        us = 2 * (n_groups * comm.alpha_us + sum(sizes) / comm.bytes_per_us)
+    hide = (c.prefetch / (c.prefetch + max(rest))) if (rest and c.prefetch) else 0.0
+    exposed_ms = us / 1e3 - min(hide * us / 1e3, compute_ms)
+    kept_ms = (comm.allgather_us(c.kept) / 1e3) if c.kept else 0.0
+    offload_ms = 2 * c.offloaded / HOST_BYTES_PER_US / 1e3
+    return accumulation * (compute_ms + exposed_ms) + kept_ms + optimizer_ms + offload_ms
+
+
+def _split_kept(facts: MemoryFacts, kept: int) -> tuple[list[int], list[int]]:
+    """The sizes taken as kept (largest-saving-first is selective_unshard's business; here the
+    smallest, which it favours) and the rest."""
+    items = sorted(facts.gathered.values())
+    acc, k = 0, 0
+    while k < len(items) and acc + items[k] <= kept:
+        acc += items[k]
+        k += 1
+    return items[:k], items[k:]
+
+
+class _GraphOnly:
+    """What a pass touches of a GraphModule: its graph and ``recompile()``. The planner runs the
+    passes on copies of the profiled graphs only to predict them, so no Python code is generated
+    for the copies (a GraphModule would codegen each one, several times per candidate)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+    def recompile(self) -> None:
+        pass
+
+
+class GraphTimer:
+    """Step time of a candidate by the cost model: the candidate's passes applied to copies of
+    the profiled graphs, then ``cost_model.predict`` with the agreed profile. With gradient
+    accumulation the graphs run once per micro-batch and kept parameters are gathered once."""
+
+    def __init__(self, graphs: dict, passes: list[str], make_ctx: Callable, profile, fused: bool,
+                 accumulation: int = 1):
+        from deepcompile.record.graph import serialize
+
+        self.graphs, self.passes, self.make_ctx = graphs, passes, make_ctx
+        self.profile, self.fused, self.accumulation = profile, fused, accumulation
+        self.base = {k: serialize(gm) for k, gm in graphs.items()}
+
+    def __call__(self, c: Candidate) -> float:
+        import torch.fx as fx
+
+        from deepcompile.passes import PASSES
+        from deepcompile.plan.cost_model import predict
+        from deepcompile.record.graph import serialize
+
+        params = c.params()
+        versions = []
+        for (gid, kind), gm in sorted(self.graphs.items()):
+            g = fx.Graph()
+            g.output(g.graph_copy(gm.graph, {}))
+            cp = _GraphOnly(g)
+            for name in self.passes:
+                cp = PASSES[name].fn(cp, self.make_ctx(gid, kind, name, params.get(name, {})))
+            versions.append({"graph_id": gid, "kind": kind, "after": "input", "nodes": self.base[(gid, kind)]})
+            versions.append({"graph_id": gid, "kind": kind, "after": "plan", "nodes": serialize(cp)})
+        p = predict(versions, self.profile, fused=self.fused)
+        graphs_ms = p["step_ms"] - p["optimizer_ms"]
+        comm = getattr(self.profile, "comm", None)
+        again = (self.accumulation - 1) * (comm.allgather_us(c.kept) / 1e3 if (comm and c.kept) else 0.0)
+        return self.accumulation * graphs_ms - again + p["optimizer_ms"] + 2 * c.offloaded / HOST_BYTES_PER_US / 1e3
+
+
+# ----------------------------------------------------------------------------------------- the model's plan
+def hand_set(entries: list) -> dict:
+    """{pass: {param: value}} the config's pass entries set by hand (the planner keeps them)."""
+    out: dict = {}
+    for e in entries:
+        if e.name in PLANNED and e.params:
+            out[e.name] = dict(e.params)
+    return out
+
+
+def apply(entries: list, plan: Plan) -> list:
+    """The pass list with the plan's values for every parameter not set by hand, and
+    ``offload_optimizer`` appended when the plan offloads and the list lacks it."""
+    from deepcompile.config import PassEntry
+
+    params = plan.chosen.params()
+    out = []
+    for e in entries:
+        p = dict(e.params)
+        for k, v in params.get(e.name, {}).items():
+            p.setdefault(k, v)
+        out.append(PassEntry(name=e.name, params=p))
+    if "offload_optimizer" in params and not any(e.name == "offload_optimizer" for e in entries):
+        out.append(PassEntry(name="offload_optimizer", params=dict(params["offload_optimizer"])))
+    return out
+
+
+def plan_model(model, entries: list) -> list:
+    """Plan ``entries`` (the pass list about to be compiled) for a DeepCompileModel whose
+    profile has been agreed; sets ``model.dc_plan`` (a dict) and returns the planned list."""
+    import torch
+
+    from deepcompile.passes import PASSES, PassContext
+    from deepcompile.passes.registry import make_params
+    from deepcompile.plan.memory import facts_from_profile
+    from deepcompile.runtime import optimizer_state
+
+    b, cfg = model.dc_backend, model.dc_config
+    prof = b.profile
+    device = model._dc_device()
+    state = optimizer_state.MANAGER.total_bytes() if optimizer_state.MANAGER.opt is not None else 0
+    rdt = cfg.mixed_precision.torch_reduce_dtype()
+    full = sum(m.chunk * b.world_size for m in b.param_meta.values() if m.requires_grad)
+    reduce_bytes = (min(cfg.reduce_bucket_size * cfg.max_inflight_reduces, full)
+                    * torch.empty((), dtype=rdt).element_size())  # buckets never outgrow the gradients
+    facts = facts_from_profile(prof, b.param_meta, b.world_size, state, reduce_bytes=reduce_bytes)
+    mem = agree_memory(local_memory(device, cfg.device_memory_gib), cfg.memory_limit_gib, model.dc_group)
+    hand = hand_set(entries)
+
+    def ctx(gid, kind, name, params):
+        from deepcompile.params import build
+
+        return PassContext(graph_id=gid, kind=kind, params=build(PASSES[name].params_cls, params, f"plan.{name}"),
+                           param_meta=b.param_meta, world_size=b.world_size, rank=b.rank, profile=prof)
+
+    from deepcompile.passes import selective_unshard as su
+
+    def kept_bytes(budget_mb: float) -> int:
+        chosen = su.choose(ctx(0, "forward", "selective_unshard", {"budget_mb": budget_mb}))
+        return sum(facts.gathered[p] for p in chosen)
+
+    profiled = [e.name for e in (b.passes or [])]
+    names = [e.name for e in entries]
+    extra = [n for n in names[len(profiled):] if n in ("prefetch", "selective_unshard")]
+    accumulation = cfg.gradient_accumulation_steps
+    if b.compiled and names[:len(profiled)] == profiled:
+        timer = GraphTimer(dict(b.compiled), extra, ctx, prof, cfg.compiler_at(model.dc_step) == "inductor",
+                           accumulation)
+        time_model = "cost model on the planned graphs"
+    else:
+        compute = sum(n.latency_ms for g in prof.graphs.values() for n in g.nodes)
+        from deepcompile.plan.cost_model import default_model
+
+        comm = prof.comm or default_model("gloo")
+        timer = lambda c: analytic_step_ms(c, facts, comm, compute, prof.optimizer_ms, accumulation)  # noqa: E731
+        time_model = "analytic (no profiled graphs at hand)"
+    headroom = make_params(_entry("offload_optimizer", hand.get("offload_optimizer", {}))).headroom_mb
+    plan = choose(facts, mem, kept_bytes, timer, hand, time_model, offload_headroom_mb=headroom)
+    out = apply(entries, plan)
+    plan.passes = [{"name": e.name, "params": dict(e.params)} for e in out]
+    d = plan.to_dict()
+    d["summary"] = plan.summary_line()
+    d["step"] = model.dc_step
+    object.__setattr__(model, "dc_plan", d)
+    return out
+
+
+def _entry(name: str, params: dict):
+    from deepcompile.config import PassEntry
+
+    return PassEntry(name=name, params=dict(params))
+
