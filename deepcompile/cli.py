@@ -151,6 +151,8 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
                   f"{overlap['comm_busy_us'] / 1e3:.1f} ms, {100 * overlap['overlap_fraction']:.0f}% of it "
                   "overlapped with compute", flush=True)
         rec.memory(samples, replace=True)
+        if getattr(model, "dc_plan", None):
+            rec.plan(model.dc_plan)
         rec.close()
         dist.barrier()
         dist.destroy_process_group()
@@ -267,6 +269,15 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
     lines.append("peak memory: " + ", ".join(peaks))
     extra = [n for n, x in (("profile", rec.profile), ("schedule", rec.schedule), ("memory timeline", rec.memory)) if x]
     lines.append("also recorded: " + (", ".join(extra) if extra else "nothing else"))
+    from deepcompile.record.reader import load_json
+    from deepcompile.record.schema import rank_dir_name
+    from deepcompile.record.writer import PLAN
+
+    plan = load_json(Path(run_dir) / rank_dir_name(rank) / PLAN, optional=True, root=run_dir)
+    if isinstance(plan, dict) and isinstance(plan.get("chosen"), dict):  # the planner's choice, and why
+        lines.append(str(plan.get("summary") or plan["chosen"].get("params")))
+        if plan.get("why"):
+            lines.append(f"  why: {plan['why']}")
     return "\n".join(lines)
 
 

@@ -30,6 +30,8 @@ from typing import Any, Iterable
 
 from deepcompile.record import schema as S
 
+PLAN = "plan.json"  # the planner's choice, per rank (RunRecorder.plan)
+
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -191,6 +193,16 @@ class RunRecorder:
             self._samples = []
         self._samples.extend(dict(s) for s in samples)
         self._write_checked(S.MEMORY, {"samples": self._samples}, S.check_memory)
+
+    def plan(self, plan: dict) -> None:
+        """Record the planner's choice (``model.dc_plan``, :mod:`deepcompile.plan.planner`): the
+        pass parameters it chose and why (predicted step time and peak of the chosen plan and of
+        the runner-up, the memory limit and the capacity it used), as ``plan.json`` in this rank's
+        directory; ``deepcompile inspect`` prints its summary line."""
+        if not isinstance(plan, dict) or "chosen" not in plan:
+            raise ValueError("RunRecorder.plan: expected model.dc_plan (a dict with 'chosen'), got "
+                             f"{type(plan).__name__}")
+        write_json(self.dir / PLAN, plan)
 
     def _write_checked(self, name: str, obj: dict, check) -> None:
         """Validate with the reader's own schema check before writing: a record we write is
