@@ -184,3 +184,18 @@ def test_planned_default_plan_matches_reference_and_gathers_once_per_step():
     # planned (from step 2): each parameter once per optimizer step, whatever the accumulation
     assert g[0] > acc * n, g
     assert g[2:] == [n] * (steps - 2), g
+
+
+def test_the_record_keeps_the_plan_and_inspect_prints_it(tmp_path):
+    from deepcompile.cli import summarize
+    from deepcompile.record.writer import RunRecorder
+
+    p = plan(126.9).to_dict()
+    with RunRecorder(tmp_path / "run", 0, 1, {"compiler": "aot_eager"}) as rec:
+        rec.step(1, 0.1, 1.0, {"allocated": 1, "reserved": 1, "peak": 1})
+        rec.plan(p)
+    text = summarize(tmp_path / "run")
+    assert "plan: keep 2.0 GiB gathered" in text and "predicted" in text and "of a 126.9 GiB limit" in text
+    assert "why: fastest predicted of" in text and "runner-up" in text
+    with pytest.raises(ValueError, match="model.dc_plan"):
+        rec.plan({"nothing": 1})

@@ -167,7 +167,7 @@ class Plan:
                 "limit_gib": round(self.memory.limit / GIB, 3), "capacity_gib": round(self.memory.capacity / GIB, 3),
                 "facts": f, "hand_set": self.hand_set, "time_model": self.time_model,
                 "considered": self.considered, "fitting": self.fitting, "why": self.why,
-                "passes": self.passes}
+                "passes": self.passes, "summary": self.summary_line()}
 
     def summary_line(self) -> str:
         c = self.chosen
@@ -439,7 +439,6 @@ def plan_model(model, entries: list) -> list:
     out = apply(entries, plan)
     plan.passes = [{"name": e.name, "params": dict(e.params)} for e in out]
     d = plan.to_dict()
-    d["summary"] = plan.summary_line()
     d["step"] = model.dc_step
     object.__setattr__(model, "dc_plan", d)
     return out
