@@ -21,6 +21,13 @@ Systems:
                         zero3+prefetch+selective_unshard compiled from the profile (--warmup >= 3)
   dc_fsdp_budget        prefetch and selective_unshard with budgets adding up to fsdp2_compiled's peak
                         minus dc_zero3's (both must run earlier in the same invocation)
+  dc_default_fsdp_limit dc_default with memory_limit_gib = fsdp2_compiled's measured peak: the planner
+                        fits the plan under what FSDP2 needs (fsdp2_compiled must run earlier)
+
+--slow-links sets NCCL_P2P_DISABLE=1 before NCCL starts (NCCL's traffic goes through host shared memory:
+a stand-in for the slower links between nodes) and records it; --append never mixes the two regimes.
+dc_default and dc_default_fsdp_limit record the planner's choice ("plan") and its predicted peak
+next to the measured one ("predicted_plan_peak_gib", "predicted_plan_peak_error").
 
 Every deepcompile system also records the cost model's predicted step time and peak memory next to
 the measured ones ("predicted", "predicted_step_error", "predicted_peak_error").
@@ -55,7 +62,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 ALL_SYSTEMS = ["fsdp2_eager", "fsdp2_compiled", "compute_bound", "dc_zero3", "dc_prefetch",
-               "dc_prefetch_unshard", "dc_default", "dc_fsdp_budget"]
+               "dc_prefetch_unshard", "dc_default", "dc_fsdp_budget", "dc_default_fsdp_limit"]
 DC_PASSES = {
     "dc_zero3": ["zero3"],
     "dc_prefetch": ["zero3", "prefetch"],
@@ -66,6 +73,8 @@ DC_PASSES = {
     # prefetch + selective_unshard with budgets that add up to FSDP2-compiled's measured peak minus
     # dc_zero3's (both measured earlier in the same run)
     "dc_fsdp_budget": ["zero3", "prefetch", "selective_unshard"],
+    # the default plan, planned under memory_limit_gib = FSDP2-compiled's measured peak
+    "dc_default_fsdp_limit": None,
 }
 PEAKS: dict[str, float] = {}  # system -> max-rank peak GiB, filled on every rank as systems finish
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -117,6 +126,9 @@ def parse_args(argv=None):
     p.add_argument("--append", action="store_true",
                    help="keep the systems already in --out that this run does not measure (same model, "
                         "device and GPU count): run each system in its own process, one invocation each")
+    p.add_argument("--slow-links", action="store_true",
+                   help="NCCL_P2P_DISABLE=1 for this run (set before NCCL starts, recorded in the JSON): "
+                        "NCCL goes through host shared memory instead of NVLink, like slower inter-node links")
     args = p.parse_args(argv)
     common_defaults(p, args, ALL_SYSTEMS, repeats=True)
     if args.seq is None:
@@ -166,7 +178,9 @@ def load_previous(path: str, result: dict, world: int, key: str, mine: set) -> d
     same = (old.get("benchmark") == result["benchmark"]
             and old.get("model", {}).get("config") == result["model"]["config"]
             and old.get("environment", {}).get("world_size") == world
-            and old.get("environment", {}).get("device") == result["environment"]["device"])
+            and old.get("environment", {}).get("device") == result["environment"]["device"]
+            # a run with NCCL_P2P_DISABLE (--slow-links) is another regime: never merged with one without
+            and old.get("environment", {}).get("nccl_p2p_disable") == result["environment"].get("nccl_p2p_disable"))
     if not same:
         log(f"--append: {path} is another benchmark, model, device or GPU count; not merged (overwritten)")
         return {}
@@ -226,6 +240,9 @@ def environment(args, world: int) -> dict:
         "python": platform.python_version(),
         "host": socket.gethostname(),
         "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # --slow-links (or the caller's environment): NCCL without NVLink/PCIe peer-to-peer
+        "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"),
+        "slow_links": bool(getattr(args, "slow_links", False)),
     }
     if args.device == "cuda":
         try:
@@ -346,6 +363,8 @@ def build_dc(name, base_model, args, dev, extra=None):
         cfg["passes"] = list(passes)
     if base_name(name) == "dc_fsdp_budget":
         cfg["passes"] = fsdp_budget_passes()
+    if base_name(name) == "dc_default_fsdp_limit":
+        cfg["memory_limit_gib"] = fsdp_limit_gib()
     cfg.update(copy.deepcopy(extra or {}))
     model = copy.deepcopy(base_model)
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), cfg)
@@ -366,6 +385,17 @@ def fsdp_budget_passes() -> list:
     extra_mb = max(0.0, (PEAKS["fsdp2_compiled"] - PEAKS["dc_zero3"]) * 1024)
     return ["zero3", {"name": "prefetch", "params": {"budget_mb": extra_mb / 2}},
             {"name": "selective_unshard", "params": {"budget_mb": extra_mb / 2}}]
+
+
+def fsdp_limit_gib() -> float:
+    """FSDP2-compiled's measured peak (max over ranks, GiB): the memory limit under which
+    dc_default_fsdp_limit plans. CPU smoke runs have no CUDA peaks: a roomy 64 GiB exercises the path."""
+    if not torch.cuda.is_available():
+        return 64.0
+    if "fsdp2_compiled" not in PEAKS:
+        raise RuntimeError("dc_default_fsdp_limit needs fsdp2_compiled measured earlier in the same run "
+                           "(or in the --append JSON)")
+    return float(PEAKS["fsdp2_compiled"])
 
 
 def dc_prediction(model, opt, res) -> None:
@@ -396,6 +426,11 @@ def dc_prediction(model, opt, res) -> None:
         if prof.comm is not None:  # the measured alpha-beta line the prediction's collectives use
             res["predicted"]["comm_model"] = {"alpha_us": prof.comm.alpha_us,
                                               "allgather_gb_per_s": prof.comm.bytes_per_us / 1e3}
+    plan = getattr(model, "dc_plan", None)
+    if plan:  # the planner's choice, its predicted step and peak (memory model), the runner-up
+        res["predicted"]["plan"] = plan
+        res["predicted"]["plan_peak_gib"] = plan["chosen"]["peak_bytes"] / GIB
+        res["predicted"]["plan_step_ms"] = plan["chosen"]["step_ms"]
     if torch.cuda.is_available():
         shards = sum(q.numel() * q.element_size() for q in model.parameters())
         between = torch.cuda.memory_allocated()
@@ -747,6 +782,12 @@ def summarise(name, per_rank, args, world) -> dict:
         entry["setup_peak_gib_by_rank"] = {str(r["rank"]): r["setup_peak_gib"] for r in ran}
         entry["alloc_before_gib_by_rank"] = {str(r["rank"]): r["alloc_before_gib"] for r in ran}
         entry["alloc_after_gib_by_rank"] = {str(r["rank"]): r["alloc_after_gib"] for r in ran}
+    plan_peak = (entry.get("predicted") or {}).get("plan_peak_gib")
+    if plan_peak is not None:  # the planner's memory model against the measured peak (max over ranks)
+        entry["predicted_plan_peak_gib"] = plan_peak
+        entry["plan"] = entry["predicted"]["plan"].get("summary")
+        if entry.get("peak_mem_gib"):
+            entry["predicted_plan_peak_error"] = plan_peak / entry["peak_mem_gib"] - 1.0
     entry["process_rank0"] = {k: r0.get(k) for k in ("process_before", "process_after_train")}
     return entry
 
@@ -905,7 +946,8 @@ def table_row(texts: list[str], e: dict, text_cols: list, num_cols: list) -> lis
 def table(result) -> str:
     text_cols = [("system", 22), ("status", 8)]
     num_cols = [STEP_MS, TOKENS, col("vs fsdp2c", "9.2f", "throughput_vs_fsdp2_compiled"),
-                col("vs compute", "10.2f", "step_time_vs_compute_bound"), PEAK, col("warm-up s", "9.1f", "warmup_total_s")]
+                col("vs compute", "10.2f", "step_time_vs_compute_bound"), PEAK,
+                col("pred peak", "9.2f", "predicted_plan_peak_gib"), col("warm-up s", "9.1f", "warmup_total_s")]
     lines = table_header(text_cols, num_cols)
     for n, e in result["systems"].items():
         lines += table_row([n, status_of(e)], e, text_cols, num_cols)
@@ -957,6 +999,8 @@ def build_base_model(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.slow_links:  # before NCCL reads its environment (init_dist); recorded by environment()
+        os.environ["NCCL_P2P_DISABLE"] = "1"
     if args.replot:
         with open(args.replot) as f:
             result = json.load(f)
