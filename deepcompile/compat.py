@@ -218,3 +218,66 @@ def saved_outputs_start(fw: fx.GraphModule) -> int | None:
     if idxs:
         return max(idxs) + 1
     return None
+
+
+def storage_key(t: torch.Tensor) -> int | None:
+    """An identity for ``t``'s storage, equal for every tensor over the same storage (fake
+    tensors included: a fake view shares its base's fake storage, ``_unsafe_view`` too).
+    ``UntypedStorage._cdata`` is the StorageImpl's address, what torch's own ``StorageWeakRef``
+    keys on (torch.multiprocessing.reductions, 2.11 and 2.13). None for tensors without one."""
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+def size_hint(x, fallback: int = 0) -> int:
+    """A concrete int for a size that may be symbolic (dynamic shapes): the example value it was
+    traced with, without adding a guard. For budgets and costs only, never for control flow
+    that must hold for every size. ``optimization_hint`` is 2.13's name; 2.11 has
+    ``hint_int``; both read ``SymNode.hint`` (``_hint``) first."""
+    if isinstance(x, int):
+        return int(x)
+    if isinstance(x, torch.SymInt):
+        from torch.fx.experimental import symbolic_shapes as ss
+
+        fn = getattr(ss, "optimization_hint", None) or getattr(ss, "hint_int", None)
+        try:
+            if fn is not None:
+                return int(fn(x, fallback=fallback))
+            h = x.node.hint
+            return int(h) if h is not None else fallback
+        except Exception:  # noqa: BLE001 - an unbacked size: no hint exists
+            return fallback
+    try:
+        return int(x)
+    except (TypeError, ValueError):
+        return fallback
+
+
+def tensor_nbytes(t: torch.Tensor) -> int:
+    """Bytes of a (possibly fake, possibly symbolic-shaped) tensor, by size hints."""
+    n = 1
+    for s in t.shape:
+        n *= size_hint(s, 1)
+    return n * t.element_size()
+
+
+def mark_dynamic(t: torch.Tensor, dims) -> None:
+    """Ask Dynamo to trace ``dims`` of ``t`` symbolically on the next compile instead of
+    specialising on the first size and recompiling at the second (automatic dynamic shapes).
+    ``maybe_mark_dynamic`` (public API, ``torch._dynamo.maybe_mark_dynamic`` in 2.11 and 2.13)
+    still lets Dynamo specialise where the model's code needs a concrete size."""
+    torch._dynamo.maybe_mark_dynamic(t, list(dims))
+
+
+def compile_frame_id() -> int | None:
+    """Which Python frame (code object) Dynamo is compiling now: the k-th distinct frame since
+    the last reset, the same on every rank that runs the same code. A recompile of the same
+    frame (new shapes, failed guards) keeps it. ``CompileContext.current_compile_id()`` in
+    ``torch._guards`` (2.11 and 2.13)."""
+    try:
+        cid = torch._guards.CompileContext.current_compile_id()
+    except Exception:  # noqa: BLE001
+        return None
+    return getattr(cid, "frame_id", None) if cid is not None else None

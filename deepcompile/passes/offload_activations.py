@@ -10,7 +10,10 @@ profile), and ``dc.wait_activation`` makes compute wait for it at the first use.
 Which ones: the earliest-produced first (backward needs them last, so their reload has the most
 time), until what stays on the device is at most ``keep_mb``. Tensors that share storage with
 another output, a view, or a graph input are never chosen: freeing their storage would destroy
-the others (the runtime checks the storage again before freeing it).
+the others (the runtime checks the storage again before freeing it). Sharing is decided by
+storages (``passes/alias.py``), not by schemas alone: ``_unsafe_view(mm)`` shares ``mm``'s storage
+without an alias annotation, and the offload goes after the last read of *every* node over the
+storage, so a freed storage is never read.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ import torch.fx as fx
 from deepcompile import compat
 from deepcompile.params import spec
 from deepcompile.passes.registry import PassContext, register_pass
-from deepcompile.passes.zero3 import alias_closure, is_view
+from deepcompile.passes.alias import alias_closure, is_view, storage_keys
 
 DC = torch.ops.dc
 MIB = 2 ** 20
@@ -44,8 +47,24 @@ class OffloadActivationsParams:
 
 
 def _nbytes(n: fx.Node) -> int:
+    # by size hints: with dynamic shapes the fake value's sizes are SymInts, and comparing one
+    # with a budget here would guard on it (or raise) after tracing is done
     v = n.meta.get("val")
-    return v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+    return compat.tensor_nbytes(v) if isinstance(v, torch.Tensor) else 0
+
+
+def storage_group(g: fx.Graph, n: fx.Node) -> list[fx.Node]:
+    """Every node whose value lives in ``n``'s storage: its alias closure, and any other node
+    whose fake value shares the storage (found by storage, whatever the path between them)."""
+    group = alias_closure(n)
+    keys = set(storage_keys(n) or ())
+    for a in group:
+        keys |= set(storage_keys(a) or ())
+    if keys:
+        members = set(group)
+        group += [m for m in g.nodes if m not in members and m.op != "output"
+                  and (storage_keys(m) or frozenset()) & keys]
+    return group
 
 
 def _root(n: fx.Node) -> fx.Node:
@@ -60,20 +79,31 @@ def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str
     start = compat.saved_outputs_start(gm)
     if start is None:
         return [], "cannot tell saved activations from user outputs: nothing offloaded"
-    roots: dict[fx.Node, int] = {}
+    # how many outputs (user outputs included) each storage backs, by storage where known
+    storage_outputs: dict = {}
     for o in outs:
         if isinstance(o, fx.Node):
-            r = _root(o)
-            roots[r] = roots.get(r, 0) + 1
+            for k in (storage_keys(o) or {("root", _root(o))}):
+                storage_outputs[k] = storage_outputs.get(k, 0) + 1
+    inputs = set()
+    for p in gm.graph.nodes:
+        if p.op in ("placeholder", "get_attr"):
+            inputs |= set(storage_keys(p) or ())
     chosen, seen = [], set()
     for o in outs[start:]:
         if not isinstance(o, fx.Node) or o in seen:
             continue
         seen.add(o)
         v = o.meta.get("val")
+        keys = storage_keys(o)
         if (o.op != "call_function" or is_view(o) or not isinstance(v, torch.Tensor)
-                or roots.get(o, 0) != 1 or _nbytes(o) < ctx.params.min_mb * MIB):
+                or _nbytes(o) < ctx.params.min_mb * MIB):
             continue
+        if keys is None:  # no fake value: fall back to the view chain
+            if storage_outputs.get(("root", o), 0) != 1:
+                continue
+        elif len(keys) != 1 or storage_outputs.get(next(iter(keys)), 0) != 1 or keys & inputs:
+            continue  # another output or a graph input lives in the same storage
         if getattr(o.target, "namespace", None) == "dc":
             continue  # gathered parameters belong to the runtime
         chosen.append(o)
@@ -108,7 +138,7 @@ def offload_forward(gm: fx.GraphModule, ctx: PassContext) -> None:
     order = {n: i for i, n in enumerate(g.nodes)}
     plan, nbytes = {}, 0
     for aid, n in enumerate(picked):
-        closure = alias_closure(n)
+        closure = storage_group(g, n)
         users = [u for a in closure for u in a.users
                  if u.op != "output" and u not in closure and u.target is not DC.offload_activation.default]
         readers = _readers(users)

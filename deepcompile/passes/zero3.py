@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from deepcompile import compat
+from deepcompile.passes import alias
 from deepcompile.passes.registry import PassContext, register_pass
 
 DC = torch.ops.dc
@@ -26,23 +27,10 @@ def is_op(node: fx.Node, op) -> bool:
     return node.op == "call_function" and node.target is op
 
 
-def is_view(node: fx.Node) -> bool:
-    t = node.target
-    if node.op != "call_function" or not isinstance(t, torch._ops.OpOverload):
-        return False
-    s = t._schema
-    return not s.is_mutable and any(r.alias_info is not None for r in s.returns)
-
-
-def alias_closure(node: fx.Node) -> list[fx.Node]:
-    """``node`` and every view of it, transitively: the storage lives as long as any of them."""
-    seen, stack = [node], [node]
-    while stack:
-        for u in stack.pop().users:
-            if is_view(u) and u not in seen:
-                seen.append(u)
-                stack.append(u)
-    return seen
+# Alias analysis (which nodes share a gathered value's storage) is storage-based; see alias.py.
+# Re-exported here for the passes that import it from zero3.
+is_view = alias.is_view
+alias_closure = alias.alias_closure
 
 
 def _fake_like(val, shape, dtype=None):
@@ -77,16 +65,19 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
             if k in nodes[0].meta:
                 h.meta[k] = w.meta[k] = nodes[0].meta[k]
         w.meta["dc_param"] = h.meta["dc_param"] = pid
+        # each merged node's own views (their fake values alias that node's storage, not w's)
+        views = [v for n in nodes for v in alias_closure(n)[1:]]
         for n in nodes:
             n.replace_all_uses_with(w)
             g.erase_node(n)
         waits[pid] = w
-        _insert_release(g, w, pid, ctx)
+        _insert_release(g, w, pid, ctx, views)
     return waits
 
 
-def _insert_release(g: fx.Graph, w: fx.Node, pid: int, ctx: PassContext) -> None:
-    aliases = alias_closure(w)
+def _insert_release(g: fx.Graph, w: fx.Node, pid: int, ctx: PassContext,
+                    views: list[fx.Node] = ()) -> None:
+    aliases = list(dict.fromkeys(alias_closure(w) + [a for v in views for a in alias_closure(v)]))
     users = {u for a in aliases for u in a.users} | set(aliases[1:])
     if any(u.op == "output" for u in users):
         name = ctx.param_meta[pid].name if pid in ctx.param_meta else pid
