@@ -259,17 +259,42 @@ def profiled_callable(gm: fx.GraphModule, sink) -> callable:
     return run
 
 
+def _signature(g: GraphProfile) -> str:
+    """The profiled graph's structure: its node names in order (a hash, small to exchange).
+    Names follow the ops, so graphs traced from the same code with the same shapes' kind (all
+    static, or the same dims symbolic) match; a static graph and a symbolic one do not."""
+    import hashlib
+
+    return hashlib.sha1("\n".join(n.name for n in g.nodes).encode()).hexdigest()
+
+
 def agree(profile: Profile, group=None) -> Profile:
-    """Element-wise maximum of every rank's measurements, so all ranks decide alike."""
+    """Element-wise maximum of every rank's measurements, so all ranks decide alike.
+
+    Graphs are matched by key and structure. Ranks can profile different graphs for the same
+    model: with per-rank dynamic padding one rank may run a static graph while another runs a
+    symbolic one, or recompile during the step (a new graph id). Those graphs are dropped from the
+    profile on every rank, with a warning: the passes plan them as they do without a profile, and
+    every rank still decides alike. The communication model and the optimizer's time are always
+    agreed."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return profile
-    keys = sorted(profile.graphs)
-    shape = [(k, len(profile.graphs[k].nodes)) for k in keys]
-    shapes: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shapes, shape, group=group)
-    if any(s != shapes[0] for s in shapes):
-        raise RuntimeError(f"deepcompile profiler: ranks profiled different graphs ({shapes}); "
-                           "every rank must run the same model and inputs shapes")
+    mine = {k: _signature(g) for k, g in profile.graphs.items()}
+    every: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    keys = sorted(k for k in every[0] if all(e.get(k) == every[0][k] for e in every))
+    dropped = sorted({k for e in every for k in e} - set(keys))
+    if dropped:
+        import warnings
+
+        warnings.warn(
+            f"deepcompile profiler: ranks profiled different graphs for {dropped} (graph id, kind): "
+            "different input shapes per rank (dynamic padding), or a recompile during the profiling "
+            "step on some ranks. Those graphs are planned without a node-level profile on every rank; "
+            "the communication model is still measured. Pad to lengths every rank sees in the "
+            "profiling step to profile them.", stacklevel=2)
+        for k in dropped:
+            profile.graphs.pop(k, None)
     flat = [x for k in keys for n in profile.graphs[k].nodes
             for x in (n.latency_ms, float(n.mem_after_bytes), float(n.peak_bytes), float(n.out_bytes))]
     flat.append(float(profile.optimizer_peak_bytes))
