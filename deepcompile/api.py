@@ -13,6 +13,7 @@ from torch import nn
 from deepcompile import compat
 from deepcompile.backend import Backend
 from deepcompile.config import Config
+from deepcompile.dynamic import DynamicDims
 from deepcompile.runtime import ops, optimizer_state
 from deepcompile.runtime.offload import ENGINE
 from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
@@ -38,14 +39,19 @@ class DeepCompileModel(nn.Module):
         object.__setattr__(self, "_dc_compiled", torch.compile(module, backend=backend))
         object.__setattr__(self, "dc_step", 0)
         object.__setattr__(self, "_dc_passes", config.passes)
+        object.__setattr__(self, "dc_dynamic", DynamicDims())  # input dims that vary, agreed across ranks
         object.__setattr__(self, "dc_plan", None)  # the planner's choice and why (deepcompile.plan.planner)
 
     def forward(self, *args, **kwargs):
         passes = self.dc_config.passes_at(self.dc_step)
         profiling = self.dc_step == self.dc_config.profile_step
         if passes is not self._dc_passes or profiling != self.dc_backend.profiling:
-            if not (profiling and passes is self._dc_passes and self.dc_backend.profile_in_place()):
+            # dims that became dynamic: the graphs compiled so far may be static on some ranks and
+            # symbolic on others; the profiling step must profile one graph every rank shares
+            fresh = self.dc_dynamic.take_changed()
+            if not (profiling and passes is self._dc_passes and not fresh and self.dc_backend.profile_in_place()):
                 self._recompile(passes, profiling)
+        self.dc_dynamic.observe(args, kwargs)
         return self._dc_compiled(*args, **kwargs)
 
     def _recompile(self, passes, profiling: bool = False) -> None:
@@ -81,6 +87,7 @@ class DeepCompileModel(nn.Module):
         ops.C.invalidate_persistent()  # the shards changed: kept gathered copies are stale
         if self.dc_backend.profiling and self.dc_backend.measured:
             self._finish_profile()
+        self.dc_dynamic.at_step_end(self.dc_config, self.dc_step, self.dc_group)  # collective before a re-compile
         object.__setattr__(self, "dc_step", self.dc_step + 1)
 
     def _finish_profile(self) -> None:
