@@ -40,7 +40,8 @@ def _val(v: Any) -> tuple[list | None, str | None]:
     if isinstance(v, torch.Tensor):
         return [int(s) if not isinstance(s, torch.SymInt) else str(s) for s in v.shape], str(v.dtype).replace("torch.", "")
     if isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
-        return [list(x.shape) for x in v], "tuple"
+        # symbolic sizes (dynamic shapes) as their expression, like a single tensor's: JSON has no SymInt
+        return [[int(s) if not isinstance(s, torch.SymInt) else str(s) for s in x.shape] for x in v], "tuple"
     return None, None
 
 
