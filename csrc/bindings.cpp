@@ -6,7 +6,17 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "deepcompile native runtime";
   m.def("init", &dc::init, "create the runtime on a process group", pybind11::arg("process_group"),
-        pybind11::arg("bucket_elems"), pybind11::arg("max_inflight") = 2);
+        pybind11::arg("bucket_elems"), pybind11::arg("max_inflight") = 2,
+        pybind11::arg("timeout_ms") = 600000);
+  // hang and mismatch detection (config collective_timeout_s)
+  m.def("set_seq_store", [](c10::intrusive_ptr<c10d::Store> store, const std::string& prefix) {
+    dc::runtime().set_seq_store(std::move(store), prefix);
+  });
+  m.def("set_node_names", [](std::unordered_map<std::string, std::string> names) {
+    dc::runtime().set_node_names(std::move(names));
+  });
+  m.def("begin_check", []() { return dc::runtime().begin_check(); });
+  m.def("set_phase", [](int phase) { dc::runtime().set_phase(phase); });
   m.def("cleanup", &dc::cleanup, "destroy the runtime and everything it holds");
   m.def("is_initialized", &dc::has_runtime);
   m.def("register_param", [](int64_t id, const std::string& name, at::Tensor shard,

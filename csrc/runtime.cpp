@@ -2,6 +2,7 @@
 // (init / register / reset / cleanup / stats). The graph-facing operators live in zero3.cpp.
 #include "runtime.h"
 
+#include <chrono>
 #include <memory>
 #include <sstream>
 
@@ -20,8 +21,10 @@ Runtime& runtime() {
 
 bool has_runtime() { return static_cast<bool>(g_runtime); }
 
-Runtime::Runtime(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight)
-    : pg_(std::move(pg)), bucket_elems_(bucket_elems), max_inflight_(max_inflight) {
+Runtime::Runtime(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight,
+                 int64_t timeout_ms)
+    : pg_(std::move(pg)), bucket_elems_(bucket_elems), max_inflight_(max_inflight), timeout_ms_(timeout_ms) {
+  TORCH_CHECK(timeout_ms_ > 0, "deepcompile: collective timeout must be positive, got ", timeout_ms_, " ms");
   TORCH_CHECK(pg_, "deepcompile: process group is null");
   TORCH_CHECK(bucket_elems_ > 0, "deepcompile: reduce bucket size must be positive, got ", bucket_elems_);
   TORCH_CHECK(max_inflight_ > 0, "deepcompile: max in-flight reduces must be positive");
@@ -109,6 +112,7 @@ void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
   pending_[id] = PendingGather{work, buffer};
   track_live(buffer, id);  // memory is taken when the collective is issued, not when waited
   stats_.allgathers += 1;
+  issued_ += 1;
   stats_.allgather_bytes += buffer.nbytes();
 }
 
@@ -131,6 +135,7 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
   for (size_t i = 0; i < ids.size(); ++i) {
     pending_[ids[i]] = PendingGather{work, outs[i]};
     track_live(outs[i], ids[i]);
+  issued_ += 1;
     stats_.allgather_bytes += outs[i].nbytes();
   }
   stats_.allgathers += static_cast<int64_t>(ids.size());
@@ -144,7 +149,8 @@ at::Tensor Runtime::finish_allgather(int64_t id) {
               "' without a started allgather");
   PendingGather pg = std::move(it->second);
   pending_.erase(it);
-  pg.work->wait();  // a fused gather's later waits return at once
+  // a fused gather's later waits return at once
+  wait_work(pg.work, pg.buffer.is_cuda(), [&] { return "allgather of parameter '" + p.name + "'"; });
   // Ownership passes to the graph: the runtime keeps only a weak reference, so the memory is
   // returned as soon as the graph drops its last use (release_param marks that point).
   return pg.buffer.narrow(0, 0, p.numel).view(p.shape);
@@ -266,12 +272,21 @@ void Runtime::flush(at::ScalarType dtype) {
   stats_.reduce_scatters += 1;
   stats_.reduce_bytes += in_flat.nbytes();
   inflight_.push_back(std::move(r));
+  r.bucket = reduce_buckets_++;
+  issued_ += 1;
 }
 
 void Runtime::complete_oldest() {
   InFlightReduce r = std::move(inflight_.front());
   inflight_.pop_front();
-  r.work->wait();
+  wait_work(r.work, r.output.is_cuda(), [&] {
+    std::ostringstream ss;
+    ss << "reduce-scatter of gradient bucket " << r.bucket << " of this step (" << r.entries.size()
+       << " parameter(s):";
+    for (size_t i = 0; i < r.entries.size() && i < 3; ++i) ss << " '" << param(r.entries[i].first).name << "'";
+    ss << (r.entries.size() > 3 ? " ...)" : ")");
+    return ss.str();
+  });
   int64_t off = 0;
   for (auto& [id, chunk] : r.entries) {
     Param& p = mutable_param(id);
@@ -299,10 +314,115 @@ at::Tensor Runtime::reduce_scatter_now(const at::Tensor& grad, int64_t id) {
   at::Tensor out = at::empty({p.chunk}, in.options());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  pg_->_reduce_scatter_base(out, in, opts)->wait();
+  auto work = pg_->_reduce_scatter_base(out, in, opts);
+  issued_ += 1;
+  wait_work(work, out.is_cuda(), [&] { return "reduce-scatter of the gradient of '" + p.name + "'"; });
   stats_.reduce_scatters += 1;
   stats_.reduce_bytes += in.nbytes();
   return out.to(p.shard.scalar_type()).mul_(grad_scale_);
+}
+
+// -- hang and mismatch detection ----------------------------------------------------------------
+//
+// A collective that another rank never joins (it raised and stayed alive, is stuck in user code,
+// or runs a different graph) would block this rank until the process group's own timeout (30 min
+// by default) and then fail without saying where. On the CPU (gloo) the host waits for every
+// collective, so the wait is cut into one-second slices: between slices the store is probed for
+// another rank's abort message or for a rank that already reached the optimizer step's sequence
+// check (it skipped collectives this rank is waiting in), and after collective_timeout_s the wait
+// fails naming this rank, the collective and the graph node. On CUDA (NCCL) Work::wait only makes
+// the current stream wait, and a timeout argument would block the host on every collective
+// instead, so it is called without one: the process group's timeout (the same key, when
+// deepcompile creates the group) and the step's sequence check cover that case.
+template <typename Describe>
+void Runtime::wait_work(const c10::intrusive_ptr<c10d::Work>& work, bool on_cuda, Describe what) {
+  if (on_cuda) {
+    work->wait();
+    return;
+  }
+  using clock = std::chrono::steady_clock;
+  const auto t0 = clock::now();
+  const auto deadline = t0 + std::chrono::milliseconds(timeout_ms_);
+  const auto slice = std::chrono::milliseconds(std::min<int64_t>(timeout_ms_, 1000));
+  while (true) {
+    try {
+      work->wait(slice);
+      return;
+    } catch (const c10::Error& e) {
+      if (work->isCompleted()) {  // the collective itself failed (a peer died, gloo's own timeout)
+        TORCH_CHECK(false, "deepcompile: rank ", rank_, ": ", what(), where(), " failed: ",
+                    e.what_without_backtrace());
+      }
+    }
+    std::string peer = probe_peers();
+    if (!peer.empty()) {
+      TORCH_CHECK(false, peer, " [rank ", rank_, " was waiting for ", what(), where(), "]");
+    }
+    if (clock::now() >= deadline) {
+      std::ostringstream ss;
+      ss << "deepcompile: rank " << rank_ << " timed out after "
+         << std::chrono::duration_cast<std::chrono::milliseconds>(clock::now() - t0).count() / 1000.0
+         << " s waiting for " << what() << where()
+         << ": another rank did not join this collective (it raised and stayed alive, is stuck in user "
+            "code, or runs a different forward). collective_timeout_s = "
+         << timeout_ms_ / 1000.0 << " s sets this limit";
+      if (store_) {  // ranks waiting elsewhere (the step's sequence check) stop with this message
+        try {
+          store_->set(store_prefix_ + "abort", ss.str());
+        } catch (const std::exception&) {
+        }
+      }
+      TORCH_CHECK(false, ss.str());
+    }
+  }
+}
+
+std::string Runtime::where() const {
+  std::ostringstream ss;
+  ss << " (in dc." << cur_op_;
+  const std::string key = std::string(cur_op_) + ":" + std::to_string(cur_id_);
+  auto it = node_names_.find(key + (phase_ == 0 ? ":forward" : ":backward"));
+  if (it == node_names_.end() && phase_ == 0) it = node_names_.find(key + ":inference");
+  if (it == node_names_.end()) it = node_names_.find(key);  // every candidate
+  if (it != node_names_.end()) ss << ", graph node " << it->second;
+  ss << ")";
+  return ss.str();
+}
+
+std::string Runtime::probe_peers() {
+  if (!store_) return "";
+  try {
+    const std::string abort_key = store_prefix_ + "abort";
+    if (store_->check({abort_key})) {
+      auto v = store_->get(abort_key);
+      return std::string(v.begin(), v.end());
+    }
+    const std::string parity = "p" + std::to_string(check_index_ % 2) + "/r";
+    for (int64_t j = 0; j < world_; ++j) {
+      if (j == rank_) continue;
+      const std::string key = store_prefix_ + parity + std::to_string(j);
+      if (!store_->check({key})) continue;
+      auto v = store_->get(key);
+      std::istringstream in(std::string(v.begin(), v.end()));
+      int64_t k = -1, n = -1;
+      in >> k >> n;
+      if (k != check_index_) continue;  // an earlier step's count
+      // Rank j already reached this step's optimizer step while this rank still waits in a
+      // collective of the same step: the two issued different collective sequences.
+      std::ostringstream ss;
+      ss << "deepcompile: collective sequence mismatch in optimizer step " << k << ": rank "
+         << (n < issued_ ? j : rank_) << " is behind: rank " << j
+         << " reached optimizer.step() after issuing " << n << " collectives this step, rank " << rank_
+         << " has issued " << issued_
+         << " and is still waiting for the others to join. A rank skipped a backward (or ran a "
+            "different forward); every rank must run the same forward and backward before optimizer.step()";
+      store_->set(abort_key, ss.str());
+      return ss.str();
+    }
+  } catch (const std::exception&) {
+    // the store is gone (the launcher exited): the timeout still applies
+  }
+  return "";
 }
 
 void Runtime::check_idle() const {
@@ -314,9 +434,10 @@ void Runtime::check_idle() const {
   TORCH_CHECK(pending_.empty(), "deepcompile: ", ss.str());
 }
 
-void init(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight) {
+void init(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight,
+          int64_t timeout_ms) {
   // Re-initialising replaces everything: stale parameter ids must never reach a new graph.
-  g_runtime = std::make_unique<Runtime>(std::move(pg), bucket_elems, max_inflight);
+  g_runtime = std::make_unique<Runtime>(std::move(pg), bucket_elems, max_inflight, timeout_ms);
 }
 
 void cleanup() { g_runtime.reset(); }

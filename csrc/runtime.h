@@ -10,6 +10,7 @@
 
 #include <torch/extension.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <deque>
@@ -26,7 +27,7 @@ struct Param {
   at::Tensor shard;             // this rank's flat padded shard: the tensor the optimizer updates
   std::vector<int64_t> shape;   // full (unsharded) shape
   int64_t numel = 0;            // full numel
-  int64_t chunk = 0;            // shard numel (padded numel / world size)
+  int64_t chunk = 0;            // shard numel (a contiguous range of the flattened parameter)
   at::ScalarType gather_dtype;  // dtype the parameter travels and computes in
 };
 
@@ -50,6 +51,7 @@ struct InFlightReduce {
   at::Tensor input;   // kept alive until the collective has finished
   at::Tensor output;  // concatenation of this rank's shard of every entry
   std::vector<std::pair<int64_t, int64_t>> entries;  // (param id, chunk)
+  int64_t bucket = 0;  // n-th bucket reduced in this optimizer step (named in timeout messages)
 };
 
 struct Stats {
@@ -68,7 +70,8 @@ struct Stats {
 
 class Runtime {
  public:
-  Runtime(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight);
+  Runtime(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight,
+          int64_t timeout_ms = 600000);
 
   void register_param(int64_t id, const std::string& name, at::Tensor shard,
                       std::vector<int64_t> shape, at::ScalarType gather_dtype);
@@ -108,7 +111,42 @@ class Runtime {
   int64_t num_params() const { return static_cast<int64_t>(params_.size()); }
   void check_idle() const;
 
+  // -- hang and mismatch detection (collective_timeout_s) ---------------------------------
+  // Every op records which op and id it runs (two stores: cheap) so a timeout can name it.
+  void enter(const char* op, int64_t id) {
+    cur_op_ = op;
+    cur_id_ = id;
+  }
+  // Python marks the compiled forward's run (0) and what follows it, the backward (1), so a
+  // timeout names the node of the right graph when a parameter is gathered in both.
+  void set_phase(int phase) { phase_ = phase; }
+  // "op:id" (and "op:id:kind") -> graph nodes calling that op, registered at compile time (read
+  // only on errors)
+  void set_node_names(std::unordered_map<std::string, std::string> names) { node_names_ = std::move(names); }
+  // The per-step collective count, checked across ranks at the optimizer step (Python, through
+  // the store). Returns (check index, collectives issued since the last check) and resets.
+  std::pair<int64_t, int64_t> begin_check() {
+    auto r = std::make_pair(check_index_++, issued_);
+    issued_ = 0;
+    reduce_buckets_ = 0;
+    return r;
+  }
+  // Where the other ranks post their counts ("<prefix>p<k%2>/r<rank>" = "<k> <count>") and an
+  // abort message ("<prefix>abort"); a host wait that lasts probes them once a second.
+  void set_seq_store(c10::intrusive_ptr<c10d::Store> store, const std::string& prefix) {
+    store_ = std::move(store);
+    store_prefix_ = prefix;
+  }
+  int64_t timeout_ms() const { return timeout_ms_; }
+
  private:
+  // Work::wait with the collective timeout, probing the store for mismatches while it waits;
+  // `what` describes the collective (built only on error).
+  template <typename Describe>
+  void wait_work(const c10::intrusive_ptr<c10d::Work>& work, bool on_cuda, Describe what);
+  std::string where() const;     // the op and graph node this rank is in
+  std::string probe_peers();     // non-empty: a mismatch or another rank's abort message
+
   Param& mutable_param(int64_t id);
   at::Tensor padded_rows(const at::Tensor& grad, const Param& p) const;
   void flush(at::ScalarType dtype);

@@ -12,43 +12,64 @@ namespace {
 
 at::Tensor unshard(const at::Tensor& shard, int64_t id) {
   auto& rt = dc::runtime();
+  rt.enter("unshard", id);
   rt.start_allgather(shard, id);
   return rt.finish_allgather(id);
 }
 
 at::Tensor shard_grad(const at::Tensor& grad, int64_t id) {
-  return dc::runtime().reduce_scatter_now(grad, id);
+  auto& rt = dc::runtime();
+  rt.enter("shard_grad", id);
+  return rt.reduce_scatter_now(grad, id);
 }
 
 // -- the runtime ops the passes insert ---------------------------------------------------------
 
 at::Tensor allgather_param(const at::Tensor& shard, int64_t id) {
-  dc::runtime().start_allgather(shard, id);
+  auto& rt = dc::runtime();
+  rt.enter("allgather_param", id);
+  rt.start_allgather(shard, id);
   return at::empty({0}, shard.options());  // a handle: orders wait_allgather after this op
 }
 
 at::Tensor allgather_params(at::TensorList shards, at::IntArrayRef ids) {
-  dc::runtime().start_allgather_fused(shards.vec(), ids.vec());
+  auto& rt = dc::runtime();
+  rt.enter("allgather_params", ids.empty() ? -1 : ids[0]);
+  rt.start_allgather_fused(shards.vec(), ids.vec());
   return at::empty({0}, shards[0].options());
 }
 
 at::Tensor wait_allgather(const at::Tensor& /*handle*/, int64_t id) {
-  return dc::runtime().finish_allgather(id);
+  auto& rt = dc::runtime();
+  rt.enter("wait_allgather", id);
+  return rt.finish_allgather(id);
 }
 
 at::Tensor gather_persistent(const at::Tensor& shard, int64_t id) {
-  return dc::runtime().gather_persistent(shard, id);
+  auto& rt = dc::runtime();
+  rt.enter("gather_persistent", id);
+  return rt.gather_persistent(shard, id);
 }
 
 std::vector<at::Tensor> gather_persistent_many(at::TensorList shards, at::IntArrayRef ids) {
-  return dc::runtime().gather_persistent_many(shards.vec(), ids.vec());
+  auto& rt = dc::runtime();
+  rt.enter("gather_persistent_many", ids.empty() ? -1 : ids[0]);
+  return rt.gather_persistent_many(shards.vec(), ids.vec());
 }
 
 void release_param(at::Tensor& /*gathered*/, int64_t id) { dc::runtime().release(id); }
 
-void reduce_grad(at::Tensor& grad, int64_t id) { dc::runtime().add_grad(grad, id); }
+void reduce_grad(at::Tensor& grad, int64_t id) {
+  auto& rt = dc::runtime();
+  rt.enter("reduce_grad", id);
+  rt.add_grad(grad, id);
+}
 
-void end_backward(at::TensorList /*grads*/, int64_t graph_id) { dc::runtime().end_backward(graph_id); }
+void end_backward(at::TensorList /*grads*/, int64_t graph_id) {
+  auto& rt = dc::runtime();
+  rt.enter("end_backward", graph_id);
+  rt.end_backward(graph_id);
+}
 
 }  // namespace
 

@@ -14,7 +14,7 @@ from deepcompile import compat
 from deepcompile.backend import Backend
 from deepcompile.config import Config
 from deepcompile.dynamic import DynamicDims
-from deepcompile.runtime import ops, optimizer_state
+from deepcompile.runtime import ops, optimizer_state, seqcheck
 from deepcompile.runtime.offload import ENGINE
 from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
 
@@ -52,7 +52,13 @@ class DeepCompileModel(nn.Module):
             if not (profiling and passes is self._dc_passes and not fresh and self.dc_backend.profile_in_place()):
                 self._recompile(passes, profiling)
         self.dc_dynamic.observe(args, kwargs)
-        return self._dc_compiled(*args, **kwargs)
+        # the runtime names the graph node of a collective timeout by phase: forward while the
+        # compiled forward runs, backward after it (two pybind calls per forward)
+        ops.C.set_phase(0)
+        try:
+            return self._dc_compiled(*args, **kwargs)
+        finally:
+            ops.C.set_phase(1)
 
     def _recompile(self, passes, profiling: bool = False) -> None:
         # Drop every compiled graph before compiling the new pass list: the old graphs (and
@@ -74,6 +80,10 @@ class DeepCompileModel(nn.Module):
         return self.dc_backend.profile
 
     def _dc_before_optimizer_step(self, *_args) -> None:
+        # every rank issued the same collectives this step, or all stop here naming the rank behind
+        check = self.__dict__.get("dc_seqcheck")
+        if check is not None:
+            check.check()
         # Kept gathered parameters are dropped before the step, not after it: the step does not
         # read them and would otherwise carry them at its peak (the planner's memory model
         # counts on this).
@@ -137,7 +147,7 @@ class _StepTimer:
         return float(self.start.elapsed_time(end))
 
 
-def _resolve_group(group):
+def _resolve_group(group, timeout_s: float = 600.0):
     if group is not None:
         return group
     if dist.is_available() and dist.is_initialized():
@@ -153,7 +163,11 @@ def _resolve_group(group):
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    import datetime
+
+    # collective_timeout_s bounds every collective of the group, not only the runtime's waits
+    # (NCCL's watchdog aborts on it; gloo fails the collective)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.group.WORLD
 
 
@@ -234,7 +248,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
         raise TypeError("deepcompile.initialize: make_optimizer must be a callable taking the "
                         "parameters and returning a torch.optim.Optimizer, e.g. "
                         "lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
-    group = _resolve_group(group)
+    group = _resolve_group(group, cfg.collective_timeout_s)
     device = _device_for(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
 
@@ -244,7 +258,9 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
                       "runtime state and compiled graphs are dropped", stacklevel=2)
         compat.reset_dynamo()
     ops.PARAMS.clear()
-    C.init(group, cfg.reduce_bucket_size, cfg.max_inflight_reduces)
+    C.init(group, cfg.reduce_bucket_size, cfg.max_inflight_reduces,
+           max(1, int(cfg.collective_timeout_s * 1000)))
+    seqcheck.clear_nodes()
     try:
         state_keys = list(model.state_dict().keys())
         model.to(device)
@@ -258,6 +274,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
         raise
     backend = Backend(cfg, dict(ops.PARAMS), world, rank)
     wrapped = DeepCompileModel(model, sharded, backend, cfg, group, state_keys)
+    object.__setattr__(wrapped, "dc_seqcheck", seqcheck.SequenceCheck.create(group, cfg.collective_timeout_s))
     trainable = [sp.shard for sp in sharded if sp.shard.requires_grad]
     opt = make_optimizer(trainable)
     if not isinstance(opt, torch.optim.Optimizer):

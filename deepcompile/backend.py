@@ -17,6 +17,7 @@ from deepcompile import compat
 from deepcompile.passes import PASSES, PassContext, make_params
 from deepcompile.profile.profiler import profiled_callable
 from deepcompile.record.graph import serialize
+from deepcompile.runtime import seqcheck
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Backend:
             self._observe(GraphVersion(graph_id, kind, entry.name, serialize(gm), ctx.notes,
                                        time.perf_counter() - t0, step=self.step))
         self.compiled[(graph_id, kind)] = gm
+        seqcheck.register_nodes(graph_id, kind, gm)  # a collective timeout names the node it is in
         return gm
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):

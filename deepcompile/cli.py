@@ -93,7 +93,7 @@ def _builtin_gpt(batch: int, seed: int, world: int):
 
 
 def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps: int, out: str,
-               batch: int, seed: int, factory: str | None = None) -> None:
+               batch: int, seed: int, factory: str | None = None, timeout_s: float = 600.0) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import torch
@@ -109,7 +109,12 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
-        dist.init_process_group(backend, rank=rank, world_size=world)
+        import datetime
+
+        # the launcher holds the rendezvous store (bound to loopback); every rank is a client
+        wait = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world, False, wait)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=wait)
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         torch.manual_seed(seed)  # same initial weights on every rank
         user_model, make_batch = load_factory(factory)() if factory else _builtin_gpt(batch, seed, world)
@@ -156,13 +161,65 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
         rec.close()
         dist.barrier()
         dist.destroy_process_group()
-    except BaseException:
+    except BaseException as e:
         err = Path(out) / f"rank{rank}" / "error.txt"
         err.parent.mkdir(parents=True, exist_ok=True)
         err.write_text(traceback.format_exc())
+        interrupted = isinstance(e, KeyboardInterrupt)
+        reason = "interrupted (SIGINT)" if interrupted else f"rank {rank}: {_last_line(e)}"
         if rec is not None:
-            rec.close(failed=True)
-        raise
+            rec.close(status="interrupted" if interrupted else "failed", reason=reason)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Exit now: a collective that another rank never joined may still hold a gloo worker
+        # thread, and the process group's teardown at interpreter exit would wait for it. The
+        # launcher reads error.txt for the message.
+        os._exit(130 if interrupted else 1)
+
+
+def _last_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+    return lines[-1].strip() if lines else type(e).__name__
+
+
+def _host_store(world: int, timeout_s: float):
+    """The rendezvous store, served by the launcher on 127.0.0.1 only (TCPStore's own server
+    listens on every interface): a socket bound to loopback is handed to it. The port is the
+    socket's own, so no other process can take it between choosing and binding."""
+    import datetime
+
+    import torch.distributed as dist
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore("127.0.0.1", port, world, True, datetime.timedelta(seconds=timeout_s),
+                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    sock.detach()  # the store's server owns (and closes) the descriptor now
+    return store, port
+
+
+def _stop_ranks(ctx, grace_s: float = 5.0) -> None:
+    """SIGTERM every rank still alive, SIGKILL what is left after ``grace_s``."""
+    procs = [p for p in ctx.processes if p.is_alive()]
+    for p in procs:
+        p.terminate()
+    deadline = time.monotonic() + grace_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+
+
+def _rank_error(out: Path, rank: int) -> str | None:
+    try:
+        lines = [ln for ln in (out / f"rank{rank}" / "error.txt").read_text().splitlines() if ln.strip()]
+    except OSError:
+        return None
+    return lines[-1].strip() if lines else None
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -181,6 +238,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     cfg = build_config(compiler, a.passes, a.pass_param)
     if a.profile_step is not None:
         cfg["profile_step"] = a.profile_step
+    cfg["collective_timeout_s"] = a.timeout
     Config.load(cfg)  # ConfigError (exit 2) before any process starts
     if a.model:
         load_factory(a.model)  # a bad --model fails here, not in every rank
@@ -191,18 +249,45 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(f"deepcompile demo: {a.ranks} rank(s), {backend}, compiler {compiler}, passes "
           f"{[e['name'] for e in cfg['passes']]}, {a.steps} steps -> {out}", flush=True)
     t0 = time.perf_counter()
+    from deepcompile.record.writer import finalize_manifest
+
+    store, port = _host_store(a.ranks, a.timeout)
+    ctx = None
     try:
-        mp.start_processes(_demo_rank, args=(a.ranks, _free_port(), backend, cfg, a.steps, str(out),
-                                             a.batch, a.seed, a.model), nprocs=a.ranks, join=True,
-                           start_method="spawn")
-    except mp.ProcessRaisedException as e:
+        ctx = mp.start_processes(_demo_rank, args=(a.ranks, port, backend, cfg, a.steps,
+                                                   str(out), a.batch, a.seed, a.model, a.timeout),
+                                 nprocs=a.ranks, join=False, start_method="spawn")
+        while not ctx.join(timeout=0.5):  # join=True would not return on SIGINT before the ranks end
+            pass
+    except KeyboardInterrupt:
+        # the ranks are not stopped by the launcher's SIGINT alone (only a terminal's Ctrl-C
+        # reaches them too): stop them, and say so in the record rank 0 may not have closed
+        if ctx is not None:
+            _stop_ranks(ctx)
+        finalize_manifest(out, "interrupted", "interrupted (SIGINT to the demo launcher); ranks stopped")
+        print("deepcompile demo: interrupted; ranks stopped", file=sys.stderr)
+        return 130
+    except mp.ProcessRaisedException as e:  # raised in a rank before it could exit on its own
         last = [ln for ln in str(e).strip().splitlines() if ln.strip()][-1]
+        _stop_ranks(ctx)
+        finalize_manifest(out, "failed", f"rank {e.error_index}: {last}")
         print(f"deepcompile demo: rank {e.error_index} failed: {last} "
               f"(traceback in {out / f'rank{e.error_index}' / 'error.txt'})", file=sys.stderr)
         return 1
     except mp.ProcessExitedException as e:
-        print(f"deepcompile demo: rank {e.error_index} died (exit code {e.exit_code})", file=sys.stderr)
-        return 1
+        _stop_ranks(ctx)
+        err = _rank_error(out, e.error_index)
+        if err is not None:
+            why = f"rank {e.error_index} failed: {err}"
+        else:
+            how = (f"signal {e.signal_name}" if getattr(e, "signal_name", None) else f"exit code {e.exit_code}")
+            why = f"rank {e.error_index} died ({how})"
+        finalize_manifest(out, "interrupted" if e.exit_code == 130 else "failed", why)
+        print(f"deepcompile demo: {why}"
+              + (f" (traceback in {out / f'rank{e.error_index}' / 'error.txt'})" if err else ""), file=sys.stderr)
+        return 130 if e.exit_code == 130 else 1
+    finally:
+        del store  # the rendezvous server stops with the run
     print(f"trained in {time.perf_counter() - t0:.1f} s; rendering the report", flush=True)
     from deepcompile.report.html import render_report
 
@@ -307,6 +392,9 @@ def parser() -> argparse.ArgumentParser:
                    help="train your model instead of the built-in GPT: FUNCTION() returns (model, "
                         "make_batch) with make_batch(step, rank, device) -> forward args; forward returns the loss")
     d.add_argument("--cpu", action="store_true", help="use gloo on CPU even when GPUs are present")
+    d.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="collective_timeout_s: a rank that waits this long for the others in a collective "
+                        "fails naming the collective, and the demo stops every rank (default 600)")
     d.set_defaults(fn=cmd_demo)
     r = sub.add_parser("report", help="render the static HTML report of a run record")
     r.add_argument("run_dir")

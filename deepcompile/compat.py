@@ -220,6 +220,23 @@ def saved_outputs_start(fw: fx.GraphModule) -> int | None:
     return None
 
 
+
+def default_store():
+    """The c10d store of the default process group (the rendezvous store), or None.
+
+    The collective sequence check (``runtime/seqcheck.py``) posts one count per rank per step
+    there: a channel of its own, so it cannot be matched against the model's collectives.
+    ``torch.distributed.distributed_c10d._get_default_store`` is private; it exists, with this
+    name and no arguments, in 2.11 and 2.13 (checked), and has since 1.x.
+    """
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
 def storage_key(t: torch.Tensor) -> int | None:
     """An identity for ``t``'s storage, equal for every tensor over the same storage (fake
     tensors included: a fake view shares its base's fake storage, ``_unsafe_view`` too).

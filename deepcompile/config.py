@@ -60,6 +60,10 @@ class Config:
     mixed_precision: MixedPrecision = spec(default_factory=MixedPrecision, help="compute and reduce dtypes")
     reduce_bucket_size: int = spec(25_000_000, min=1, help="elements per gradient reduce-scatter bucket")
     max_inflight_reduces: int = spec(2, min=1, max=64, help="reduce-scatter buckets in flight before the oldest is waited for")
+    collective_timeout_s: float = spec(600.0, min=1.0, max=7 * 24 * 3600.0,
+                                       help="seconds a rank waits for the others in any collective (and at the "
+                                            "step's sequence check) before it fails naming the rank, the collective "
+                                            "and the graph node; also the timeout of the process group deepcompile creates")
     warmup_compiler: str | None = spec(None, choices=(None, "inductor", "aot_eager", "eager"),
                                        help="compiler for the steps before the first scheduled re-compile (default: "
                                             "`compiler`); the default ZeRO-3 plan uses aot_eager there, so Inductor "

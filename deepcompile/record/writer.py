@@ -129,13 +129,15 @@ class RunRecorder:
         write_json(self.dir / S.GRAPHS_DIR / S.GRAPH_INDEX, [])
         self._steps = open(self.dir / S.STEPS, "a", encoding="utf-8")
 
-    def _manifest(self, status: str) -> None:
+    def _manifest(self, status: str, reason: str | None = None) -> None:
         from deepcompile import __version__
 
-        write_json(self.run_dir / S.MANIFEST, {
-            "format_version": S.FORMAT_VERSION, "tool": f"deepcompile {__version__}",
-            "created": self.created, "world_size": self.world, "ranks": list(range(self.world)),
-            "status": status})
+        m = {"format_version": S.FORMAT_VERSION, "tool": f"deepcompile {__version__}",
+             "created": self.created, "world_size": self.world, "ranks": list(range(self.world)),
+             "status": status}
+        if reason:
+            m["reason"] = str(reason)
+        write_json(self.run_dir / S.MANIFEST, m)
 
     # ------------------------------------------------------------------ graphs
     def graph_version(self, v: Any) -> None:
@@ -212,16 +214,34 @@ class RunRecorder:
         write_json(path, obj)
 
     # ------------------------------------------------------------------ end
-    def close(self, failed: bool = False) -> None:
+    def close(self, failed: bool = False, *, status: str | None = None, reason: str | None = None) -> None:
+        """End this rank's part; rank 0 writes the manifest's final ``status`` (``complete``,
+        ``failed`` or ``interrupted``, from ``failed`` when not given) and the ``reason``."""
         if self.closed:
             return
         self.closed = True
         self._steps.close()
         if self.rank == 0:
-            self._manifest("failed" if failed else "complete")
+            self._manifest(status or ("failed" if failed else "complete"), reason)
 
     def __enter__(self) -> "RunRecorder":
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close(failed=exc_type is not None)
+
+
+def finalize_manifest(run_dir: str | os.PathLike, status: str, reason: str) -> bool:
+    """The launcher's word on how a run ended, for when rank 0 could not write it (killed,
+    terminated, interrupted): a manifest still saying ``running`` becomes ``status`` with
+    ``reason``. Returns whether it was rewritten; a finished manifest is left as rank 0 wrote it."""
+    path = Path(run_dir) / S.MANIFEST
+    try:
+        m = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(m, dict) or m.get("status") != "running":
+        return False
+    m["status"], m["reason"] = status, str(reason)
+    write_json(path, m)
+    return True
