@@ -286,15 +286,3 @@ def mark_dynamic(t: torch.Tensor, dims) -> None:
     ``maybe_mark_dynamic`` (public API, ``torch._dynamo.maybe_mark_dynamic`` in 2.11 and 2.13)
     still lets Dynamo specialise where the model's code needs a concrete size."""
     torch._dynamo.maybe_mark_dynamic(t, list(dims))
-
-
-def compile_frame_id() -> int | None:
-    """Which Python frame (code object) Dynamo is compiling now: the k-th distinct frame since
-    the last reset, the same on every rank that runs the same code. A recompile of the same
-    frame (new shapes, failed guards) keeps it. ``CompileContext.current_compile_id()`` in
-    ``torch._guards`` (2.11 and 2.13)."""
-    try:
-        cid = torch._guards.CompileContext.current_compile_id()
-    except Exception:  # noqa: BLE001
-        return None
-    return getattr(cid, "frame_id", None) if cid is not None else None
