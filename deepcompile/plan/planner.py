@@ -408,6 +408,8 @@ def plan_model(model, entries: list) -> list:
 
     t0 = time.perf_counter()
     b, cfg = model.dc_backend, model.dc_config
+    if not any(e.name == "zero3" for e in entries):
+        return entries  # ZeRO-1/2: parameters are whole between steps; nothing of this plan applies
     prof = b.profile
     device = model._dc_device()
     state = optimizer_state.MANAGER.total_bytes() if optimizer_state.MANAGER.opt is not None else 0
@@ -447,7 +449,14 @@ def plan_model(model, entries: list) -> list:
         timer = lambda c: analytic_step_ms(c, facts, comm, compute, prof.optimizer_ms, accumulation)  # noqa: E731
         time_model = "analytic (no profiled graphs at hand)"
     headroom = make_params(_entry("offload_optimizer", hand.get("offload_optimizer", {}))).headroom_mb
-    plan = choose(facts, mem, kept_bytes, timer, hand, time_model, offload_headroom_mb=headroom)
+    # a pass the list lacks keeps nothing / prefetches nothing: its parameters are fixed at that
+    fixed = dict(hand)
+    if "selective_unshard" not in names:
+        fixed["selective_unshard"] = {"budget_mb": 0.0}
+    if "prefetch" not in names:
+        fixed["prefetch"] = {"budget_mb": 0.0, "fuse_mb": 0.0}
+    plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom)
+    plan.hand_set = hand
     out = apply(entries, plan)
     plan.passes = [{"name": e.name, "params": dict(e.params)} for e in out]
     d = plan.to_dict()
