@@ -232,6 +232,8 @@ def cmd_demo(a: argparse.Namespace) -> int:
         raise CLIError(f"--ranks {a.ranks}: need at least 1")
     if a.steps < 1:
         raise CLIError(f"--steps {a.steps}: need at least 1")
+    if a.batch < 1:  # an empty batch trains on nothing: the loss is NaN and the run "succeeds"
+        raise CLIError(f"--batch {a.batch}: need at least 1 sequence per rank per step")
     use_gpu = (not a.cpu) and torch.cuda.is_available() and torch.cuda.device_count() >= a.ranks
     backend = "nccl" if use_gpu else "gloo"
     compiler = a.compiler or ("inductor" if use_gpu else "aot_eager")
@@ -243,9 +245,14 @@ def cmd_demo(a: argparse.Namespace) -> int:
     if a.model:
         load_factory(a.model)  # a bad --model fails here, not in every rank
     out = Path(a.out or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}")
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {out}: is a file, not a directory; name a new directory for the run record")
     if (out / "manifest.json").exists():
         raise CLIError(f"{out}: already holds a run record; choose another --out")
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a parent that is a file, no permission, read-only file system
+        raise CLIError(f"--out {out}: cannot create the run directory ({e.strerror or e})") from None
     print(f"deepcompile demo: {a.ranks} rank(s), {backend}, compiler {compiler}, passes "
           f"{[e['name'] for e in cfg['passes']]}, {a.steps} steps -> {out}", flush=True)
     t0 = time.perf_counter()

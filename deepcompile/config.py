@@ -17,6 +17,41 @@ from deepcompile.params import ConfigError, build, spec
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def _read_config_file(path: str | os.PathLike) -> Any:
+    """The JSON of a config file; every way it can be wrong is a ConfigError naming the path."""
+    import stat
+
+    name = repr(os.fspath(path))
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise ConfigError(f"config file {name} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {name} cannot be read: {e.strerror or e}") from None
+    if stat.S_ISDIR(st.st_mode):
+        raise ConfigError(f"config file {name} is a directory; pass the path of a JSON file")
+    if not stat.S_ISREG(st.st_mode):   # a FIFO would block open() until someone writes to it
+        raise ConfigError(f"config file {name} is not a regular file; pass the path of a JSON file")
+    if st.st_size > 16 << 20:
+        raise ConfigError(f"config file {name} is {st.st_size >> 20} MiB, not a config (at most 16 MiB)")
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"config file {name} cannot be read: {e.strerror or e}") from None
+    try:
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {name} is not UTF-8 text (byte {e.start}: {raw[e.start:e.start + 1]!r}); "
+                          "is it a binary file? A config is a JSON object") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {name} is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # an over-long integer, nesting past the recursion limit
+        raise ConfigError(f"config file {name} is not a valid config: {e or type(e).__name__}") from None
+
+
 @dataclass
 class MixedPrecision:
     param_dtype: str = spec("float32", choices=tuple(DTYPES),
@@ -39,7 +74,8 @@ class PassEntry:
 
 @dataclass
 class ScheduleEntry:
-    step: int = spec(help="optimizer step from which these passes are used (re-compiles once there)", min=1)
+    step: int = spec(help="optimizer step from which these passes are used (re-compiles once there)", min=1,
+                     max=1 << 30)
     passes: list[Any] = spec(default_factory=lambda: ["zero3"], help="pass list, like `passes`")
 
 
@@ -58,7 +94,9 @@ class Config:
     gradient_accumulation_steps: int = spec(1, min=1, max=1 << 20,
                                             help="micro-batches per optimizer step; optimizer.step() is a no-op in between")
     mixed_precision: MixedPrecision = spec(default_factory=MixedPrecision, help="compute and reduce dtypes")
-    reduce_bucket_size: int = spec(25_000_000, min=1, help="elements per gradient reduce-scatter bucket")
+    reduce_bucket_size: int = spec(25_000_000, min=1, max=1 << 40,
+                                   help="elements per gradient reduce-scatter bucket (a threshold: 2**40, more than "
+                                        "any model's gradients, means one bucket per step)")
     max_inflight_reduces: int = spec(2, min=1, max=64, help="reduce-scatter buckets in flight before the oldest is waited for")
     collective_timeout_s: float = spec(600.0, min=1.0, max=7 * 24 * 3600.0,
                                        help="seconds a rank waits for the others in any collective (and at the "
@@ -128,13 +166,7 @@ class Config:
         if isinstance(cfg, Config):
             return build(cls, asdict(cfg), "config")  # every key explicit: no auto schedule
         if isinstance(cfg, (str, os.PathLike)):
-            try:
-                with open(cfg) as f:
-                    cfg = json.load(f)
-            except FileNotFoundError:
-                raise ConfigError(f"config file {os.fspath(cfg)!r} does not exist") from None
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"config file {os.fspath(cfg)!r} is not valid JSON: {e}") from None
+            cfg = _read_config_file(cfg)
         out = build(cls, cfg, "config")
         if (isinstance(cfg, dict) and out.zero_stage == 3 and out.auto_schedule
                 and not {"passes", "schedule", "profile_step"} & set(cfg)):

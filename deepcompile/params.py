@@ -7,6 +7,7 @@ choices). The same declaration drives validation (with the key path in every err
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import MISSING, dataclass, field
 from typing import Any
@@ -61,11 +62,18 @@ def _check_scalar(path: str, value: Any, t: Any, f: dataclasses.Field) -> Any:
             raise ConfigError(f"{path}: expected true or false, got {value!r}")
     elif t is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{path}: expected an integer, got {value!r}")
+            raise ConfigError(f"{path}: expected an integer, got {_short(value)}")
     elif t is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{path}: expected a number, got {value!r}")
-        value = float(value)
+            raise ConfigError(f"{path}: expected a number, got {_short(value)}")
+        try:
+            value = float(value)
+        except OverflowError:   # an int beyond the float range
+            raise ConfigError(f"{path}: {_short(value)} is out of range") from None
+        if not math.isfinite(value):
+            # every bound test is False for NaN, so budget_mb=nan would pass as "no limit"
+            raise ConfigError(f"{path}: expected a finite number, got {value!r}"
+                              + _bounds_hint(f))
     elif t is str:
         if not isinstance(value, str):
             raise ConfigError(f"{path}: expected a string, got {value!r}")
@@ -73,11 +81,33 @@ def _check_scalar(path: str, value: Any, t: Any, f: dataclasses.Field) -> Any:
     if choices is not None and value not in choices:
         raise ConfigError(f"{path}: {value!r} is not one of {list(choices)}")
     lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    if t in (int, float):
+        # an undeclared bound is still int64's: a larger value reaches C++ (pybind) as a TypeError
+        lo = -INT64_MAX if lo is None else lo
+        hi = INT64_MAX if hi is None else hi
     if lo is not None and value < lo:
-        raise ConfigError(f"{path}: {value!r} is below the minimum {lo}")
+        raise ConfigError(f"{path}: {_short(value)} is below the minimum {lo}")
     if hi is not None and value > hi:
-        raise ConfigError(f"{path}: {value!r} is above the maximum {hi}")
+        raise ConfigError(f"{path}: {_short(value)} is above the maximum {hi}")
     return value
+
+
+INT64_MAX = (1 << 63) - 1
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 100:
+        return f"an integer of {v.bit_length()} bits"
+    r = repr(v)
+    return r if len(r) <= 80 else r[:77] + "..."
+
+
+def _bounds_hint(f: dataclasses.Field) -> str:
+    lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    if lo is None and hi is None:
+        return ""
+    return f" (from {lo} to {hi})" if lo is not None and hi is not None else (
+        f" (at least {lo})" if lo is not None else f" (at most {hi})")
 
 
 def build(cls, data: Any, path: str):
@@ -98,6 +128,8 @@ def build(cls, data: Any, path: str):
     kwargs = {}
     for name, f in fields.items():
         if name not in data:
+            if f.default is MISSING and f.default_factory is MISSING:   # else cls() raises a TypeError
+                raise ConfigError(f"{path}.{name}: missing; it is required ({f.metadata.get('help', '')})")
             continue
         kwargs[name] = _convert(f"{path}.{name}", data[name], hints[name], f)
     obj = cls(**kwargs)

@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from deepcompile.plan import estimate as E
-from deepcompile.record.reader import RecordError, read_run
+from deepcompile.record import schema as S
+from deepcompile.record.reader import RecordError, load_json, read_run
 
 from .canvas import have_anywidget, make_canvas
 from .graph_view import COLOR_MODES, FOLD_MARK, OPEN_MARK, GraphModel
@@ -159,9 +160,10 @@ class InspectorModel:
                                "peak_bytes": None, "steps": 0}
         job = self.jobs.get(run_dir)
         try:
-            m = json.loads((run_dir / "manifest.json").read_text())
+            # through the reader: a shared folder may hold a FIFO or a symlink out of it
+            m = S.check_manifest(str(run_dir / S.MANIFEST), load_json(run_dir / S.MANIFEST, root=run_dir))
             row["status"] = m.get("status", "")
-            cfg = json.loads((run_dir / "config.json").read_text())
+            cfg = S.check_config(str(run_dir / S.CONFIG), load_json(run_dir / S.CONFIG, root=run_dir))
             row["passes"] = ", ".join(
                 p["name"] + (f"({', '.join(f'{k}={v}' for k, v in p.get('params', {}).items())})" if p.get("params") else "")
                 if isinstance(p, dict) else str(p) for p in cfg.get("passes", []))
@@ -173,6 +175,8 @@ class InspectorModel:
             row["median_step_s"] = statistics.median(times) if times else None
             row["peak_bytes"] = max(((s.get("mem") or {}).get("peak", 0) for ss in sm.steps.values() for s in ss),
                                     default=None)
+        except RecordError as e:
+            row["status"] = row["status"] or ("no record yet" if "missing" in str(e) else "unreadable record")
         except (OSError, ValueError, KeyError, TypeError):
             row["status"] = row["status"] or "no record yet"
         if job is not None and job.running:

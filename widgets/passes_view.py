@@ -75,11 +75,18 @@ class PassesModel:
         self.order = order
         self.enabled = {n: n in self.recorded for n in order}
         self.specs: dict[str, list[ControlSpec]] = {}
+        self.ignored: list[str] = []   # recorded values this version's declarations reject
         for n in order:
             specs = [control_spec(n, p) for p in describe(registry[n].params_cls)]
             for s in specs:
                 if s.name in self.recorded_values.get(n, {}):
-                    s.value = self.recorded_values[n][s.name]
+                    v = self.recorded_values[n][s.name]
+                    try:  # a record is untrusted input: a wrong-typed value must not reach a control
+                        build(registry[n].params_cls, {s.name: v}, f"passes.{n}.params")
+                    except (ConfigError, TypeError, ValueError) as e:
+                        self.ignored.append(f"{e} (the default {s.default!r} is shown)")
+                        continue
+                    s.value = v
             self.specs[n] = specs
 
     # ------------------------------------------------------------ edits

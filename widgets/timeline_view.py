@@ -64,7 +64,7 @@ class ScheduleModel:
     def _schedule_of(self, rank: int) -> dict | None:
         p = self.run_dir / S.rank_dir_name(rank) / S.SCHEDULE
         try:
-            obj = load_json(p, optional=True)
+            obj = load_json(p, optional=True, root=self.run_dir)
             return None if obj is None else S.check_schedule(str(p), obj)
         except RecordError:
             return None
@@ -344,7 +344,7 @@ class StepsModel:
         changed = False
         mpath = self.run_dir / S.MANIFEST
         try:
-            m = load_json(mpath, optional=True)
+            m = load_json(mpath, optional=True, root=self.run_dir)
             if m is None:
                 self.error = f"{mpath}: no record yet"
                 return False
@@ -366,7 +366,7 @@ class StepsModel:
             if self._sig.get(r) == sig:
                 continue
             try:
-                self.steps[r] = read_steps(p)[0]
+                self.steps[r] = read_steps(p, root=self.run_dir)[0]
             except RecordError as e:
                 self.error = str(e)
                 continue

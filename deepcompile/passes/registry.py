@@ -56,6 +56,12 @@ def normalize_entry(entry: Any, path: str):
         entry = {"name": entry}
     if isinstance(entry, PassEntry):
         entry = {"name": entry.name, "params": dict(entry.params)}
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{path}: a pass is a name or {{\"name\": ..., \"params\": {{...}}}}, got {entry!r:.80}; "
+                          f"known passes: {sorted(PASSES)}")
+    if "name" not in entry:
+        raise ConfigError(f"{path}.name: missing; a pass entry is {{\"name\": ..., \"params\": {{...}}}} with a "
+                          f"name from {sorted(PASSES)}")
     pe = build(PassEntry, entry, path)
     pdef = PASSES.get(pe.name)
     if pdef is None:

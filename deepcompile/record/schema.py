@@ -86,7 +86,7 @@ def _short(v: Any) -> str:
 
 
 def _field(file: str, obj: Any, key: str, types, where: str, *, optional: bool = False,
-           choices: tuple | None = None, finite: bool = False) -> Any:
+           choices: tuple | None = None, finite: bool = False, nullable: bool = True) -> Any:
     if not isinstance(obj, dict):
         _fail(file, where, f"expected an object, got {type(obj).__name__}")
     path = f"{where}.{key}" if where else key
@@ -95,7 +95,7 @@ def _field(file: str, obj: Any, key: str, types, where: str, *, optional: bool =
             return None
         _fail(file, path, "missing")
     v = obj[key]
-    if optional and v is None:
+    if optional and nullable and v is None:
         return None
     _check_value(file, path, v, types, finite=finite)
     if choices is not None and v not in choices:
@@ -169,19 +169,25 @@ def check_config(file: str, c: Any) -> dict:
     unknown keys pass, but the keys that readers use must have their types."""
     if not isinstance(c, dict):
         _fail(file, "", "expected a JSON object")
-    _field(file, c, "zero_stage", int, "", optional=True)
-    for k in ("compiler", "warmup_compiler"):
-        _field(file, c, k, str, "", optional=True)
-    for k in ("profile_step", "gradient_accumulation_steps", "reduce_bucket_size", "max_inflight_reduces"):
-        _field(file, c, k, int, "", optional=True)
-    _field(file, c, "auto_schedule", bool, "", optional=True)
-    mp = _field(file, c, "mixed_precision", dict, "", optional=True)
+    def typed(key, types, where="", obj=c, nullable=False):
+        # absent is fine; present must have the type (null only where Config writes null)
+        if key in obj and not (nullable and obj[key] is None):
+            _check_value(file, f"{where}.{key}" if where else key, obj[key], types)
+
+    typed("zero_stage", int)
+    typed("compiler", str)
+    typed("warmup_compiler", str, nullable=True)
+    typed("profile_step", int, nullable=True)
+    for k in ("gradient_accumulation_steps", "reduce_bucket_size", "max_inflight_reduces"):
+        typed(k, int)
+    typed("auto_schedule", bool)
+    typed("mixed_precision", dict)
     for k in ("param_dtype", "reduce_dtype"):
-        if mp:
-            _field(file, mp, k, str, "mixed_precision", optional=True)
-    if c.get("passes") is not None:
+        typed(k, str, "mixed_precision", c.get("mixed_precision") or {})
+    if "passes" in c:
         _check_pass_list(file, c["passes"], "passes")
-    for i, e in enumerate(_list(file, c, "schedule", "", optional=True)):
+    typed("schedule", list)
+    for i, e in enumerate(c.get("schedule") or []):
         _field(file, e, "step", int, f"schedule[{i}]")
         _check_pass_list(file, e.get("passes", []), f"schedule[{i}].passes")
     return c
@@ -341,5 +347,5 @@ def check_step(file: str, line_no: int, s: Any) -> dict:
     mem = _field(file, s, "mem", dict, w, optional=True)
     if mem:
         for k in ("allocated", "reserved", "peak"):
-            _field(file, mem, k, int, f"{w}.mem", optional=True)
+            _field(file, mem, k, int, f"{w}.mem", optional=True, nullable=False)
     return s
