@@ -36,14 +36,17 @@ void Runtime::register_param(int64_t id, const std::string& name, at::Tensor sha
                              std::vector<int64_t> shape, at::ScalarType gather_dtype) {
   TORCH_CHECK(params_.find(id) == params_.end(), "deepcompile: parameter id ", id, " ('", name,
               "') is already registered");
-  TORCH_CHECK(shard.dim() == 1 && shard.is_contiguous(), "deepcompile: shard of '", name,
-              "' must be a contiguous 1-D tensor, got shape ", shard.sizes());
+  TORCH_CHECK(shard.is_contiguous(), "deepcompile: shard of '", name, "' must be contiguous");
   int64_t numel = 1;
   for (auto s : shape) numel *= s;
+  // Row-aligned shards (sharding.shard_layout): ceil(d0 / world) rows of the parameter per rank.
+  const int64_t rows = shape.empty() ? 1 : shape[0];
+  const int64_t row = rows > 0 ? numel / rows : 0;
+  const int64_t expect = (rows + world_ - 1) / world_ * row;
   const int64_t chunk = shard.numel();
-  TORCH_CHECK(chunk * world_ >= numel && (chunk - 1) * world_ < numel + world_, "deepcompile: shard of '", name,
-              "' has ", chunk, " elements; a parameter of ", numel, " elements over ", world_,
-              " ranks needs ", (numel + world_ - 1) / world_);
+  TORCH_CHECK(chunk == expect, "deepcompile: shard of '", name, "' has ", chunk, " elements (shape ",
+              shard.sizes(), "); a parameter of shape ", c10::IntArrayRef(shape), " over ", world_,
+              " ranks needs ", (rows + world_ - 1) / world_, " rows of ", row, " elements");
   Param p;
   p.id = id;
   p.name = name;
@@ -106,13 +109,13 @@ void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
               shard.numel(), " elements, the registry holds ", p.chunk);
   TORCH_CHECK(pending_.find(id) == pending_.end(), "deepcompile: allgather of '", p.name,
               "' started twice without wait_allgather in between");
-  at::Tensor src = shard.to(p.gather_dtype).contiguous();
+  at::Tensor src = shard.to(p.gather_dtype).contiguous().view({-1});
   at::Tensor buffer = at::empty({p.chunk * world_}, src.options());
   auto work = pg_->_allgather_base(buffer, src);
+  issued_ += 1;
   pending_[id] = PendingGather{work, buffer};
   track_live(buffer, id);  // memory is taken when the collective is issued, not when waited
   stats_.allgathers += 1;
-  issued_ += 1;
   stats_.allgather_bytes += buffer.nbytes();
 }
 
@@ -128,14 +131,14 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
                 shards[i].numel(), " elements, the registry holds ", p.chunk);
     TORCH_CHECK(pending_.find(ids[i]) == pending_.end(), "deepcompile: allgather of '", p.name,
                 "' started twice without wait_allgather in between");
-    ins.push_back(shards[i].to(p.gather_dtype).contiguous());
+    ins.push_back(shards[i].to(p.gather_dtype).contiguous().view({-1}));
     outs.push_back(at::empty({p.chunk * world_}, ins.back().options()));
   }
   auto work = pg_->allgather_into_tensor_coalesced(outs, ins);
+  issued_ += 1;
   for (size_t i = 0; i < ids.size(); ++i) {
     pending_[ids[i]] = PendingGather{work, outs[i]};
     track_live(outs[i], ids[i]);
-  issued_ += 1;
     stats_.allgather_bytes += outs[i].nbytes();
   }
   stats_.allgathers += static_cast<int64_t>(ids.size());
@@ -269,11 +272,11 @@ void Runtime::flush(at::ScalarType dtype) {
   opts.reduceOp = c10d::ReduceOp::SUM;
   at::Tensor in_flat = r.input.view({-1});
   r.work = pg_->_reduce_scatter_base(r.output, in_flat, opts);
+  r.bucket = reduce_buckets_++;
+  issued_ += 1;
   stats_.reduce_scatters += 1;
   stats_.reduce_bytes += in_flat.nbytes();
   inflight_.push_back(std::move(r));
-  r.bucket = reduce_buckets_++;
-  issued_ += 1;
 }
 
 void Runtime::complete_oldest() {
@@ -290,7 +293,7 @@ void Runtime::complete_oldest() {
   int64_t off = 0;
   for (auto& [id, chunk] : r.entries) {
     Param& p = mutable_param(id);
-    at::Tensor g = r.output.narrow(0, off, chunk);
+    at::Tensor g = r.output.narrow(0, off, chunk).view(p.shard.sizes());
     off += chunk;
     at::Tensor& dst = p.shard.mutable_grad();
     if (!dst.defined()) {
@@ -319,7 +322,7 @@ at::Tensor Runtime::reduce_scatter_now(const at::Tensor& grad, int64_t id) {
   wait_work(work, out.is_cuda(), [&] { return "reduce-scatter of the gradient of '" + p.name + "'"; });
   stats_.reduce_scatters += 1;
   stats_.reduce_bytes += in.nbytes();
-  return out.to(p.shard.scalar_type()).mul_(grad_scale_);
+  return out.to(p.shard.scalar_type()).mul_(grad_scale_).view(p.shard.sizes());
 }
 
 // -- hang and mismatch detection ----------------------------------------------------------------

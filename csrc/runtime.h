@@ -1,6 +1,6 @@
 // The deepcompile native runtime: one per process.
 //
-// It owns the parameter registry (each rank's flat, padded shard of every parameter), the
+// It owns the parameter registry (each rank's row-aligned, padded shard of every parameter), the
 // in-flight allgathers, the gradient reduce buckets and the process group the collectives run
 // on. The operators in zero3.cpp are thin: they look a parameter up here and start or finish a
 // collective. Collectives go through c10d's ProcessGroup (gloo on CPU, NCCL on GPU); c10d's
@@ -24,7 +24,7 @@ namespace dc {
 struct Param {
   int64_t id = -1;
   std::string name;
-  at::Tensor shard;             // this rank's flat padded shard: the tensor the optimizer updates
+  at::Tensor shard;             // this rank's rows (ceil(d0 / world), zero-padded): the tensor the optimizer updates
   std::vector<int64_t> shape;   // full (unsharded) shape
   int64_t numel = 0;            // full numel
   int64_t chunk = 0;            // shard numel (a contiguous range of the flattened parameter)
@@ -168,12 +168,23 @@ class Runtime {
   std::deque<InFlightReduce> inflight_;
   std::vector<std::pair<int64_t, c10::weak_intrusive_ptr<c10::StorageImpl>>> live_;
   Stats stats_;
+  int64_t timeout_ms_;
+  int64_t issued_ = 0;          // collectives issued since the last sequence check
+  int64_t check_index_ = 0;     // sequence checks done (optimizer steps)
+  int64_t reduce_buckets_ = 0;  // reduce-scatter buckets flushed since the last check
+  const char* cur_op_ = "";     // the op this rank entered last, and its id
+  int64_t cur_id_ = -1;
+  int phase_ = 0;
+  std::unordered_map<std::string, std::string> node_names_;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::string store_prefix_;
 };
 
 // The process-wide runtime. Throws a clear error if `init` has not been called.
 Runtime& runtime();
 bool has_runtime();
-void init(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight);
+void init(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight,
+          int64_t timeout_ms);
 void cleanup();
 
 }  // namespace dc

@@ -286,3 +286,72 @@ def mark_dynamic(t: torch.Tensor, dims) -> None:
     ``maybe_mark_dynamic`` (public API, ``torch._dynamo.maybe_mark_dynamic`` in 2.11 and 2.13)
     still lets Dynamo specialise where the model's code needs a concrete size."""
     torch._dynamo.maybe_mark_dynamic(t, list(dims))
+
+
+def fsdp_wrapper_kind(m) -> str | None:
+    """'FSDP1 (FullyShardedDataParallel)' / 'FSDP2 (fully_shard)' if ``m`` is such a wrapper.
+
+    Public classes in 2.11 and 2.13 (``torch.distributed.fsdp.FSDPModule`` is FSDP2's mixin);
+    looked up lazily since a torch build without distributed has neither.
+    """
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+    except ImportError:
+        return None
+    if isinstance(m, FullyShardedDataParallel):
+        return "FSDP1 (FullyShardedDataParallel)"
+    fsdp2 = getattr(torch.distributed.fsdp, "FSDPModule", None)
+    if fsdp2 is not None and isinstance(m, fsdp2):
+        return "FSDP2 (fully_shard)"
+    return None
+
+
+def is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    return isinstance(t, DTensor)
+
+
+_CLIP_ROUTED = False
+
+
+def route_clip_grad_norm() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` correct on deepcompile parameters.
+
+    Why a patch: each rank holds only its rows of every gradient (plain tensors, not DTensors:
+    see sharding.py), so torch's function would clip each rank by its own partial norm, silently
+    wrong and different on every rank. Parameters that deepcompile owns are routed to
+    ``deepcompile.clip_grad_norm_`` (the global norm, one all-reduce); any other call goes to
+    torch's function unchanged. We replace the public module attributes
+    (``torch.nn.utils.clip_grad_norm_`` and ``torch.nn.utils.clip_grad.clip_grad_norm_``, the
+    same function in 2.11 and 2.13): code that looks the function up at call time, as
+    nanoGPT, Hugging Face's Trainer and Accelerate do, gets the right norm. It is routed when
+    ``deepcompile`` is imported, so ``from torch.nn.utils import clip_grad_norm_`` after
+    ``import deepcompile`` gets it too; a name bound before that still holds torch's function
+    (the README says to call ``deepcompile.clip_grad_norm_`` in such code).
+    """
+    global _CLIP_ROUTED
+    if _CLIP_ROUTED:
+        return
+    import functools
+
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_grad_mod
+
+    from deepcompile import clip
+
+    original = clip_grad_mod.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(clip.is_dc_param(p) for p in params):
+            return clip.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    clip_grad_norm_.__dc_original__ = original
+    nn_utils.clip_grad_norm_ = clip_grad_norm_
+    clip_grad_mod.clip_grad_norm_ = clip_grad_norm_
+    _CLIP_ROUTED = True

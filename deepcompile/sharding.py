@@ -58,20 +58,39 @@ class ShardedParam:
     meta: ops.ParamMeta
     shard: nn.Parameter
     names: list[str] = field(default_factory=list)  # every name the parameter has (tied weights)
+    valid_rows: int = 0  # this rank's rows that are real rows of the parameter (the rest pad)
 
 
-def chunk_size(numel: int, world: int) -> int:
-    return -(-numel // world)
+def shard_layout(shape: tuple[int, ...], world: int) -> tuple[int, tuple[int, ...]]:
+    """(numel of each rank's shard, the shard's shape) for a parameter of ``shape``.
+
+    Shards are split along dim 0, ``ceil(d0 / world)`` rows per rank, zero rows padding the
+    last ranks (torch.chunk's split, as DTensor ``Shard(0)`` and FSDP2 lay it out). A 0-d
+    parameter is one row of one element.
+    """
+    rows, rest = (shape[0], tuple(shape[1:])) if len(shape) else (1, ())
+    c0 = -(-rows // world)
+    row = 1
+    for d in rest:
+        row *= d
+    return c0 * row, (c0, *rest)
+
+
+def valid_rows(shape: tuple[int, ...], world: int, rank: int) -> int:
+    """How many of this rank's shard rows hold real (unpadded) rows of the parameter."""
+    rows = shape[0] if len(shape) else 1
+    c0 = -(-rows // world)
+    return max(0, min(c0, rows - rank * c0))
 
 
 def shard_tensor(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
-    """This rank's slice of ``full`` flattened and zero-padded to a multiple of ``world``."""
+    """This rank's rows of ``full`` (dim 0, zero-padded to ``ceil(d0 / world)`` rows)."""
+    chunk, shape = shard_layout(tuple(full.shape), world)
     flat = full.detach().reshape(-1)
-    chunk = chunk_size(flat.numel(), world)
-    out = torch.zeros(chunk, dtype=full.dtype, device=full.device)
+    out = torch.zeros(shape, dtype=full.dtype, device=full.device)
     lo, hi = rank * chunk, min((rank + 1) * chunk, flat.numel())
     if hi > lo:
-        out[: hi - lo].copy_(flat[lo:hi])
+        out.view(-1)[: hi - lo].copy_(flat[lo:hi])
     return out
 
 
@@ -119,14 +138,16 @@ def shard_module(module: nn.Module, *, group, device: torch.device,
             if sp is None:
                 pid = first_id + len(order)
                 gdt = gather_dtype if (gather_dtype is not None and p.is_floating_point()) else p.dtype
+                chunk, shard_shape = shard_layout(tuple(p.shape), world)
                 meta = ops.ParamMeta(
                     id=pid, name=full_name, shape=tuple(p.shape), numel=p.numel(),
-                    chunk=chunk_size(p.numel(), world), dtype=p.dtype, gather_dtype=gdt,
-                    requires_grad=p.requires_grad,
+                    chunk=chunk, dtype=p.dtype, gather_dtype=gdt,
+                    requires_grad=p.requires_grad, shard_shape=shard_shape,
                 )
                 shard = nn.Parameter(shard_tensor(p.to(device), world, rank),
                                      requires_grad=p.requires_grad)
-                sp = ShardedParam(meta=meta, shard=shard)
+                sp = ShardedParam(meta=meta, shard=shard,
+                                  valid_rows=valid_rows(tuple(p.shape), world, rank))
                 by_tensor[id(p)] = sp
                 order.append(sp)
             if full_name not in sp.names:

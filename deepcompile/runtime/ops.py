@@ -24,10 +24,15 @@ class ParamMeta:
     name: str               # the first name the parameter has in the user's model
     shape: tuple[int, ...]  # full shape
     numel: int
-    chunk: int              # shard numel
+    chunk: int              # shard numel (row-aligned: ceil(d0 / world) rows, see sharding.shard_layout)
     dtype: torch.dtype      # dtype of the shard (master weights)
     gather_dtype: torch.dtype  # dtype the parameter is gathered and computed in
     requires_grad: bool
+    shard_shape: tuple[int, ...] | None = None  # (ceil(d0 / world), *shape[1:]); None: (chunk,)
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return self.shard_shape if self.shard_shape is not None else (self.chunk,)
 
 
 PARAMS: dict[int, ParamMeta] = {}
@@ -62,7 +67,7 @@ def ensure_registered():
     @lib.register_fake("dc::shard_grad")
     def _(grad, pid):
         m = _meta(pid)
-        return grad.new_empty((m.chunk,), dtype=m.dtype)
+        return grad.new_empty(m.local_shape, dtype=m.dtype)
 
     @lib.register_fake("dc::allgather_param")
     def _(shard, pid):
