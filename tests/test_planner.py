@@ -81,8 +81,10 @@ def test_tighter_limits_keep_less_prefetch_less_then_offload():
     assert off.offload_limit_mb is not None
     assert off.offloaded == FACTS.fb_peak + off.kept + off.prefetch - 8 * GIB
     assert off.memory.fb_peak == 8 * GIB and off.memory.peak == 8 * GIB
-    assert off.params()["offload_optimizer"]["limit_mb"] == pytest.approx((9 * GIB - off.kept - off.prefetch) / MIB,
-                                                                          abs=1e-3)
+    # offload_optimizer's own arithmetic gives the same amount: limit 9 GiB - headroom 1 GiB, its
+    # profiled peak plus what the plan keeps and prefetches (plan_extra_mb)
+    p = off.params()["offload_optimizer"]
+    assert p["limit_mb"] == 9 * 1024 and p["plan_extra_mb"] == pytest.approx((off.kept + off.prefetch) / MIB, abs=1e-3)
 
 
 def test_nothing_fits_names_the_shortfall_and_the_knob():
@@ -224,3 +226,36 @@ def test_real_953m_profile_slow_links_keep_everything_nvlink_fits_fsdp_limit_off
     assert plan.chosen.memory.peak == facts.fb_peak + facts.gathered_total  # 9.37 + 1.78 GiB
     tight, facts, _, _ = plan_offline.plan_record(rec, limit_gib=9.07, gb_per_s=40.0)
     assert tight.chosen.offload_limit_mb is not None and tight.chosen.memory.peak <= 9.07 * GIB
+
+
+def test_offload_optimizer_counts_what_the_plan_keeps_and_prefetches():
+    """plan_extra_mb (set by the planner) raises offload_optimizer's amount by exactly that much:
+    its own arithmetic must agree with the planner's, or the plan's peak is not what was predicted."""
+    from types import SimpleNamespace
+
+    from deepcompile.passes import offload_optimizer as O
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+    from deepcompile.runtime import optimizer_state
+    from deepcompile.runtime.optimizer_state import OptimizerStateOffload
+
+    p = torch.nn.Parameter(torch.randn(4096))
+    opt = torch.optim.AdamW([p])
+    p.grad = torch.randn(4096)
+    opt.step()
+    m = OptimizerStateOffload()
+    m.attach(opt)
+    saved, optimizer_state.MANAGER = optimizer_state.MANAGER, m
+    try:
+        total = m.total_bytes()  # 32 KiB of moments
+        prof = Profile(graphs={(0, "backward"): GraphProfile(0, "backward", [NodeProfile("a", 1.0, 0, 200 * 1024, 0)])})
+        limit_mb = 190 * 1024 / MIB  # 10 KiB short of the profiled peak
+
+        def need(extra_mb):
+            params = O.OffloadOptimizerParams(limit_mb=limit_mb, headroom_mb=0, plan_extra_mb=extra_mb)
+            return O.plan_bytes(SimpleNamespace(params=params, profile=prof, graph_id=0, kind="forward"),
+                                torch.device("cpu"))[0]
+        assert need(0.0) == 10 * 1024
+        assert need(8 * 1024 / MIB) == 18 * 1024 <= total  # 8 KiB kept/prefetched: 8 KiB more offloaded
+    finally:
+        optimizer_state.MANAGER = saved
+        m.detach()

@@ -47,6 +47,10 @@ class OffloadOptimizerParams:
                                 "(as capped by set_per_process_memory_fraction)")
     headroom_mb: float = spec(1024.0, min=0.0, max=1e9,
                               help="memory (MiB) kept free under the limit for fragmentation and the allocator's slack")
+    plan_extra_mb: float = spec(0.0, min=0.0, max=1e9,
+                                help="memory (MiB) the rest of the plan adds over the profiled peak (parameters kept "
+                                     "gathered, prefetched): counted in how much state to offload, not in the run-time "
+                                     "room (the allocator already counts it there); set by the planner")
     reload_points: int = spec(16, min=1, max=256,
                               help="with a profile: places in each backward graph where the state that fits in the "
                                    "free memory starts coming back")
@@ -102,11 +106,14 @@ def plan_bytes(ctx: PassContext, device: torch.device) -> tuple[int | None, str]
     if limit is None:
         return None, "no memory limit known (CPU, limit_mb 0): offload all optimizer state"
     peak = _profiled_peak(ctx.profile)
-    base = peak - mgr.resident_bytes()   # the profiled peak without any optimizer state on the device
+    # the profiled peak without any optimizer state on the device, plus what the plan adds to it
+    base = peak - mgr.resident_bytes() + int(ctx.params.plan_extra_mb * MIB)
     total = mgr.total_bytes()
     room = limit - int(ctx.params.headroom_mb * MIB)
     need = max(0, base + total - room)
-    why = (f"profiled peak {peak / MIB:.0f} MiB with {mgr.resident_bytes() / MIB:.0f} MiB of state resident; "
+    why = (f"profiled peak {peak / MIB:.0f} MiB with {mgr.resident_bytes() / MIB:.0f} MiB of state resident"
+           + (f", plus {ctx.params.plan_extra_mb:g} MiB the plan keeps or prefetches" if ctx.params.plan_extra_mb else "")
+           + "; "
            f"state {total / MIB:.0f} MiB; limit {limit / MIB:.0f} MiB - headroom {ctx.params.headroom_mb:g} MiB")
     if base > room:
         warnings.warn(

@@ -39,7 +39,7 @@ KEEP_FRACTIONS = (1.0, 0.5, 0.25, 0.0)           # of all parameters' gathered b
 FUSE_MB = 128.0                                  # coalesced group size, never above the prefetch budget
 HOST_BYTES_PER_US = 38e3  # pinned host <-> device, both ranks of a host copying at once (2 H200s: 37.9 GB/s each)
 PLANNED = {"selective_unshard": ("budget_mb",), "prefetch": ("budget_mb", "fuse_mb"),
-           "offload_optimizer": ("limit_mb",)}
+           "offload_optimizer": ("limit_mb", "plan_extra_mb")}
 
 
 class PlanError(RuntimeError):
@@ -124,7 +124,7 @@ class Candidate:
     keep_mb: float
     prefetch_mb: float
     fuse_mb: float
-    offload_limit_mb: float | None   # None: no offload_optimizer
+    offload_limit_mb: float | None   # None: no offload_optimizer; else its limit_mb (the memory limit)
     kept: int                        # bytes kept gathered
     prefetch: int                    # bytes prefetched ahead, at most
     offloaded: int                   # optimizer state bytes offloaded
@@ -135,7 +135,8 @@ class Candidate:
         out = {"selective_unshard": {"budget_mb": self.keep_mb},
                "prefetch": {"budget_mb": self.prefetch_mb, "fuse_mb": self.fuse_mb}}
         if self.offload_limit_mb is not None:
-            out["offload_optimizer"] = {"limit_mb": self.offload_limit_mb}
+            out["offload_optimizer"] = {"limit_mb": self.offload_limit_mb,
+                                        "plan_extra_mb": round((self.kept + self.prefetch) / MIB, 3)}
         return out
 
     def summary(self) -> dict:
@@ -232,8 +233,7 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
             need = c.memory.fb_peak - room
             if 0 < need <= facts.state_bytes and facts.optimizer_peak <= mem.limit:
                 c.offloaded = int(need)
-                c.offload_limit_mb = hand.get("offload_optimizer", {}).get(
-                    "limit_mb", round((mem.limit - c.kept - c.prefetch) / MIB, 3))
+                c.offload_limit_mb = hand.get("offload_optimizer", {}).get("limit_mb", round(mem.limit / MIB, 3))
                 c.memory = plan_memory(facts, c.kept, c.prefetch, c.offloaded)
                 fit.append(c)
         offloading = True
