@@ -194,8 +194,12 @@ def _host_store(world: int, timeout_s: float):
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     port = sock.getsockname()[1]
-    store = dist.TCPStore("127.0.0.1", port, world, True, datetime.timedelta(seconds=timeout_s),
-                          wait_for_workers=False, master_listen_fd=sock.fileno())
+    kw = dict(wait_for_workers=False, master_listen_fd=sock.fileno())
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world, True, datetime.timedelta(seconds=timeout_s), **kw)
+    except (RuntimeError, ValueError):  # a libuv server without master_listen_fd: the classic one has it
+        store = dist.TCPStore("127.0.0.1", port, world, True, datetime.timedelta(seconds=timeout_s),
+                              use_libuv=False, **kw)
     sock.detach()  # the store's server owns (and closes) the descriptor now
     return store, port
 
