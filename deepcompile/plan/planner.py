@@ -36,6 +36,7 @@ from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memo
 DEFAULT_LIMIT_FRACTION = 0.9
 PREFETCH_LEVELS_MB = (2048.0, 512.0, 64.0, 0.0)  # how far ahead gathers may run
 KEEP_FRACTIONS = (1.0, 0.5, 0.25, 0.0)           # of all parameters' gathered bytes
+KEEP_SMALL_MB = 64.0  # and the constant the default plan kept before the planner (its small parameters)
 FUSE_MB = 128.0                                  # coalesced group size, never above the prefetch budget
 HOST_BYTES_PER_US = 38e3  # pinned host <-> device, both ranks of a host copying at once (2 H200s: 37.9 GB/s each)
 PLANNED = {"selective_unshard": ("budget_mb",), "prefetch": ("budget_mb", "fuse_mb"),
@@ -183,12 +184,15 @@ class Plan:
 
 
 def keep_levels(facts: MemoryFacts) -> list[float]:
-    """selective_unshard budgets (MiB) to try: everything, halves, a quarter, nothing (the
-    largest first). "Everything" gets a MiB of slack so rounding never leaves a parameter out."""
+    """selective_unshard budgets (MiB) to try: everything, halves, a quarter, 64 MiB (the small
+    parameters, what the default plan kept before), nothing; the largest first. "Everything" gets
+    a MiB of slack so rounding never leaves a parameter out."""
     total = facts.gathered_total
+    levels = [round(total / MIB + 1.0, 3)] + [round(total * f / MIB, 3) for f in KEEP_FRACTIONS[1:]]
+    if KEEP_SMALL_MB * MIB < total * min(f for f in KEEP_FRACTIONS if f > 0):
+        levels.append(KEEP_SMALL_MB)
     out = []
-    for f in KEEP_FRACTIONS:
-        mb = round(total / MIB + 1.0, 3) if f == 1.0 else round(total * f / MIB, 3)
+    for mb in sorted(levels, reverse=True):
         if mb not in out:
             out.append(mb)
     return out
@@ -248,7 +252,7 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
     why = (f"fastest predicted of {len(fit)} plans within the limit (of {len(cands)} considered)"
            + ("; none fit without offloading optimizer state" if offloading else ""))
     if runner is not None:
-        why += (f"; runner-up {runner.step_ms:.1f} ms at {runner.memory.peak / GIB:.2f} GiB "
+        why += (f"; runner-up {runner.step_ms:.1f} ms at {fmt_bytes(runner.memory.peak)} "
                 f"(keep {runner.keep_mb:g} MiB, prefetch {runner.prefetch_mb:g} MiB)")
     return Plan(best, runner, mem, facts, dict(hand),
                 time_model, len(cands), len(fit), why)
