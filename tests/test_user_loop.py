@@ -109,7 +109,7 @@ def _reject_wrapped(rank, world):
     inner = make_model()
     inner.blocks[0] = DistributedDataParallel(inner.blocks[0])
     out["ddp_inner"] = message(inner)
-    out["fsdp1"] = message(FullyShardedDataParallel(make_model(), device_id=torch.device("cpu")))
+    out["fsdp1"] = message(FullyShardedDataParallel(make_model(freeze_pos_emb=False), device_id=torch.device("cpu")))
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     m2 = make_model()
     fully_shard(m2, mesh=mesh)
