@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
+import weakref
 from typing import Callable, Iterable
 
 import torch
@@ -240,6 +241,12 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
         raise TypeError(f"deepcompile.initialize: model must be an nn.Module, got {type(model).__name__}")
     if isinstance(model, DeepCompileModel):
         raise TypeError("deepcompile.initialize: this model is already initialized by deepcompile")
+    _reject_wrapped(model)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ValueError(
+            "deepcompile.initialize: the model has no trainable parameters (every requires_grad is False, "
+            f"{sum(1 for _ in model.parameters())} parameters); deepcompile shards training state, so "
+            "unfreeze the parameters to train (p.requires_grad_(True)) or run the model without deepcompile")
     from torch.nn.utils import parametrize
     if any(parametrize.is_parametrized(m) for m in model.modules()):
         raise TypeError("deepcompile.initialize: the model already has parametrizations (was it "
@@ -275,6 +282,10 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     backend = Backend(cfg, dict(ops.PARAMS), world, rank)
     wrapped = DeepCompileModel(model, sharded, backend, cfg, group, state_keys)
     object.__setattr__(wrapped, "dc_seqcheck", seqcheck.SequenceCheck.create(group, cfg.collective_timeout_s))
+    for sp in sharded:
+        # who owns a shard: deepcompile.clip_grad_norm_ (and torch's, routed there) finds the
+        # model's group and accumulation window from the parameters alone
+        sp.shard._dc_owner = weakref.ref(wrapped)
     trainable = [sp.shard for sp in sharded if sp.shard.requires_grad]
     opt = make_optimizer(trainable)
     if not isinstance(opt, torch.optim.Optimizer):
@@ -284,14 +295,45 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     opt.register_step_post_hook(wrapped._dc_on_optimizer_step)  # real steps only (not accumulation)
     opt = _wrap_optimizer(opt, cfg.gradient_accumulation_steps, cfg.zero_stage == 1)
     optimizer_state.MANAGER.attach(opt, opt.dc_next_is_boundary)  # idle unless offload_optimizer plans
+    object.__setattr__(wrapped, "dc_next_is_boundary", opt.dc_next_is_boundary)
+    global _CURRENT
+    _CURRENT = weakref.ref(wrapped)
+    compat.route_clip_grad_norm()
     return wrapped, opt
+
+
+_CURRENT = None  # the model the runtime serves now (one per process)
+
+
+def _reject_wrapped(model: nn.Module) -> None:
+    """DDP, FSDP1, FSDP2 and DTensor parameters already own communication and sharding: wrapped
+    again they train to wrong losses or fail deep inside torch. Say what to pass instead."""
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    if isinstance(model, (DistributedDataParallel, DataParallel)):
+        raise TypeError(f"deepcompile.initialize: the model is wrapped in {type(model).__name__}; pass "
+                        "the unwrapped module (model.module): deepcompile does the data parallelism itself")
+    for name, m in model.named_modules():
+        where = f"submodule '{name}'" if name else "the model"
+        kind = compat.fsdp_wrapper_kind(m)
+        if kind is not None:
+            raise TypeError(f"deepcompile.initialize: {where} is wrapped by {kind}; pass the original, "
+                            "unwrapped module (build it again without FSDP): deepcompile shards it itself")
+        if isinstance(m, (DistributedDataParallel, DataParallel)):
+            raise TypeError(f"deepcompile.initialize: {where} is wrapped in {type(m).__name__}; pass the "
+                            "unwrapped module: deepcompile does the data parallelism itself")
+    for name, p in model.named_parameters():
+        if compat.is_dtensor(p):
+            raise TypeError(f"deepcompile.initialize: parameter '{name}' is a DTensor (sharded by FSDP2 or "
+                            "tensor parallelism); pass a module with ordinary parameters: deepcompile shards "
+                            "them itself")
 
 
 def _gather_full(sp: ShardedParam, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     shard = sp.shard.detach()
     out = torch.empty(sp.meta.chunk * world, dtype=shard.dtype, device=shard.device)
-    dist.all_gather_into_tensor(out, shard.contiguous(), group=group)
+    compat.all_gather_single(out, shard.contiguous().view(-1), group)
     return out[: sp.meta.numel].view(sp.meta.shape)
 
 
@@ -321,6 +363,11 @@ def load_full_state_dict(model: DeepCompileModel, state_dict: dict[str, torch.Te
     """Load a full (unsharded) state dict into this rank's shards and the buffers."""
     if not isinstance(model, DeepCompileModel):
         raise TypeError("deepcompile.load_full_state_dict expects the model returned by deepcompile.initialize")
+    from collections.abc import Mapping
+
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"deepcompile.load_full_state_dict: state_dict must be a mapping of names to tensors, "
+                        f"got {type(state_dict).__name__}")
     keys = set(model.dc_state_keys)
     missing, unexpected = sorted(keys - set(state_dict)), sorted(set(state_dict) - keys)
     if missing or unexpected:
@@ -329,12 +376,12 @@ def load_full_state_dict(model: DeepCompileModel, state_dict: dict[str, torch.Te
     by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
     world, rank = dist.get_world_size(model.dc_group), dist.get_rank(model.dc_group)
     for key in model.dc_state_keys:  # check everything before writing anything
-        v = state_dict[key]
         sp = by_name.get(key)
-        want = tuple(sp.meta.shape) if sp else tuple(model.module.get_buffer(key).shape)
-        if tuple(v.shape) != want:
-            raise ValueError(f"deepcompile.load_full_state_dict: '{key}' has shape {list(v.shape)}, "
-                             f"the model expects {list(want)}")
+        if sp is not None:
+            _check_loadable(key, state_dict[key], tuple(sp.meta.shape), sp.meta.dtype)
+        else:
+            buf = model.module.get_buffer(key)
+            _check_loadable(key, state_dict[key], tuple(buf.shape), buf.dtype)
     with torch.no_grad():
         for key in model.dc_state_keys:
             sp = by_name.get(key)
@@ -344,6 +391,34 @@ def load_full_state_dict(model: DeepCompileModel, state_dict: dict[str, torch.Te
                     sp.shard.copy_(shard_tensor(v.to(sp.shard.device, sp.shard.dtype), world, rank))
             else:
                 model.module.get_buffer(key).copy_(v)
+    ops.C.invalidate_persistent()  # kept gathered copies hold the old values
+
+
+def _dtype_kind(dt: torch.dtype) -> str:
+    if dt == torch.bool:
+        return "bool"
+    if dt.is_complex:
+        return "complex"
+    return "float" if dt.is_floating_point else "integer"
+
+
+def _check_loadable(key: str, v, shape: tuple, dtype: torch.dtype) -> None:
+    """A value ``load_full_state_dict`` can write into a tensor of ``shape`` and ``dtype``, or a
+    ValueError/TypeError naming the key: nothing is written before every key has passed."""
+    where = f"deepcompile.load_full_state_dict: '{key}'"
+    if not isinstance(v, torch.Tensor):
+        raise TypeError(f"{where} is a {type(v).__name__}, expected a tensor")
+    if v.device.type == "meta":
+        raise ValueError(f"{where} is a meta tensor (no data); load real values, e.g. from "
+                         "deepcompile.full_state_dict or torch.load")
+    if v.layout != torch.strided:
+        raise ValueError(f"{where} has layout {v.layout}; convert it with .to_dense()")
+    if tuple(v.shape) != shape:
+        raise ValueError(f"{where} has shape {list(v.shape)}, the model expects {list(shape)}")
+    if _dtype_kind(v.dtype) != _dtype_kind(dtype):
+        raise TypeError(f"{where} is {v.dtype}, the model's is {dtype}: a {_dtype_kind(v.dtype)} value would "
+                        f"be cast to {_dtype_kind(dtype)} silently; convert it explicitly (v.to({dtype})) if "
+                        "that is what you mean")
 
 
 def destroy(model: DeepCompileModel) -> None:
@@ -353,12 +428,18 @@ def destroy(model: DeepCompileModel) -> None:
     parameters) alive until they are dropped explicitly."""
     if not isinstance(model, DeepCompileModel):
         raise TypeError("deepcompile.destroy expects the model returned by deepcompile.initialize")
-    compat.reset_dynamo(model.module)
-    optimizer_state.MANAGER.detach()
-    ENGINE.release_buffers()
-    C = ops.ensure_registered()
-    C.cleanup()
-    ops.PARAMS.clear()
+    global _CURRENT
+    current = _CURRENT() if _CURRENT is not None else None
+    if current is model or current is None:
+        compat.reset_dynamo(model.module)
+        optimizer_state.MANAGER.detach()
+        ENGINE.release_buffers()
+        C = ops.ensure_registered()
+        C.cleanup()
+        ops.PARAMS.clear()
+        _CURRENT = None
+    # else: a model initialised before the current one. The runtime, the compiled graphs and
+    # the optimizer-state manager serve the current model now: free only this model's shards.
     for sp in model.dc_sharded:
         sp.shard.grad = None
         sp.shard.data = torch.empty(0, dtype=sp.shard.dtype, device=sp.shard.device)

@@ -355,3 +355,12 @@ def route_clip_grad_norm() -> None:
     nn_utils.clip_grad_norm_ = clip_grad_norm_
     clip_grad_mod.clip_grad_norm_ = clip_grad_norm_
     _CLIP_ROUTED = True
+
+
+def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """``dist.all_gather_single`` where torch has it (2.13: ``all_gather_into_tensor`` warns that it
+    is deprecated at every call), ``all_gather_into_tensor`` before (2.11 has only that name)."""
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)

@@ -338,7 +338,7 @@ def benchmark_comm(group=None, device=None, sizes=None, reps: int = 3) -> CommMo
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            dist.all_gather_into_tensor(out, inp, group=group)
+            compat.all_gather_single(out, inp, group)
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if r:
