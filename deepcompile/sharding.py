@@ -1,11 +1,10 @@
 """Row-aligned, padded parameter shards and how tracing sees them.
 
-(IN PROGRESS, lead: shards are becoming row-aligned N-d tensors; see /work/notes/SHARD_LAYOUT.md.)
-
 Design decision (DESIGN.md, "how tracing sees a sharded parameter")
 ------------------------------------------------------------------
-Each parameter of the user's model is replaced by a 1-D ``nn.Parameter`` holding this rank's
-slice of the flattened, zero-padded parameter (``ceil(numel / world)`` elements). The module
+Each parameter of the user's model is replaced by an ``nn.Parameter`` holding this rank's rows
+of it: ``ceil(d0 / world)`` rows along dim 0, the last ranks zero-padded (``shard_layout``), so
+the shard has the parameter's number of dimensions and its shape past dim 0. The module
 sees the full-shape value through a ``torch.nn.utils.parametrize`` parametrization whose
 getter is the custom op ``torch.ops.dc.unshard(shard, id)``:
 
@@ -16,11 +15,32 @@ getter is the custom op ``torch.ops.dc.unshard(shard, id)``:
   ``unshard`` into ``allgather_param`` / ``wait_allgather`` / ``release_param``;
 * the autograd formula of ``unshard`` is ``shard_grad`` (a reduce-scatter), which the pass lowers
   to the bucketed ``reduce_grad``;
-* nothing in torch is patched: the only internal touch is one node tag on the joint graph
+* nothing in torch's tracing is patched: the only internal touch is one node tag on the joint graph
   (``compat.tag_unshard_for_recompute``) so the partitioner re-gathers in backward instead of
   saving full parameters between forward and backward.
 
-Rejected alternatives:
+Why rows, not a flat range of ``ceil(numel / world)`` elements (the layout until issue 14): a
+user's loop asks the parameters questions. nanoGPT and most recipes put ``p.dim() >= 2`` in
+the weight-decay group; every flat shard was 1-D, so that group came out empty and training
+differed silently. Row shards answer ``dim()``/``ndim``/``len(shape)`` as the unsharded
+parameter does without any lie, and they are still one contiguous range of the flattened
+parameter, so the runtime's gathers and reduce-scatters did not change. The layout is also
+exactly DTensor ``Shard(0)`` (torch.chunk's uneven split): ``deepcompile.checkpoint`` wraps
+shards as DTensors (``DTensor.from_local``) only when saving, so ``torch.distributed.checkpoint``
+reshards and writes original shapes. Cost: up to ``world - 1`` padded rows per parameter instead
+of ``world - 1`` elements, and a parameter of fewer rows than ranks lives on the first ranks only
+(FSDP2 makes the same trade).
+
+Weighed and rejected (issue 14): the shard *as* a DTensor parameter, as FSDP2 and SimpleFSDP
+do, which would also make torch's own ``clip_grad_norm_`` global. Against it: the optimizer's
+foreach/fused kernels would run through DTensor dispatch every step (host time, which the
+host-bound step cannot spare); Dynamo and AOTAutograd would trace a tensor subclass at every
+parameter access (compile time, and a graph before our pass that already carries DTensor
+redistributions); the C++ runtime registers and writes gradients into plain tensors. Clipping
+is instead one all-reduce in ``deepcompile.clip_grad_norm_``, with torch's public function
+routed there for our parameters (``compat.route_clip_grad_norm``).
+
+Rejected alternatives for tracing:
 
 * patching fake-tensor creation so empty parameters look full-size (the reference design):
   about twenty internal touch points that broke on each torch release;
