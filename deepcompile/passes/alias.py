@@ -75,6 +75,11 @@ def is_view(node: fx.Node) -> bool:
         return False
     if _schema_view(node):
         return True
+    if node.target is operator.getitem:
+        # an item of a multi-output op is the op's own value: a view only if the op's outputs
+        # alias its inputs (split, chunk, unbind), not for fresh outputs (attention, layer norm)
+        src = node.args[0] if node.args else None
+        return isinstance(src, fx.Node) and is_view(src)
     mine = storage_keys(node)
     return bool(mine) and any(mine & k for k in map(storage_keys, node.all_input_nodes) if k)
 

@@ -53,6 +53,22 @@ def _nbytes(n: fx.Node) -> int:
     return compat.tensor_nbytes(v) if isinstance(v, torch.Tensor) else 0
 
 
+def owns_storage(v: torch.Tensor) -> bool:
+    """What the runtime can free (``CopyEngine.offloadable``), judged on the fake value: dense,
+    at offset 0, filling its whole storage. By size hints (symbolic sizes add no guards here)."""
+    try:
+        h = compat.size_hint
+        expected = 1
+        for size, stride in reversed(list(zip(v.shape, v.stride()))):
+            if h(size, 1) != 1 and h(stride, -1) != expected:
+                return False
+            expected *= h(size, 1)
+        return (h(v.storage_offset(), -1) == 0
+                and h(v.untyped_storage().nbytes(), -1) == compat.tensor_nbytes(v))
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return True  # unknown: the runtime checks again before freeing
+
+
 def storage_group(g: fx.Graph, n: fx.Node) -> list[fx.Node]:
     """Every node whose value lives in ``n``'s storage: its alias closure, and any other node
     whose fake value shares the storage (found by storage, whatever the path between them)."""
@@ -106,6 +122,8 @@ def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str
             continue  # another output or a graph input lives in the same storage
         if getattr(o.target, "namespace", None) == "dc":
             continue  # gathered parameters belong to the runtime
+        if not owns_storage(v):
+            continue  # the runtime would refuse to free it (strided, or part of a bigger storage)
         chosen.append(o)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     chosen.sort(key=order.__getitem__)
