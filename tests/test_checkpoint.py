@@ -16,12 +16,33 @@ import pytest
 import torch
 
 from tests.dist_utils import run_ranks
-from tests.workloads import LOCAL_BATCH, make_model, make_optimizer, train_reference
+from tests.workloads import LOCAL_BATCH, global_batch, make_optimizer
+from tests.workloads import make_model as _make_model
 
 SAVE_WORLD = 4
 GLOBAL_ROWS = SAVE_WORLD * LOCAL_BATCH  # every phase trains on the same global batches
 STEPS_BEFORE, STEPS_AFTER = 2, 2
 STAGES = (1, 2, 3)
+SMALL = {"n_layer": 1}  # one block: every code path, a third less compiling on 4+2+1 ranks x 3 stages
+
+
+def make_model(seed: int = 0):
+    return _make_model(seed, **SMALL)
+
+
+def train_reference(steps: int):
+    """One process, no sharding, the 8-row global batches: the uninterrupted run."""
+    model = make_model()
+    opt = make_optimizer(model.parameters())
+    losses = []
+    for s in range(steps):
+        x, y = global_batch(s, 0, SAVE_WORLD)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _config(stage: int) -> dict:
@@ -29,8 +50,6 @@ def _config(stage: int) -> dict:
 
 
 def _train(model, opt, rank: int, world: int, steps) -> list[float]:
-    from tests.workloads import global_batch
-
     rows = GLOBAL_ROWS // world
     losses = []
     for s in steps:
@@ -194,7 +213,7 @@ def saved(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    return train_reference(SAVE_WORLD, STEPS_BEFORE + STEPS_AFTER, 1)
+    return train_reference(STEPS_BEFORE + STEPS_AFTER)
 
 
 def test_dcp_to_torch_save_gives_the_models_keys_and_shapes(saved):
