@@ -35,6 +35,12 @@ the measured ones ("predicted", "predicted_step_error", "predicted_peak_error").
   fsdp2_compiled        same, each decoder layer torch.compile'd before fully_shard (torchtitan style)
   compute_bound         the unsharded model on rank 0 only, fp32 params under bf16 autocast, decoder
                         layers compiled, no communication (other ranks wait at a barrier)
+  gpu_work_bound        the GPU work of one rank of a sharded step with no communication: compute_bound's
+                        forward and backward, but optimizer.step() over 1/N of the parameters (each
+                        parameter's ceil(numel/N) elements); the physical limit of a ZeRO-3 step
+Every system records the host time per step ("host_step_s"): from the step's start until its Python
+calls return, before the final synchronize. A step whose host time is close to its step time is
+host-bound: its pace follows the host's, not the GPU's.
 """
 from __future__ import annotations
 
@@ -62,7 +68,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 ALL_SYSTEMS = ["fsdp2_eager", "fsdp2_compiled", "compute_bound", "dc_zero3", "dc_prefetch",
-               "dc_prefetch_unshard", "dc_default", "dc_fsdp_budget", "dc_default_fsdp_limit"]
+               "dc_prefetch_unshard", "dc_default", "dc_fsdp_budget", "dc_default_fsdp_limit", "gpu_work_bound"]
 DC_PASSES = {
     "dc_zero3": ["zero3"],
     "dc_prefetch": ["zero3", "prefetch"],
@@ -76,6 +82,7 @@ DC_PASSES = {
     # the default plan, planned under memory_limit_gib = FSDP2-compiled's measured peak
     "dc_default_fsdp_limit": None,
 }
+SINGLE_GPU = ("compute_bound", "gpu_work_bound")  # rank 0 alone; the other ranks wait at a barrier
 PEAKS: dict[str, float] = {}  # system -> max-rank peak GiB, filled on every rank as systems finish
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 GIB = 2 ** 30
@@ -549,6 +556,38 @@ def build_compute_bound(name, base_model, args, dev):
     return model, opt, ac, notes
 
 
+class _ShardStep:
+    """``optimizer.step()`` over one rank's share of the parameters, for ``gpu_work_bound``: AdamW on
+    fp32 tensors of ceil(numel/N) elements per parameter (the shard a ZeRO-3 rank updates), whose
+    gradients are stand-ins; the model's own gradients are dropped at ``zero_grad`` as usual."""
+
+    def __init__(self, model, world: int, lr: float):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.shards = [torch.zeros(-(-p.numel() // world), device=p.device, dtype=torch.float32,
+                                   requires_grad=True) for p in self.params]
+        for s in self.shards:
+            s.grad = torch.randn_like(s) * 1e-3
+        self.inner = torch.optim.AdamW(self.shards, lr=lr)
+
+    def step(self):
+        self.inner.step()
+
+    def zero_grad(self, set_to_none: bool = True):
+        for p in self.params:
+            p.grad = None
+
+
+def build_gpu_work_bound(name, base_model, args, dev):
+    model, _, ac, notes = build_compute_bound(name, base_model, args, dev)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    notes = dict(notes)
+    notes["what"] = ("one rank's GPU work of a sharded step, no communication: " + notes["what"]
+                     + f" optimizer.step() over 1/{world} of the parameters (fp32 AdamW on ceil(numel/{world}) "
+                       "elements per parameter).")
+    notes["optimizer"] = f"torch.optim.AdamW(lr={args.lr}) over 1/{world} of the parameters"
+    return model, _ShardStep(model, world, args.lr), ac, notes
+
+
 # ----------------------------------------------------------------------------------------------
 # running one system on one rank
 # ----------------------------------------------------------------------------------------------
@@ -567,7 +606,7 @@ def step_sync(args) -> None:
 
 
 def train_steps(model, opt, autocast, batches, args):
-    times, losses = [], []
+    times, losses, host = [], [], []
     total = args.warmup + args.steps
     sync(args)
     for s in range(total):
@@ -579,6 +618,7 @@ def train_steps(model, opt, autocast, batches, args):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        host.append(time.perf_counter() - t0)  # the host's part: every call of the step returned
         step_sync(args)
         if s == args.warmup - 1 or s == total - 1:
             sync(args)  # warm-up's tail is not the timed window's; the window ends with every stream done
@@ -589,6 +629,7 @@ def train_steps(model, opt, autocast, batches, args):
             log(f"  step {s}: {times[-1] * 1e3:.1f} ms loss {losses[-1]:.4f}"
                 + (" (warm-up)" if s < args.warmup else ""))
     trace_steps(model, opt, autocast, batches, args)
+    args.host_times = host
     return times, losses
 
 
@@ -671,6 +712,8 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
             model, opt, ac, notes = build_dc(name, base_model, args, dev)
         elif name.startswith("fsdp2_"):
             model, opt, ac, notes = build_fsdp2(name, base_model, args, dev)
+        elif base_name(name) == "gpu_work_bound":
+            model, opt, ac, notes = build_gpu_work_bound(name, base_model, args, dev)
         else:
             model, opt, ac, notes = build_compute_bound(name, base_model, args, dev)
         model.train()
@@ -693,6 +736,7 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
             args.current_system = name  # for trace_steps
             times, losses = train_steps(model, opt, ac, batches, args)
             res["times_s"] = times
+            res["host_times_s"] = list(getattr(args, "host_times", []))
             res["losses"] = losses
             if args.device == "cuda":
                 res["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
@@ -764,6 +808,11 @@ def summarise(name, per_rank, args, world) -> dict:
         "loss_last_mean": statistics.fmean(r["losses"][-1] for r in ran),
         "dynamo_unique_graphs": r0.get("dynamo_unique_graphs"),
     })
+    if all(r.get("host_times_s") for r in ran):
+        # the host's share of a step: the slowest rank's host time, over the timed window
+        host = [max(r["host_times_s"][i] for r in ran) for i in range(len(r0["host_times_s"]))][w:]
+        entry["host_step_s"] = median(host)
+        entry["host_fraction"] = entry["host_step_s"] / med
     if "predicted" in r0:
         pr = r0["predicted"]
         entry["predicted"] = pr
@@ -803,6 +852,8 @@ def add_ratios(systems: dict) -> None:
             if ok("fsdp2_compiled") else None)
         e["step_time_vs_compute_bound"] = (
             e["median_step_s"] / systems["compute_bound"]["median_step_s"] if ok("compute_bound") else None)
+        e["step_time_vs_gpu_work_bound"] = (
+            e["median_step_s"] / systems["gpu_work_bound"]["median_step_s"] if ok("gpu_work_bound") else None)
 
 
 def skip_reason(name, args):
@@ -946,7 +997,10 @@ def table_row(texts: list[str], e: dict, text_cols: list, num_cols: list) -> lis
 def table(result) -> str:
     text_cols = [("system", 22), ("status", 8)]
     num_cols = [STEP_MS, TOKENS, col("vs fsdp2c", "9.2f", "throughput_vs_fsdp2_compiled"),
-                col("vs compute", "10.2f", "step_time_vs_compute_bound"), PEAK,
+                col("vs compute", "10.2f", "step_time_vs_compute_bound"),
+                col("vs gpuwork", "10.2f", "step_time_vs_gpu_work_bound"),
+                ("host ms", "8.1f", lambda e: e.get("host_step_s") and e["host_step_s"] * 1e3),
+                col("host %", "7.0%", "host_fraction"), PEAK,
                 col("pred peak", "9.2f", "predicted_plan_peak_gib"), col("warm-up s", "9.1f", "warmup_total_s")]
     lines = table_header(text_cols, num_cols)
     for n, e in result["systems"].items():
@@ -1055,11 +1109,11 @@ def main(argv=None):
             continue
         log(f"{name}: start")
         dist.barrier()
-        if base_name(name) == "compute_bound" and rank != 0:
+        if base_name(name) in SINGLE_GPU and rank != 0:
             mine = {"rank": rank, "idle": True}
         else:
             mine = run_on_rank(name, base_model, batches, args, rank, dev,
-                               collective=(base_name(name) != "compute_bound"),
+                               collective=(base_name(name) not in SINGLE_GPU),
                                after_train=dc_prediction if name.startswith("dc_") else None)
         dist.barrier()
         gathered = [None] * world
