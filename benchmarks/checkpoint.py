@@ -1,0 +1,281 @@
+#!/usr/bin/env python
+"""Checkpoint benchmark: DCP (deepcompile.get_state_dict + torch.distributed.checkpoint.save) against
+gathering everything and torch.save (deepcompile.full_state_dict + the optimizer state gathered the
+same way, saved by rank 0), on the Llama model of zero3.py (953M parameters with 16 layers).
+
+    torchrun --nproc-per-node=2 benchmarks/checkpoint.py \
+        --out benchmarks/results/checkpoint_h200_2gpu.json [--layers 16] [--repeats 3] [--dir /tmp/dc_ckpt]
+    torchrun --nproc-per-node=2 benchmarks/checkpoint.py --tiny --device cpu --out /tmp/ckpt_cpu.json  # smoke
+
+What is saved: the model's parameters and AdamW's state (exp_avg, exp_avg_sq, step) of a ZeRO-3
+model (fp32 master shards). The optimizer state is created by get_state_dict's zero step (no
+training step is needed to have it: same tensors, same sizes).
+
+Timing: wall time from a barrier to a barrier after the last rank's call returns, median over
+--repeats, the two methods alternating (DCP first in odd repeats); files are deleted between runs.
+Both methods fsync what they write (FileSystemWriter's default sync_files=True; the baseline
+fsyncs its file), so both times include reaching the disk.
+
+Host memory: per rank, the peak RSS during the call minus the RSS before it (Linux: VmHWM after
+resetting it through /proc/self/clear_refs, then VmRSS), and what stays after it. The target is
+that DCP's peak growth stays within the rank's own shards (model + optimizer bytes it holds),
+where the baseline holds the whole model and optimizer on every rank.
+
+Also recorded: DCP load time (get_state_dict + dcp.load + set_state_dict) on the same ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import shutil
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import zero3 as z3  # noqa: E402  (the shared benchmark helpers)
+
+z3.TAG = "checkpoint"
+GIB = 2 ** 30
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/checkpoint_<device>_<N>gpu.json)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16, --tiny 2)")
+    p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1024 (smoke test)")
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="cuda (NCCL) if available, else cpu (gloo)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dir", default=None, help="where checkpoints are written (default $TMPDIR/dc_ckpt_bench)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--pg-timeout", type=float, default=1800.0)
+    args = p.parse_args(argv)
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.layers is None:
+        args.layers = 2 if args.tiny else 16
+    args.seq = 128  # model_config_dict's max_position_embeddings only
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    return args
+
+
+# ---------------------------------------------------------------------------------- host memory
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+        return True
+    except OSError:
+        return False
+
+
+class HostMemory:
+    """RSS before, peak during (VmHWM after a reset) and after a block of code."""
+
+    def __enter__(self):
+        gc.collect()
+        self.peak_ok = _reset_peak()
+        self.before = _status("VmRSS")
+        return self
+
+    def __exit__(self, *exc):
+        self.peak = _status("VmHWM") if self.peak_ok else None
+        gc.collect()
+        self.after = _status("VmRSS")
+
+    def record(self) -> dict:
+        return {"rss_before_gib": self.before / GIB,
+                "peak_growth_gib": None if self.peak is None else (self.peak - self.before) / GIB,
+                "retained_gib": (self.after - self.before) / GIB}
+
+
+# ---------------------------------------------------------------------------------- the two methods
+def full_optimizer_state(model, opt) -> dict:
+    """The optimizer state gathered whole on every rank's CPU, the way full_state_dict gathers
+    the parameters (what a user must do today without DCP)."""
+    from deepcompile.checkpoint import _rows
+
+    world = dist.get_world_size(model.dc_group)
+    out = {}
+    for sp in model.dc_sharded:
+        st = opt.state.get(sp.shard, {})
+        entry = {}
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.shape == sp.shard.shape:
+                buf = torch.empty((world * v.shape[0], *v.shape[1:]), dtype=v.dtype, device=v.device)
+                dist.all_gather_into_tensor(buf, v.contiguous(), group=model.dc_group)
+                full_rows = sp.meta.shape[0] if sp.meta.shape else 1
+                entry[k] = buf[:full_rows].reshape(sp.meta.shape).cpu()
+            else:
+                entry[k] = v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+        out[sp.meta.name] = entry
+    return out
+
+
+def save_full(model, opt, path: str, rank: int, args) -> None:
+    import deepcompile
+
+    sd = {"model": deepcompile.full_state_dict(model), "optim": full_optimizer_state(model, opt)}
+    if rank == 0:
+        with open(path, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+    del sd
+
+
+def save_dcp(model, opt, path: str, rank: int, args) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import deepcompile
+
+    msd, osd = deepcompile.get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(path))
+
+
+def load_dcp(model, opt, path: str, rank: int, args) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    import deepcompile
+
+    msd, osd = deepcompile.get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, storage_reader=dcp.FileSystemReader(path))
+    deepcompile.set_state_dict(model, opt, msd, osd)
+
+
+def timed(fn, model, opt, path, rank, args) -> dict:
+    z3.sync(args)
+    dist.barrier()
+    with HostMemory() as mem:
+        t0 = time.perf_counter()
+        fn(model, opt, path, rank, args)
+        z3.sync(args)
+        dist.barrier()
+        dt = time.perf_counter() - t0
+    return {"seconds": dt, **mem.record()}
+
+
+def _dir_bytes(path: str) -> int:
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rank, world, dev = z3.init_dist(args)
+    env = z3.environment(args, world)
+    if args.out is None:
+        args.out = os.path.join(z3.REPO, "benchmarks", "results",
+                                f"checkpoint_{z3.device_slug(env['device'], args.device)}_{world}gpu.json")
+    root = args.dir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "dc_ckpt_bench")
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+        os.makedirs(root, exist_ok=True)
+    dist.barrier()
+
+    import deepcompile
+
+    base_model, mcfg_d, n_params = z3.build_base_model(args)
+    model, opt = deepcompile.initialize(base_model, lambda ps: torch.optim.AdamW(ps, lr=args.lr),
+                                        {"zero_stage": 3, "passes": ["zero3"]})
+    del base_model
+    deepcompile.get_state_dict(model, opt)  # creates AdamW's state (zero step), outside the timings
+    own = {"params_gib": sum(sp.shard.numel() * sp.shard.element_size() for sp in model.dc_sharded) / GIB,
+           "optimizer_gib": sum(v.numel() * v.element_size() for st in opt.state.values()
+                                for v in st.values() if isinstance(v, torch.Tensor)) / GIB}
+    own["total_gib"] = own["params_gib"] + own["optimizer_gib"]
+    z3.log(f"model {n_params / 1e6:.0f}M params; this rank holds {own['total_gib']:.2f} GiB of shards "
+           f"(params {own['params_gib']:.2f} + optimizer {own['optimizer_gib']:.2f})")
+
+    runs = {"dcp_save": [], "full_save": [], "dcp_load": []}
+    sizes = {}
+    for i in range(args.repeats):
+        order = [("dcp_save", save_dcp), ("full_save", save_full)]
+        if i % 2:
+            order.reverse()
+        for name, fn in order:
+            path = os.path.join(root, f"{name}_{i}" + (".pt" if name == "full_save" else ""))
+            r = timed(fn, model, opt, path, rank, args)
+            runs[name].append(r)
+            z3.log(f"repeat {i} {name}: {r['seconds']:.2f} s, rank 0 peak host growth "
+                   f"{r['peak_growth_gib'] if r['peak_growth_gib'] is None else round(r['peak_growth_gib'], 2)} GiB")
+            if rank == 0:
+                sizes[name] = _dir_bytes(path)
+            if name == "dcp_save":
+                r = timed(load_dcp, model, opt, path, rank, args)
+                runs["dcp_load"].append(r)
+                z3.log(f"repeat {i} dcp_load: {r['seconds']:.2f} s")
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+            dist.barrier()
+
+    gathered = [None] * world
+    dist.all_gather_object(gathered, {"rank": rank, "own_shards": own, "runs": runs})
+    if rank == 0:
+        def med(name, key="seconds", r=None):
+            rows = gathered if r is None else [gathered[r]]
+            vals = [x[key] for g in rows for x in g["runs"][name][:] if x[key] is not None]
+            return statistics.median(vals) if vals else None
+
+        summary = {}
+        for name in runs:
+            summary[name] = {"median_s": statistics.median(x["seconds"] for x in gathered[0]["runs"][name]),
+                             "peak_host_growth_gib_per_rank": [med(name, "peak_growth_gib", r) for r in range(world)],
+                             "retained_host_gib_per_rank": [med(name, "retained_gib", r) for r in range(world)]}
+        ratio = summary["dcp_save"]["median_s"] / summary["full_save"]["median_s"]
+        within = all(g is not None and g <= own_r["own_shards"]["total_gib"]
+                     for g, own_r in zip(summary["dcp_save"]["peak_host_growth_gib_per_rank"], gathered))
+        result = {
+            "benchmark": "checkpoint",
+            "environment": env,
+            "args": vars(args),
+            "model": z3.model_entry(args, mcfg_d, n_params, per_shape=True),
+            "config": {"zero_stage": 3, "optimizer": "AdamW (fp32 state)", "checkpoint_dir": root},
+            "method": {"dcp_save": "deepcompile.get_state_dict + torch.distributed.checkpoint.save "
+                                   "(FileSystemWriter, every rank writes its own shards)",
+                       "full_save": "deepcompile.full_state_dict + the optimizer state all-gathered to every "
+                                    "rank's CPU, torch.save on rank 0, fsync",
+                       "dcp_load": "get_state_dict + torch.distributed.checkpoint.load + set_state_dict"},
+            "bytes_written": sizes,
+            "per_rank": gathered,
+            "summary": summary,
+            "targets": {"dcp_save_over_full_save": ratio, "at_most_half": ratio <= 0.5,
+                        "dcp_peak_host_growth_within_own_shards": within},
+        }
+        z3.write_json(args.out, result)
+        print(f"\nwrote {args.out}", flush=True)
+        print(f"{env['device']} x{world}, {n_params / 1e6:.0f}M params, torch {env['torch']}", flush=True)
+        for name, s in summary.items():
+            print(f"  {name:10s} {s['median_s']:8.2f} s  peak host growth per rank (GiB) "
+                  f"{[None if g is None else round(g, 2) for g in s['peak_host_growth_gib_per_rank']]}", flush=True)
+        print(f"  own shards per rank (GiB): {[round(g['own_shards']['total_gib'], 2) for g in gathered]}", flush=True)
+        print(f"  dcp_save / full_save = {ratio:.2f} (target <= 0.5); DCP peak growth within own shards: {within}",
+              flush=True)
+    deepcompile.destroy(model)
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
