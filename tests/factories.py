@@ -13,3 +13,22 @@ def tiny_gpt():
         return x.to(device), ((x * 7 + 3) % MODEL.vocab_size).to(device)
 
     return make_model(), make_batch
+
+
+def diverging_gpt():
+    """``tiny_gpt`` whose training diverges, as a far too large learning rate makes a run do: the
+    loss is scaled past float32's range, so step 1's loss is inf, its gradients inf/NaN, AdamW
+    fills the weights with NaN and every later loss is NaN. The demo must still end with a report."""
+    import torch
+
+    model, make_batch = tiny_gpt()
+
+    class Diverging(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y):
+            return self.inner(x, y) * 1e39   # > float32 max (3.4e38): inf
+
+    return Diverging(model), make_batch

@@ -176,7 +176,10 @@ class InspectorModel:
             row["peak_bytes"] = max(((s.get("mem") or {}).get("peak", 0) for ss in sm.steps.values() for s in ss),
                                     default=None)
         except RecordError as e:
-            row["status"] = row["status"] or ("no record yet" if "missing" in str(e) else "unreadable record")
+            if not row["status"]:
+                row["status"] = "no record yet" if "missing" in str(e) else "unreadable record"
+            else:
+                row["status"] += " (unreadable record)"
         except (OSError, ValueError, KeyError, TypeError):
             row["status"] = row["status"] or "no record yet"
         if job is not None and job.running:

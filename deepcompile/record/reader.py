@@ -205,8 +205,10 @@ def _inflate(path: Path, data: bytes, limits: Limits) -> bytes:
                 out.append(chunk)
                 n += len(chunk)
                 if n > limits.max_file_bytes:
-                    raise _too_big(path, f"the gzip data ({_mb(len(data))} compressed) inflates to more than "
-                                   f"{_mb(limits.max_file_bytes)}; it", limits)
+                    raise RecordError(
+                        f"{path}: {_mb(len(data))} of gzip data inflates to more than {_mb(limits.max_file_bytes)}, "
+                        "the limit for one record file (refused, having inflated no more than that; if it is "
+                        "genuine, raise DEEPCOMPILE_RECORD_MAX_FILE_MB)")
                 if d.eof:
                     break
                 buf = d.unconsumed_tail

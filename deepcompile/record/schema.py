@@ -86,7 +86,7 @@ def _short(v: Any) -> str:
 
 
 def _field(file: str, obj: Any, key: str, types, where: str, *, optional: bool = False,
-           choices: tuple | None = None, finite: bool = False, nullable: bool = True) -> Any:
+           choices: tuple | None = None, finite: bool = False, nullable: bool = False) -> Any:
     if not isinstance(obj, dict):
         _fail(file, where, f"expected an object, got {type(obj).__name__}")
     path = f"{where}.{key}" if where else key
@@ -246,13 +246,11 @@ def _check_shape(file: str, shape: Any, where: str) -> None:
     if not isinstance(shape, list):
         _fail(file, where, f"expected a list of sizes or null, got {_short(shape)}")
     for i, s in enumerate(shape):
-        if isinstance(s, list):
-            for j, x in enumerate(s):
-                _check_value(file, f"{where}[{i}][{j}]", x, (int, str))
-        else:
-            _check_value(file, f"{where}[{i}]", s, (int, str))
-            if isinstance(s, int) and s < 0:
-                _fail(file, f"{where}[{i}]", f"a size cannot be negative, got {s}")
+        for j, x in enumerate(s) if isinstance(s, list) else [(None, s)]:
+            w = f"{where}[{i}]" + ("" if j is None else f"[{j}]")
+            _check_value(file, w, x, (int, str))
+            if isinstance(x, int) and x < 0:
+                _fail(file, w, f"a size cannot be negative, got {x}")
 
 
 def check_nodes(file: str, nodes: Any, where: str = "nodes") -> list:
@@ -266,7 +264,7 @@ def check_nodes(file: str, nodes: Any, where: str = "nodes") -> list:
         _check_arg(file, _field(file, n, "args", list, w), f"{w}.args")
         _field(file, n, "scope", str, w)
         _check_shape(file, n.get("shape"), f"{w}.shape")
-        _field(file, n, "dtype", str, w, optional=True)
+        _field(file, n, "dtype", str, w, optional=True, nullable=True)   # null: not a tensor
         kw = _field(file, n, "kwargs", dict, w, optional=True)
         if kw:
             _check_arg(file, kw, f"{w}.kwargs")
@@ -343,9 +341,9 @@ def check_step(file: str, line_no: int, s: Any) -> dict:
     w = f"line {line_no}"
     _field(file, s, "step", int, w)
     _field(file, s, "time_s", _NUM, w)
-    _field(file, s, "loss", _NUM, w, optional=True)
-    mem = _field(file, s, "mem", dict, w, optional=True)
+    _field(file, s, "loss", _NUM, w, optional=True, nullable=True)   # null: no loss reported
+    mem = _field(file, s, "mem", dict, w, optional=True, nullable=True)
     if mem:
         for k in ("allocated", "reserved", "peak"):
-            _field(file, mem, k, int, f"{w}.mem", optional=True, nullable=False)
+            _field(file, mem, k, int, f"{w}.mem", optional=True)
     return s
