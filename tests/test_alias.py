@@ -192,3 +192,62 @@ def test_offload_never_frees_a_storage_still_read():
     torch.testing.assert_close(loss, ref.detach())
     torch.testing.assert_close([w1.grad, w2.grad], ref_grads)
     assert any(n.target is torch.ops.dc.wait_activation.default for n in seen["backward"].graph.nodes)
+
+
+# ------------------------------------------------------------------ the model it was seen on
+LLAMA_STEPS = 3
+
+
+def _llama(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+    return LlamaForCausalLM(cfg)
+
+
+def _llama_batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randint(0, 256, (2, 16), generator=g)
+
+
+def _llama_offloaded(rank, world):
+    import deepcompile
+    from deepcompile.runtime.offload import ENGINE
+
+    model, opt = deepcompile.initialize(
+        _llama(), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        {"compiler": "aot_eager", "passes": ["zero3", "prefetch", {"name": "offload_activations", "params": {"min_mb": 0}}]})
+    losses = []
+    for s in range(LLAMA_STEPS):
+        x = _llama_batch(s, rank)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, deepcompile.full_state_dict(model), dict(ENGINE.stats)
+
+
+@pytest.mark.slow
+def test_hf_llama_offload_activations_aot_eager_matches_unsharded():
+    """Segfaulted before (exit -11 on both ranks): mm_3 freed while _unsafe_view(mm_3) was read."""
+    pytest.importorskip("transformers")
+    from tests.dist_utils import run_ranks
+
+    ref = _llama()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_losses = []
+    for s in range(LLAMA_STEPS):
+        per_rank = [ref(input_ids=x, labels=x).loss for x in (_llama_batch(s, r) for r in range(2))]
+        (sum(per_rank) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append([x.item() for x in per_rank])
+    results = run_ranks(_llama_offloaded, 2, timeout=600)
+    for rank, (losses, state, stats) in enumerate(results):
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor([x[rank] for x in ref_losses]), rtol=1e-5, atol=1e-6)
+        for k, v in ref.state_dict().items():
+            torch.testing.assert_close(state[k], v, rtol=1e-4, atol=1e-4, msg=lambda m: f"{k}: {m}")
+        assert stats["offloads"] > 0 and stats["offloads"] == stats["reloads"] and stats["skipped"] == 0, stats
