@@ -364,3 +364,11 @@ def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     fn(out, inp, group=group)
+
+
+def op_schema(target):
+    """The schema of an aten/custom op overload (``torch._ops.OpOverload._schema``, 2.11 and
+    2.13), or None for anything else (``operator.getitem``, Python callables)."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    return target._schema

@@ -24,10 +24,10 @@ import torch.fx as fx
 
 from deepcompile import compat
 
-# Ops that can return their input's storage although their schema carries no alias annotation.
-# (Checked against torch 2.11 and 2.13's native_functions.yaml: `_unsafe_view` is the one aten op
-# in functional graphs; `_reshape_alias` and `view_of` are annotated, listed for older graphs.)
-_UNANNOTATED_ALIASING = {"_unsafe_view", "_reshape_alias", "view_of", "_reshape_copy_alias"}
+# Ops whose output shares its input's storage although their schema has no alias annotation:
+# `aten::_unsafe_view` (a view that autograd treats as a fresh tensor; AOTAutograd emits it for
+# the reshape after a matmul). Named here so the check holds without fake values too.
+_UNANNOTATED_ALIASING = {"aten::_unsafe_view"}
 
 
 def storage_keys(node) -> frozenset[int] | None:
@@ -52,11 +52,10 @@ def storage_keys(node) -> frozenset[int] | None:
 
 
 def _schema_aliases(target) -> bool:
-    if not isinstance(target, torch._ops.OpOverload):
+    schema = compat.op_schema(target)
+    if schema is None:
         return False
-    if target._schema.name.split("::")[-1] in _UNANNOTATED_ALIASING:
-        return True
-    return any(r.alias_info is not None for r in target._schema.returns)
+    return schema.name in _UNANNOTATED_ALIASING or any(r.alias_info is not None for r in schema.returns)
 
 
 def _schema_view(node: fx.Node) -> bool:
@@ -107,11 +106,3 @@ def alias_closure(node: fx.Node) -> list[fx.Node]:
                 keys |= uk or set()
     return seen
 
-
-def same_storage(a: fx.Node, b: fx.Node) -> bool:
-    """Whether two nodes' values share a storage (conservatively True when either is unknown
-    and one is a view chain of the other)."""
-    ka, kb = storage_keys(a), storage_keys(b)
-    if ka is not None and kb is not None:
-        return bool(ka & kb)
-    return b in alias_closure(a) or a in alias_closure(b)
