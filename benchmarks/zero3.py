@@ -133,6 +133,9 @@ def parse_args(argv=None):
     p.add_argument("--append", action="store_true",
                    help="keep the systems already in --out that this run does not measure (same model, "
                         "device and GPU count): run each system in its own process, one invocation each")
+    p.add_argument("--accumulation", type=int, default=1,
+                   help="micro-batches per optimizer step (deepcompile: gradient_accumulation_steps; the others: "
+                        "loss/N, one step()); a step's tokens and time cover all N")
     p.add_argument("--slow-links", action="store_true",
                    help="NCCL_P2P_DISABLE=1 for this run (set before NCCL starts, recorded in the JSON): "
                         "NCCL goes through host shared memory instead of NVLink, like slower inter-node links")
@@ -142,6 +145,8 @@ def parse_args(argv=None):
         args.seq = 128 if args.tiny else 1024
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be >= 1 and --warmup >= 0")
+    if args.accumulation < 1:
+        p.error("--accumulation must be >= 1")
     return args
 
 
@@ -187,7 +192,8 @@ def load_previous(path: str, result: dict, world: int, key: str, mine: set) -> d
             and old.get("environment", {}).get("world_size") == world
             and old.get("environment", {}).get("device") == result["environment"]["device"]
             # a run with NCCL_P2P_DISABLE (--slow-links) is another regime: never merged with one without
-            and old.get("environment", {}).get("nccl_p2p_disable") == result["environment"].get("nccl_p2p_disable"))
+            and old.get("environment", {}).get("nccl_p2p_disable") == result["environment"].get("nccl_p2p_disable")
+            and old.get("args", {}).get("accumulation", 1) == result.get("args", {}).get("accumulation", 1))
     if not same:
         log(f"--append: {path} is another benchmark, model, device or GPU count; not merged (overwritten)")
         return {}
@@ -372,6 +378,8 @@ def build_dc(name, base_model, args, dev, extra=None):
         cfg["passes"] = fsdp_budget_passes()
     if base_name(name) == "dc_default_fsdp_limit":
         cfg["memory_limit_gib"] = fsdp_limit_gib()
+    if getattr(args, "accumulation", 1) > 1:
+        cfg["gradient_accumulation_steps"] = args.accumulation
     cfg.update(copy.deepcopy(extra or {}))
     model = copy.deepcopy(base_model)
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), cfg)
@@ -609,15 +617,24 @@ def train_steps(model, opt, autocast, batches, args):
     times, losses, host = [], [], []
     total = args.warmup + args.steps
     sync(args)
+    acc = getattr(args, "accumulation", 1)
+    dc = hasattr(model, "dc_backend")  # deepcompile's optimizer steps itself every acc-th step() call
     for s in range(total):
-        x = batches[s % len(batches)]
         t0 = time.perf_counter()
-        with autocast():
-            out = model(input_ids=x, labels=x)
-        loss = out.loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for j in range(acc):
+            x = batches[(s * acc + j) % len(batches)]
+            with autocast():
+                out = model(input_ids=x, labels=x)
+            loss = out.loss
+            if dc or acc == 1:
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                (loss / acc).backward()
+        if not dc and acc > 1:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         host.append(time.perf_counter() - t0)  # the host's part: every call of the step returned
         step_sync(args)
         if s == args.warmup - 1 or s == total - 1:
@@ -784,7 +801,7 @@ def summarise(name, per_rank, args, world) -> dict:
     # with --step-sync stream, a step's copies may run under the next one: the mean over the
     # window (which ends with every stream done) is the honest per-step time
     basis = statistics.fmean(timed) if getattr(args, "step_sync", "device") == "stream" else med
-    tokens_per_gpu_step = args.micro_batch * args.seq
+    tokens_per_gpu_step = args.micro_batch * args.seq * getattr(args, "accumulation", 1)
     entry.update({
         "ranks_used": len(ran),
         "step_times_s": times,
