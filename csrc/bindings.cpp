@@ -26,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_grad_scale", [](double s) { dc::runtime().set_grad_scale(s); });
   m.def("set_grad_sync", [](bool v) { dc::runtime().set_grad_sync(v); });
   m.def("set_reduce_dtype", [](at::ScalarType d) { dc::runtime().set_reduce_dtype(d); });
+  m.def("set_replicate_group", [](c10::intrusive_ptr<c10d::ProcessGroup> pg) {
+    dc::runtime().set_replicate_group(std::move(pg));
+  });
   m.def("live_gathered", []() { return dc::runtime().live_gathered(); });
   m.def("check_idle", []() { dc::runtime().check_idle(); });
   m.def("invalidate_persistent", []() { if (dc::has_runtime()) dc::runtime().invalidate_persistent(); });

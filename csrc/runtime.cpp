@@ -290,6 +290,7 @@ void Runtime::complete_oldest() {
     ss << (r.entries.size() > 3 ? " ...)" : ")");
     return ss.str();
   });
+  allreduce_replicas(r.output, "gradient bucket " + std::to_string(r.bucket) + " of this step");
   int64_t off = 0;
   for (auto& [id, chunk] : r.entries) {
     Param& p = mutable_param(id);
@@ -302,6 +303,19 @@ void Runtime::complete_oldest() {
       dst.add_(g.to(p.shard.scalar_type()), grad_scale_);
     }
   }
+}
+
+// HSDP: the reduce-scatter left this rank the sum over its shard group; adding the replicas'
+// sums (same shard, other data) gives the sum over every rank, which grad_scale_ (1 / all ranks)
+// turns into the mean. One all-reduce per reduce bucket, issued as the bucket completes.
+void Runtime::allreduce_replicas(at::Tensor& t, const std::string& what) {
+  if (!rep_pg_ || rep_pg_->getSize() < 2) return;
+  std::vector<at::Tensor> ts{t};
+  c10d::AllreduceOptions opts;
+  opts.reduceOp = c10d::ReduceOp::SUM;
+  auto work = rep_pg_->allreduce(ts, opts);
+  issued_ += 1;
+  wait_work(work, t.is_cuda(), [&] { return "all-reduce across replicas of " + what; });
 }
 
 void Runtime::end_backward(int64_t /*graph_id*/) {
@@ -320,6 +334,7 @@ at::Tensor Runtime::reduce_scatter_now(const at::Tensor& grad, int64_t id) {
   auto work = pg_->_reduce_scatter_base(out, in, opts);
   issued_ += 1;
   wait_work(work, out.is_cuda(), [&] { return "reduce-scatter of the gradient of '" + p.name + "'"; });
+  allreduce_replicas(out, "the gradient of '" + p.name + "'");
   stats_.reduce_scatters += 1;
   stats_.reduce_bytes += in.nbytes();
   return out.to(p.shard.scalar_type()).mul_(grad_scale_).view(p.shard.sizes());

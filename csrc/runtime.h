@@ -79,6 +79,9 @@ class Runtime {
   void set_reduce_dtype(at::ScalarType dtype) { reduce_dtype_ = dtype; }
   // ZeRO-1: between accumulation boundaries gradients are summed locally, not communicated
   void set_grad_sync(bool sync) { grad_sync_ = sync; }
+  // Hybrid sharding (config mesh.shard): pg_ is the shard group (gathers, reduce-scatters); each
+  // reduced shard gradient is then summed across the replicas holding the same shard (rep_pg_).
+  void set_replicate_group(c10::intrusive_ptr<c10d::ProcessGroup> pg) { rep_pg_ = std::move(pg); }
   const Param& param(int64_t id) const;
 
   // allgather: start, then finish. The buffer lives in `pending_` in between.
@@ -154,6 +157,8 @@ class Runtime {
   void track_live(const at::Tensor& buffer, int64_t id);
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::intrusive_ptr<c10d::ProcessGroup> rep_pg_;  // null: no replicas (plain ZeRO)
+  void allreduce_replicas(at::Tensor& t, const std::string& what);
   int64_t rank_, world_;
   int64_t bucket_elems_;
   int64_t max_inflight_;

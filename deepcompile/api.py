@@ -172,6 +172,36 @@ def _resolve_group(group, timeout_s: float = 600.0):
     return dist.group.WORLD
 
 
+def _hybrid_groups(group, shard: int | None, timeout_s: float):
+    """(shard group, replicate group or None) for ``mesh.shard`` (HSDP). Ranks ``[k*S, (k+1)*S)``
+    of ``group`` shard the model (a node, when torchrun numbers ranks node by node); ranks with the
+    same position in their shard group replicate each other. Every rank creates every group, in the
+    same order, as ``new_group`` requires."""
+    import datetime
+
+    world = dist.get_world_size(group)
+    if shard is None or shard == world:
+        return group, None
+    if world % shard:
+        raise ValueError(f"deepcompile.initialize: config mesh.shard = {shard} does not divide the world size "
+                         f"{world}; use a divisor of {world} (e.g. the GPUs per node) or leave it out")
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    shard_group = replicate_group = None
+    for k in range(world // shard):
+        members = ranks[k * shard:(k + 1) * shard]
+        g = dist.new_group(members, timeout=timeout)
+        if me in members:
+            shard_group = g
+    for j in range(shard):
+        members = ranks[j::shard]
+        g = dist.new_group(members, timeout=timeout)
+        if me in members:
+            replicate_group = g
+    return shard_group, replicate_group
+
+
 def _device_for(group) -> torch.device:
     backend = dist.get_backend(group)
     if "nccl" in str(backend).lower():
@@ -258,6 +288,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     group = _resolve_group(group, cfg.collective_timeout_s)
     device = _device_for(group)
     world, rank = dist.get_world_size(group), dist.get_rank(group)
+    shard_group, replicate_group = _hybrid_groups(group, cfg.mesh.shard, cfg.collective_timeout_s)
 
     C = ops.ensure_registered()
     if C.is_initialized():
@@ -265,13 +296,15 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
                       "runtime state and compiled graphs are dropped", stacklevel=2)
         compat.reset_dynamo()
     ops.PARAMS.clear()
-    C.init(group, cfg.reduce_bucket_size, cfg.max_inflight_reduces,
+    C.init(shard_group, cfg.reduce_bucket_size, cfg.max_inflight_reduces,
            max(1, int(cfg.collective_timeout_s * 1000)))
     seqcheck.clear_nodes()
     try:
         state_keys = list(model.state_dict().keys())
         model.to(device)
-        sharded = shard_module(model, group=group, device=device,
+        if replicate_group is not None:
+            C.set_replicate_group(replicate_group)
+        sharded = shard_module(model, group=shard_group, device=device,
                                gather_dtype=cfg.mixed_precision.torch_param_dtype())
         C.set_grad_scale(1.0 / (world * cfg.gradient_accumulation_steps))
         C.set_reduce_dtype(cfg.mixed_precision.torch_reduce_dtype())
@@ -279,8 +312,10 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
         C.cleanup()
         ops.PARAMS.clear()
         raise
-    backend = Backend(cfg, dict(ops.PARAMS), world, rank)
+    # the passes size gathers by the shard group (chunk x its ranks)
+    backend = Backend(cfg, dict(ops.PARAMS), dist.get_world_size(shard_group), dist.get_rank(shard_group))
     wrapped = DeepCompileModel(model, sharded, backend, cfg, group, state_keys)
+    object.__setattr__(wrapped, "dc_shard_group", shard_group)  # == group unless mesh.shard (HSDP)
     object.__setattr__(wrapped, "dc_seqcheck", seqcheck.SequenceCheck.create(group, cfg.collective_timeout_s))
     for sp in sharded:
         # who owns a shard: deepcompile.clip_grad_norm_ (and torch's, routed there) finds the
@@ -352,7 +387,7 @@ def full_state_dict(model: DeepCompileModel) -> dict[str, torch.Tensor]:
             sp = by_name.get(key)
             if sp is not None:
                 if sp.meta.id not in gathered:
-                    gathered[sp.meta.id] = _gather_full(sp, model.dc_group).cpu().clone()
+                    gathered[sp.meta.id] = _gather_full(sp, model.dc_shard_group).cpu().clone()
                 out[key] = gathered[sp.meta.id]
             else:
                 out[key] = model.module.get_buffer(key).detach().cpu().clone()
@@ -374,7 +409,7 @@ def load_full_state_dict(model: DeepCompileModel, state_dict: dict[str, torch.Te
         raise KeyError(f"deepcompile.load_full_state_dict: missing keys {missing[:5]}, unexpected keys "
                        f"{unexpected[:5]} (of {len(missing)} and {len(unexpected)})")
     by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
-    world, rank = dist.get_world_size(model.dc_group), dist.get_rank(model.dc_group)
+    world, rank = dist.get_world_size(model.dc_shard_group), dist.get_rank(model.dc_shard_group)
     for key in model.dc_state_keys:  # check everything before writing anything
         sp = by_name.get(key)
         if sp is not None:

@@ -61,7 +61,7 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0,
 
 def _clip(model, params: list[torch.Tensor], max_norm: float, norm_type: float,
           error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor:
-    group = model.dc_group
+    group = model.dc_shard_group  # replicas (HSDP) hold the same shards: count each once
     metas = {id(sp.shard): sp for sp in model.dc_sharded}
     seen: set[int] = set()
     grads = []

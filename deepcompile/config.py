@@ -67,6 +67,15 @@ class MixedPrecision:
 
 
 @dataclass
+class Mesh:
+    shard: int | None = spec(None, min=1, max=1 << 20,
+                             help="ranks each parameter is sharded over (hybrid sharding, HSDP): consecutive groups "
+                                  "of this many ranks (one node, launched node by node) shard the model, the "
+                                  "groups replicate it and all-reduce gradients; must divide the world size "
+                                  "(default: every rank, plain ZeRO)")
+
+
+@dataclass
 class PassEntry:
     name: str = spec(help="registered pass name (see `deepcompile.passes.PASSES`)")
     params: dict = spec(default_factory=dict, help="values for the pass's declared parameters")
@@ -94,6 +103,7 @@ class Config:
     gradient_accumulation_steps: int = spec(1, min=1, max=1 << 20,
                                             help="micro-batches per optimizer step; optimizer.step() is a no-op in between")
     mixed_precision: MixedPrecision = spec(default_factory=MixedPrecision, help="compute and reduce dtypes")
+    mesh: Mesh = spec(default_factory=Mesh, help="how ranks shard and replicate the model: {shard: S}")
     reduce_bucket_size: int = spec(25_000_000, min=1, max=1 << 40,
                                    help="elements per gradient reduce-scatter bucket (a threshold: 2**40, more than "
                                         "any model's gradients, means one bucket per step)")
