@@ -1,6 +1,8 @@
 """Two "nodes" on one machine: two torchrun invocations (``--nnodes 2 --node-rank 0/1
---nproc-per-node 2``) meet through the c10d rendezvous on 127.0.0.1 and train one 4-rank job,
-which must match the unsharded reference (tolerance: tests/test_zero3_parity.py's).
+--nproc-per-node 2``) meet through the c10d rendezvous on 127.0.0.1 and train one 4-rank job with
+hybrid sharding over the nodes (``mesh.shard = 2``: each node's two ranks shard the model, the two
+nodes replicate it), which must match the unsharded reference (tolerance:
+tests/test_zero3_parity.py's).
 
 Every wait is bounded: the rendezvous (join_timeout), the process group (its timeout), each
 torchrun (a subprocess deadline). On failure or timeout both launchers get SIGTERM (torchrun
@@ -43,7 +45,9 @@ SCRIPT = textwrap.dedent("""
         losses.append(loss.item())
     full = deepcompile.full_state_dict(model)
     where = {k: os.environ[k] for k in ("GROUP_RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "WORLD_SIZE")}
-    torch.save({"losses": losses, "state": full, "env": where}, os.path.join(out, f"rank{rank}.pt"))
+    shard_numel = sum(p.numel() for p in model.parameters())
+    torch.save({"losses": losses, "state": full, "env": where, "shard_numel": shard_numel},
+               os.path.join(out, f"rank{rank}.pt"))
     deepcompile.destroy(model)
     dist.destroy_process_group()
 """)
@@ -107,7 +111,7 @@ def run_two_nodes(tmp_path, config: str = "{}"):
 
 
 def test_two_torchrun_nodes_match_the_unsharded_reference(tmp_path):
-    results = run_two_nodes(tmp_path)
+    results = run_two_nodes(tmp_path, '{"mesh": {"shard": 2}}')
     # four workers from two launchers, two each
     where = sorted((r["env"]["GROUP_RANK"], r["env"]["LOCAL_RANK"]) for r in results)
     assert where == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], where
@@ -119,3 +123,9 @@ def test_two_torchrun_nodes_match_the_unsharded_reference(tmp_path):
         assert set(r["state"]) == set(ref_state)
         for k, v in ref_state.items():
             torch.testing.assert_close(r["state"][k], v, rtol=1e-4, atol=1e-4, msg=lambda m: f"{k}: {m}")
+    # sharded within a node (2 ranks): each holds ceil(d0 / 2) rows of every parameter
+    from tests.workloads import make_model
+
+    full = {id(p): p for p in make_model().parameters()}.values()
+    want = sum(-(-p.shape[0] // 2) * (p[0].numel() if p.dim() > 1 else 1) if p.dim() else 1 for p in full)
+    assert all(r["shard_numel"] == want for r in results), ([r["shard_numel"] for r in results], want)
