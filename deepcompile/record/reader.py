@@ -116,7 +116,7 @@ def _kind(mode: int) -> str:
                        (stat.S_ISSOCK, "a socket")):
         if test(mode):
             return name
-    return "not a regular file"
+    return "a special file" if not stat.S_ISREG(mode) else "another regular file"
 
 
 def _inside(real: str, root_real: str) -> bool:
