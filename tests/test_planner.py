@@ -85,6 +85,7 @@ def test_tighter_limits_keep_less_prefetch_less_then_offload():
     # profiled peak plus what the plan keeps and prefetches (plan_extra_mb)
     p = off.params()["offload_optimizer"]
     assert p["limit_mb"] == 9 * 1024 and p["plan_extra_mb"] == pytest.approx((off.kept + off.prefetch) / MIB, abs=1e-3)
+    assert p["final_reload"] == "fit"  # the end of backward stays under the limit too
 
 
 def test_nothing_fits_names_the_shortfall_and_the_knob():
@@ -259,3 +260,30 @@ def test_offload_optimizer_counts_what_the_plan_keeps_and_prefetches():
     finally:
         optimizer_state.MANAGER = saved
         m.detach()
+
+
+def test_final_reload_fit_leaves_the_rest_to_the_optimizer_step():
+    """final_reload 'fit' (the planner's choice): the reload at the end of backward brings back only
+    what fits under the room (reserve 0), not everything (-1); the pre-hook's bring_back does the rest."""
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from deepcompile.passes import offload_optimizer as O
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    calls = []
+    for _ in range(4):
+        x = g.call_function(torch.relu, (x,))
+        calls.append(x)
+    g.output(x)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    prof = Profile(graphs={(0, "backward"): GraphProfile(0, "backward", [
+        NodeProfile(n.name, 1.0, (400 - 100 * i) * MIB, (410 - 100 * i) * MIB, 0) for i, n in enumerate(calls)])})
+    for final, last in (("all", -1), ("fit", 0)):
+        params = O.OffloadOptimizerParams(limit_mb=1000, headroom_mb=0, reload_points=2, final_reload=final)
+        parts = O.reload_positions(gm, SimpleNamespace(params=params, profile=prof, graph_id=0, kind="backward"),
+                                   torch.device("cpu"))
+        assert parts[-1][0].op == "output" and parts[-1][1] == last, (final, parts)

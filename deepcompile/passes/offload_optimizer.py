@@ -51,6 +51,11 @@ class OffloadOptimizerParams:
                                 help="memory (MiB) the rest of the plan adds over the profiled peak (parameters kept "
                                      "gathered, prefetched): counted in how much state to offload, not in the run-time "
                                      "room (the allocator already counts it there); set by the planner")
+    final_reload: str = spec("all", choices=("all", "fit"),
+                             help="the reload at the end of each backward: 'all' brings every offloaded tensor back "
+                                  "there (overlapped, but the end of backward holds the gradients: the profiled peak "
+                                  "returns); 'fit' only what fits under limit - headroom, the optimizer step's pre-hook "
+                                  "brings the rest once backward has freed its memory (exposed copies, within the limit)")
     reload_points: int = spec(16, min=1, max=256,
                               help="with a profile: places in each backward graph where the state that fits in the "
                                    "free memory starts coming back")
@@ -140,7 +145,7 @@ def reload_positions(gm: fx.GraphModule, ctx: PassContext, device: torch.device)
         return [(out, -1)]
     k = min(ctx.params.reload_points, len(nodes))
     parts = _reserves(nodes, gp.by_name(), [j * len(nodes) // k for j in range(k)])
-    parts.append((out, -1))
+    parts.append((out, -1 if ctx.params.final_reload == "all" else 0))
     return parts
 
 
