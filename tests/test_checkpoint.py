@@ -145,6 +145,11 @@ def _bad_entries_change_nothing(model, opt, rank: int, world: int, path: str) ->
         dcp.load({"model": msd2, "optim": osd2}, checkpoint_id=path)
     msgs.append(str(e.value)[:200])
     assert _same(_snapshot(model, opt), before), "a failed dcp.load wrote something"
+
+    # full tensors keyed like state_dict() load too (each rank takes its rows; tied weights once)
+    deepcompile.set_state_dict(model, opt, good_model, None)
+    full = deepcompile.full_state_dict(model)
+    assert all(torch.equal(full[k], good_model[k]) for k in good_model)
     return msgs
 
 
@@ -304,5 +309,55 @@ def test_hybrid_sharded_checkpoint_loads_without_replicas(tmp_path):
     chunks = md.state_dict_metadata["model.blocks.0.attn.qkv.weight"].chunks
     assert sorted(tuple(c.offsets) for c in chunks) == [(0, 0), (48, 0)], chunks  # 96 rows over 2 shards
     loaded = run_ranks(_load_plain, 2, path, timeout=600)
+    for k, v in saved[0].items():
+        assert torch.equal(loaded[0][k], v), k
+
+
+class _Scalar(torch.nn.Module):
+    """A 0-d parameter (shard rank 0 holds it) next to an ordinary layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.lin = torch.nn.Linear(8, 8)
+        self.temp = torch.nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, x):
+        return (self.lin(x) * self.temp).square().mean()
+
+
+def _scalar_roundtrip(rank: int, world: int, path: str, save: bool):
+    import torch.distributed.checkpoint as dcp
+
+    import deepcompile
+
+    model, opt = deepcompile.initialize(_Scalar(), make_optimizer, _config(3))
+    if save:
+        for s in range(2):
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * s + rank))).backward()
+            opt.step()
+            opt.zero_grad()
+    msd, osd = deepcompile.get_state_dict(model, opt)
+    assert msd["temp"].shape == () and osd["state"]["temp"]["exp_avg"].shape == ()
+    if save:
+        dcp.save({"model": msd, "optim": osd}, storage_writer=dcp.FileSystemWriter(path))
+    else:
+        dcp.load({"model": msd, "optim": osd}, storage_reader=dcp.FileSystemReader(path))
+        deepcompile.set_state_dict(model, opt, msd, osd)
+    full = deepcompile.full_state_dict(model)
+    deepcompile.destroy(model)
+    return full
+
+
+def test_zero_dim_parameter_round_trips(tmp_path):
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = str(tmp_path / "scalar")
+    saved = run_ranks(_scalar_roundtrip, 2, path, True, timeout=300)
+    dcp_to_torch_save(path, str(tmp_path / "scalar.pt"))
+    sd = torch.load(tmp_path / "scalar.pt", weights_only=False)
+    assert sd["model"]["temp"].shape == () and torch.equal(sd["model"]["temp"], saved[0]["temp"])
+    assert sd["model"]["temp"].item() != 1.5  # trained
+    loaded = run_ranks(_scalar_roundtrip, 1, path, False, timeout=300)
     for k, v in saved[0].items():
         assert torch.equal(loaded[0][k], v), k
