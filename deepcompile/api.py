@@ -111,7 +111,8 @@ class DeepCompileModel(nn.Module):
         timer = self.__dict__.pop("_dc_opt_timer", None)
         prof.optimizer_ms = timer.stop() if timer is not None else 0.0
         prof.optimizer_peak_bytes = timer.peak_bytes if timer is not None else 0
-        prof.comm = benchmark_comm(self.dc_group, self._dc_device())
+        # the gathers the passes schedule run in the shard group (all ranks but under mesh.shard)
+        prof.comm = benchmark_comm(self.dc_shard_group, self._dc_device())
         b.profile = agree(prof, self.dc_group)
         b.measured = {}
 
