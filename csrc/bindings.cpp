@@ -25,10 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("set_grad_scale", [](double s) { dc::runtime().set_grad_scale(s); });
   m.def("set_grad_sync", [](bool v) { dc::runtime().set_grad_sync(v); });
-  m.def("set_reduce_dtype", [](at::ScalarType d) { dc::runtime().set_reduce_dtype(d); });
+  m.def("set_copy_grads", &dc::set_copy_grads);
   m.def("set_replicate_group", [](c10::intrusive_ptr<c10d::ProcessGroup> pg) {
     dc::runtime().set_replicate_group(std::move(pg));
   });
+  m.def("set_reduce_dtype", [](at::ScalarType d) { dc::runtime().set_reduce_dtype(d); });
   m.def("live_gathered", []() { return dc::runtime().live_gathered(); });
   m.def("check_idle", []() { dc::runtime().check_idle(); });
   m.def("invalidate_persistent", []() { if (dc::has_runtime()) dc::runtime().invalidate_persistent(); });
@@ -49,6 +50,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["reduce_bytes"] = s.reduce_bytes;
     d["peak_live_gathered"] = s.peak_live_gathered;
     d["peak_live_gathered_bytes"] = s.peak_live_gathered_bytes;
+    d["reduce_copies"] = s.reduce_copies;
+    d["allgather_waits"] = s.allgather_waits;
+    d["reduce_cats"] = s.reduce_cats;
     return d;
   });
 }

@@ -12,7 +12,11 @@ namespace dc {
 
 namespace {
 std::unique_ptr<Runtime> g_runtime;
+bool g_copy_grads = false;
 }
+
+void set_copy_grads(bool copy) { g_copy_grads = copy; }
+bool copy_grads() { return g_copy_grads; }
 
 Runtime& runtime() {
   TORCH_CHECK(g_runtime, "deepcompile runtime is not initialized: call deepcompile.initialize(...) first");
@@ -124,15 +128,35 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
   // One coalesced collective for many parameters (one NCCL group / one gloo call): each
   // parameter still lands in its own buffer, so nothing is packed or unpacked, and the host
   // pays one launch instead of one per parameter.
-  std::vector<at::Tensor> ins, outs;
+  //
+  // The casts to the gather dtype run as one multi-tensor copy (_foreach_copy_; issue 16: one
+  // aten::to per shard was most of allgather_params' host time). On CUDA (NCCL) each shard is
+  // cast straight into its rank's slice of its output and gathered in place (NCCL's in-place
+  // allgather: the input is out[rank * chunk, (rank + 1) * chunk)), so no input tensor is
+  // allocated. gloo gets separate inputs: its in-place behaviour is not documented.
+  const bool inplace = shards[0].is_cuda();
+  std::vector<at::Tensor> ins, outs, srcs;
+  bool cast = inplace;
   for (size_t i = 0; i < ids.size(); ++i) {
     const Param& p = param(ids[i]);
     TORCH_CHECK(shards[i].numel() == p.chunk, "deepcompile: allgather of '", p.name, "' got a shard of ",
                 shards[i].numel(), " elements, the registry holds ", p.chunk);
     TORCH_CHECK(pending_.find(ids[i]) == pending_.end(), "deepcompile: allgather of '", p.name,
                 "' started twice without wait_allgather in between");
-    ins.push_back(shards[i].to(p.gather_dtype).contiguous().view({-1}));
-    outs.push_back(at::empty({p.chunk * world_}, ins.back().options()));
+    TORCH_CHECK(shards[i].device() == shards[0].device(), "deepcompile: fused allgather of '", p.name,
+                "': shard on ", shards[i].device(), ", the group's first on ", shards[0].device());
+    srcs.push_back(shards[i].contiguous().view({-1}));
+    outs.push_back(at::empty({p.chunk * world_}, srcs.back().options().dtype(p.gather_dtype)));
+    cast = cast || srcs.back().scalar_type() != p.gather_dtype;
+  }
+  if (!cast) {
+    ins = srcs;  // gloo, same dtype: the shards themselves
+  } else {
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const int64_t chunk = srcs[i].numel();
+      ins.push_back(inplace ? outs[i].narrow(0, rank_ * chunk, chunk) : at::empty({chunk}, outs[i].options()));
+    }
+    at::_foreach_copy_(ins, srcs);
   }
   auto work = pg_->allgather_into_tensor_coalesced(outs, ins);
   issued_ += 1;
@@ -152,11 +176,40 @@ at::Tensor Runtime::finish_allgather(int64_t id) {
               "' without a started allgather");
   PendingGather pg = std::move(it->second);
   pending_.erase(it);
-  // a fused gather's later waits return at once
+  // a fused gather's later waits return at once (wait_allgather_many waits once for them all)
   wait_work(pg.work, pg.buffer.is_cuda(), [&] { return "allgather of parameter '" + p.name + "'"; });
+  stats_.allgather_waits += 1;
   // Ownership passes to the graph: the runtime keeps only a weak reference, so the memory is
   // returned as soon as the graph drops its last use (release_param marks that point).
   return pg.buffer.narrow(0, 0, p.numel).view(p.shape);
+}
+
+std::vector<at::Tensor> Runtime::finish_allgather_many(const std::vector<int64_t>& ids) {
+  // The members of one coalesced gather finish together: one host wait (per distinct collective)
+  // hands out all of them, instead of one dispatcher call and one wait per parameter.
+  std::vector<PendingGather> got;
+  got.reserve(ids.size());
+  for (int64_t id : ids) {
+    const Param& p = param(id);
+    auto it = pending_.find(id);
+    TORCH_CHECK(it != pending_.end(), "deepcompile: wait_allgather_many for '", p.name,
+                "' without a started allgather");
+    got.push_back(std::move(it->second));
+    pending_.erase(it);
+  }
+  std::vector<at::Tensor> out;
+  out.reserve(ids.size());
+  const c10d::Work* waited = nullptr;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const Param& p = param(ids[i]);
+    if (got[i].work.get() != waited) {
+      wait_work(got[i].work, got[i].buffer.is_cuda(), [&] { return "allgather of parameter '" + p.name + "'"; });
+      stats_.allgather_waits += 1;
+      waited = got[i].work.get();
+    }
+    out.push_back(got[i].buffer.narrow(0, 0, p.numel).view(p.shape));
+  }
+  return out;
 }
 
 at::Tensor Runtime::gather_persistent(const at::Tensor& shard, int64_t id) {
@@ -202,25 +255,40 @@ void Runtime::release(int64_t id) {
   stats_.releases += 1;
 }
 
-at::Tensor Runtime::padded_rows(const at::Tensor& grad, const Param& p) const {
+at::Tensor Runtime::padded_flat(const at::Tensor& grad, const Param& p, bool copy, bool* owned) {
+  // The gradient as the flat [world * chunk] input of a reduce-scatter, in the reduce dtype: rank
+  // k's rows at [k * chunk, (k + 1) * chunk) (row-aligned shards). Copied only where it must be:
+  // a cast, zero padding (numel not a multiple of chunk), a non-contiguous gradient, or `copy`.
   TORCH_CHECK(grad.numel() == p.numel, "deepcompile: gradient of '", p.name, "' has ", grad.numel(),
               " elements, the parameter has ", p.numel);
-  at::Tensor flat = grad.reshape({-1}).to(reduce_dtype_);
+  at::Tensor flat = grad.reshape({-1});
+  bool own = !flat.is_alias_of(grad);
+  if (!flat.is_contiguous()) {  // a 1-D view with a stride (e.g. [n, 1] with stride 2): collectives need dense
+    flat = flat.contiguous();
+    own = true;
+  }
+  if (flat.scalar_type() != reduce_dtype_) {
+    flat = flat.to(reduce_dtype_);
+    own = true;
+  }
   const int64_t padded = p.chunk * world_;
   if (padded != p.numel) {
-    at::Tensor full = at::zeros({padded}, flat.options());
-    full.narrow(0, 0, p.numel).copy_(flat);
-    flat = full;
-  } else if (flat.data_ptr() == grad.data_ptr()) {
-    flat = flat.clone();  // the bucket owns its copy; the graph may reuse the gradient's memory
+    flat = at::constant_pad_nd(flat, {0, padded - p.numel}, 0);
+    own = true;
+  } else if (copy && !own) {
+    flat = flat.clone();  // the graph may write into the gradient's memory while the bucket reads it
+    own = true;
   }
-  return flat.view({world_, p.chunk});
+  if (own) stats_.reduce_copies += 1;
+  if (owned) *owned = own;
+  return flat;
 }
 
 void Runtime::add_grad(const at::Tensor& grad_in, int64_t id) {
   const Param& p = param(id);
   stats_.reduce_calls += 1;
   at::Tensor grad = grad_in;
+  bool grad_owned = false;
   auto lit = local_grads_.find(id);
   if (!grad_sync_) {
     stats_.local_accumulations += 1;
@@ -233,19 +301,31 @@ void Runtime::add_grad(const at::Tensor& grad_in, int64_t id) {
   }
   if (lit != local_grads_.end()) {  // the boundary: reduce what this rank accumulated
     grad = lit->second.add_(grad);
+    grad_owned = true;
     local_grads_.erase(lit);  // freed as soon as it is in the bucket, before the optimizer step
   }
   Bucket& b = buckets_[static_cast<int>(reduce_dtype_)];
   for (auto& e : b.entries) {
     if (e.id == id) {  // a parameter used twice in one graph: sum before reducing
-      e.slots.add_(padded_rows(grad, p));
+      at::Tensor more = padded_flat(grad, p, /*copy=*/false, nullptr);  // read at once, not held
+      if (e.owned) {
+        e.flat.add_(more);
+      } else {  // never write into the graph's own gradient
+        e.flat = e.flat + more;
+        e.owned = true;
+      }
       return;
     }
   }
   const int64_t elems = p.chunk * world_;
   if (!b.entries.empty() && b.elems + elems > bucket_elems_) flush(reduce_dtype_);
   Bucket& b2 = buckets_[static_cast<int>(reduce_dtype_)];
-  b2.entries.push_back(BucketEntry{id, padded_rows(grad, p)});
+  bool owned = false;
+  // No copy of a gradient the graph hands over (issue 16: a clone per parameter was a third of
+  // reduce_grad's host time): holding the reference keeps the memory alive until the
+  // reduce-scatter has read it, and nothing writes into it meanwhile (see set_copy_grads).
+  at::Tensor flat = padded_flat(grad, p, /*copy=*/copy_grads() && !grad_owned, &owned);
+  b2.entries.push_back(BucketEntry{id, flat, owned || grad_owned});
   b2.elems += elems;
   if (b2.elems >= bucket_elems_) flush(reduce_dtype_);
 }
@@ -256,26 +336,58 @@ void Runtime::flush(at::ScalarType dtype) {
   Bucket b = std::move(it->second);
   buckets_.erase(it);
   while (static_cast<int64_t>(inflight_.size()) >= max_inflight_) complete_oldest();
-  std::vector<at::Tensor> parts;
   InFlightReduce r;
   int64_t cols = 0;
   for (auto& e : b.entries) {
-    parts.push_back(e.slots);
-    r.entries.emplace_back(e.id, e.slots.size(1));
-    cols += e.slots.size(1);
+    const int64_t chunk = e.flat.numel() / world_;
+    r.entries.emplace_back(e.id, chunk);
+    cols += chunk;
   }
-  // [world, cols]: row k holds rank k's slice of every entry, so a reduce-scatter leaves each
-  // rank exactly its own shard of each gradient, side by side.
-  r.input = parts.size() == 1 ? parts[0].contiguous() : at::cat(parts, 1).contiguous();
-  r.output = at::empty({cols}, r.input.options());
+  // One output for the whole bucket: this rank's shard of every entry, side by side, so the
+  // cast and the gradient scale run once per bucket (complete_oldest).
+  r.output = at::empty({cols}, b.entries[0].flat.options());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
-  at::Tensor in_flat = r.input.view({-1});
-  r.work = pg_->_reduce_scatter_base(r.output, in_flat, opts);
+  int64_t bytes = 0;
+  for (auto& e : b.entries) bytes += e.flat.nbytes();
+  if (b.entries.size() == 1) {
+    r.inputs.push_back(b.entries[0].flat);
+    r.work = pg_->_reduce_scatter_base(r.output, r.inputs[0], opts);
+  } else {
+    if (coalesced_rs_ != 0) {
+      // One coalesced collective over the entries' own flat inputs (each already in the
+      // [world * chunk] layout), each writing into its slice of the output: no packing copy.
+      std::vector<at::Tensor> outs;
+      int64_t off = 0;
+      for (auto& [id, chunk] : r.entries) {
+        outs.push_back(r.output.narrow(0, off, chunk));
+        off += chunk;
+      }
+      for (auto& e : b.entries) r.inputs.push_back(e.flat);
+      try {
+        r.work = pg_->reduce_scatter_tensor_coalesced(outs, r.inputs, opts);
+        coalesced_rs_ = 1;
+      } catch (const c10::Error& err) {
+        // c10d's Backend default throws before communicating when a backend lacks it
+        if (coalesced_rs_ == 1 || std::string(err.what()).find("does not support") == std::string::npos) throw;
+        coalesced_rs_ = 0;
+        r.inputs.clear();
+      }
+    }
+    if (coalesced_rs_ == 0) {
+      // [world, cols]: row k holds rank k's slice of every entry, so a reduce-scatter leaves each
+      // rank exactly its own shard of each gradient, side by side.
+      std::vector<at::Tensor> parts;
+      for (auto& e : b.entries) parts.push_back(e.flat.view({world_, -1}));
+      r.inputs.push_back(at::cat(parts, 1).view({-1}));
+      stats_.reduce_cats += 1;
+      r.work = pg_->_reduce_scatter_base(r.output, r.inputs[0], opts);
+    }
+  }
   r.bucket = reduce_buckets_++;
   issued_ += 1;
   stats_.reduce_scatters += 1;
-  stats_.reduce_bytes += in_flat.nbytes();
+  stats_.reduce_bytes += bytes;
   inflight_.push_back(std::move(r));
 }
 
@@ -290,19 +402,41 @@ void Runtime::complete_oldest() {
     ss << (r.entries.size() > 3 ? " ...)" : ")");
     return ss.str();
   });
+  r.inputs.clear();  // the graph's gradients (or our copies) are free to go now
   allreduce_replicas(r.output, "gradient bucket " + std::to_string(r.bucket) + " of this step");
-  int64_t off = 0;
+  // Cast to the shards' dtype and scale once per bucket, then hand each parameter a view of its
+  // slice as .grad (or add into the .grad it has). Numerics as per parameter: scale in the shard
+  // dtype after the cast; a scale of 1 is skipped (exact).
+  std::vector<Param*> ps;
+  bool uniform = true;
+  size_t fresh = 0;
   for (auto& [id, chunk] : r.entries) {
-    Param& p = mutable_param(id);
-    at::Tensor g = r.output.narrow(0, off, chunk).view(p.shard.sizes());
+    ps.push_back(&mutable_param(id));
+    uniform = uniform && ps.back()->shard.scalar_type() == ps.front()->shard.scalar_type();
+    fresh += ps.back()->shard.grad().defined() ? 0 : 1;
+  }
+  const bool scale = grad_scale_ != 1.0;
+  at::Tensor cast = uniform ? r.output.to(ps.front()->shard.scalar_type()) : r.output;
+  const bool scaled_all = uniform && fresh == ps.size() && scale;
+  if (scaled_all) cast.mul_(grad_scale_);
+  std::vector<at::Tensor> dsts, srcs;
+  int64_t off = 0;
+  for (size_t i = 0; i < ps.size(); ++i) {
+    Param& p = *ps[i];
+    const int64_t chunk = r.entries[i].second;
+    at::Tensor g = cast.narrow(0, off, chunk);
+    if (!uniform) g = g.to(p.shard.scalar_type());
     off += chunk;
     at::Tensor& dst = p.shard.mutable_grad();
     if (!dst.defined()) {
-      dst = g.to(p.shard.scalar_type()).mul_(grad_scale_);
+      if (scale && !scaled_all) g.mul_(grad_scale_);  // its own slice (or its own cast copy)
+      dst = g.view(p.shard.sizes());
     } else {
-      dst.add_(g.to(p.shard.scalar_type()), grad_scale_);
+      dsts.push_back(dst);
+      srcs.push_back(g.view(dst.sizes()));
     }
   }
+  if (!dsts.empty()) at::_foreach_add_(dsts, srcs, grad_scale_);
 }
 
 // HSDP: the reduce-scatter left this rank the sum over its shard group; adding the replicas'
@@ -327,7 +461,7 @@ void Runtime::end_backward(int64_t /*graph_id*/) {
 
 at::Tensor Runtime::reduce_scatter_now(const at::Tensor& grad, int64_t id) {
   const Param& p = param(id);
-  at::Tensor in = padded_rows(grad, p).contiguous().view({-1});
+  at::Tensor in = padded_flat(grad, p, /*copy=*/false, nullptr);  // waited on below: no copy
   at::Tensor out = at::empty({p.chunk}, in.options());
   c10d::ReduceScatterOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;

@@ -38,7 +38,8 @@ struct PendingGather {
 
 struct BucketEntry {
   int64_t id;
-  at::Tensor slots;  // [world, chunk] in the reduce dtype
+  at::Tensor flat;     // [world * chunk] in the reduce dtype: rank k's slice at [k * chunk, (k + 1) * chunk)
+  bool owned = false;  // the runtime's own copy (padded / cast / summed); else the graph's gradient itself
 };
 
 struct Bucket {
@@ -48,7 +49,7 @@ struct Bucket {
 
 struct InFlightReduce {
   c10::intrusive_ptr<c10d::Work> work;
-  at::Tensor input;   // kept alive until the collective has finished
+  std::vector<at::Tensor> inputs;  // kept alive until the collective has finished
   at::Tensor output;  // concatenation of this rank's shard of every entry
   std::vector<std::pair<int64_t, int64_t>> entries;  // (param id, chunk)
   int64_t bucket = 0;  // n-th bucket reduced in this optimizer step (named in timeout messages)
@@ -66,6 +67,11 @@ struct Stats {
   int64_t peak_live_gathered_bytes = 0;
   int64_t persistent_hits = 0;
   int64_t local_accumulations = 0;
+  // host work per step (issue 16): copies add_grad made of a gradient (padding, dtype cast, the
+  // clone where the graph could reuse the memory), host waits on allgathers, cat-packed buckets
+  int64_t reduce_copies = 0;
+  int64_t allgather_waits = 0;
+  int64_t reduce_cats = 0;
 };
 
 class Runtime {
@@ -88,6 +94,7 @@ class Runtime {
   void start_allgather(const at::Tensor& shard, int64_t id);
   void start_allgather_fused(const std::vector<at::Tensor>& shards, const std::vector<int64_t>& ids);
   at::Tensor finish_allgather(int64_t id);
+  std::vector<at::Tensor> finish_allgather_many(const std::vector<int64_t>& ids);
   void release(int64_t id);
   // selective unsharding: a gathered copy kept across micro-batches until the shards change
   at::Tensor gather_persistent(const at::Tensor& shard, int64_t id);
@@ -151,7 +158,7 @@ class Runtime {
   std::string probe_peers();     // non-empty: a mismatch or another rank's abort message
 
   Param& mutable_param(int64_t id);
-  at::Tensor padded_rows(const at::Tensor& grad, const Param& p) const;
+  at::Tensor padded_flat(const at::Tensor& grad, const Param& p, bool copy, bool* owned);
   void flush(at::ScalarType dtype);
   void complete_oldest();
   void track_live(const at::Tensor& buffer, int64_t id);
@@ -164,6 +171,7 @@ class Runtime {
   int64_t max_inflight_;
   double grad_scale_ = 1.0;
   bool grad_sync_ = true;
+  int coalesced_rs_ = -1;  // reduce_scatter_tensor_coalesced usable on pg_: -1 unknown, 0 no, 1 yes
   std::unordered_map<int64_t, at::Tensor> local_grads_;  // ZeRO-1 accumulation, full size
   at::ScalarType reduce_dtype_ = at::kFloat;
   std::unordered_map<int64_t, Param> params_;
@@ -191,5 +199,12 @@ bool has_runtime();
 void init(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight,
           int64_t timeout_ms);
 void cleanup();
+// Copy every gradient handed to reduce_grad before bucketing it. Off by default: the bucket holds
+// a reference instead, which is safe where nothing can write into that memory while the
+// reduce-scatter reads it (eager/aot_eager free by refcount; under Inductor
+// compat.never_reuse_inputs keeps the buffer out of reuse). Python turns it on when that lowering
+// could not be installed. Process-wide (it describes the op's lowering), so it outlives init().
+void set_copy_grads(bool copy);
+bool copy_grads();
 
 }  // namespace dc

@@ -45,6 +45,12 @@ at::Tensor wait_allgather(const at::Tensor& /*handle*/, int64_t id) {
   return rt.finish_allgather(id);
 }
 
+std::vector<at::Tensor> wait_allgather_many(const at::Tensor& /*handle*/, at::IntArrayRef ids) {
+  auto& rt = dc::runtime();
+  rt.enter("wait_allgather_many", ids.empty() ? -1 : ids[0]);
+  return rt.finish_allgather_many(ids.vec());
+}
+
 at::Tensor gather_persistent(const at::Tensor& shard, int64_t id) {
   auto& rt = dc::runtime();
   rt.enter("gather_persistent", id);
@@ -79,6 +85,7 @@ TORCH_LIBRARY(dc, m) {
   m.def("allgather_param(Tensor shard, int id) -> Tensor");
   m.def("allgather_params(Tensor[] shards, int[] ids) -> Tensor");
   m.def("wait_allgather(Tensor handle, int id) -> Tensor");
+  m.def("wait_allgather_many(Tensor handle, int[] ids) -> Tensor[]");
   m.def("gather_persistent(Tensor shard, int id) -> Tensor");
   m.def("gather_persistent_many(Tensor[] shards, int[] ids) -> Tensor[]");
   m.def("release_param(Tensor(a!) gathered, int id) -> ()");
@@ -91,6 +98,7 @@ TORCH_LIBRARY(dc, m) {
   m.impl("shard_grad", &shard_grad);                  \
   m.impl("allgather_param", &allgather_param);        \
   m.impl("wait_allgather", &wait_allgather);          \
+  m.impl("wait_allgather_many", &wait_allgather_many); \
   m.impl("allgather_params", &allgather_params);      \
   m.impl("release_param", &release_param);            \
   m.impl("gather_persistent", &gather_persistent);    \

@@ -133,7 +133,10 @@ class _JointPass(_CGP):
         return self.fn(graph)
 
     def uuid(self):
-        return "deepcompile-tag-unshard-recompute-v1"
+        # v2: dc.reduce_grad's inputs are never reused (compat.never_reuse_inputs, issue 16). The
+        # FX graph cache does not key on our lowerings; an artifact compiled before them would
+        # reuse a gradient's memory while the runtime's bucket still holds it.
+        return "deepcompile-tag-unshard-recompute-v2"
 
 
 def never_reuse_output(op) -> None:
@@ -157,6 +160,70 @@ def never_reuse_output(op) -> None:
             if isinstance(t, ir.TensorBox):
                 V.graph.never_reuse_buffers.add(t.get_name())
         return out
+
+
+def never_reuse_inputs(op, on_failure: Callable[[], None] | None = None) -> bool:
+    """Inductor must never reuse the memory of the tensors passed to ``op`` (``dc.reduce_grad``:
+    the runtime's bucket holds the gradient itself, not a copy, until its asynchronous
+    reduce-scatter has read it). After the op, the gradient is dead to the graph, and Inductor
+    would hand its buffer to a later one of the same size (a ``ReuseLine``) or let a kernel write
+    its output in place into it. The lowering is the default fallback plus the names of the
+    buffers the fallback kernel reads in ``V.graph.never_reuse_buffers``, which
+    ``wrapper.can_reuse`` consults for both (codegen_free / FreeIfNotReusedLine and the
+    scheduler's in-place decision: 2.11, 2.13). The names are taken from the kernel's own
+    inputs, after the fallback realized them, so a copy Inductor made of a view is the buffer
+    kept; a buffer that only aliases another (NonOwningLayout, e.g. a slice of a cat) keeps
+    the one it aliases too. Returns False where Inductor's internals are not as expected (the
+    caller then copies every gradient); True also where there is no Inductor at all. If a
+    lowering later finds no fallback kernel to read the buffers from, it calls ``on_failure``
+    (at compile time, before the graph ever runs) and warns.
+    """
+    try:
+        from torch._inductor import ir
+        from torch._inductor.lowering import fallback_handler, register_lowering
+        from torch._inductor.virtualized import V
+    except ImportError:  # pragma: no cover - no Inductor: nothing can reuse the buffer
+        return True
+    if not (hasattr(ir, "NonOwningLayout") and hasattr(ir, "ExternKernel")):
+        return False
+    handler = fallback_handler(op, add_to_fallback_set=False)
+
+    def keep(node, depth=0):
+        if depth > 8 or not isinstance(node, ir.IRNode):
+            return
+        try:
+            name = node.get_name()
+        except Exception:  # noqa: BLE001 - an unnamed node is no buffer of its own
+            return
+        V.graph.never_reuse_buffers.add(name)
+        try:
+            layout = V.graph.get_buffer(name).get_layout()
+        except Exception:  # noqa: BLE001 - a graph input or constant: never reused anyway
+            return
+        if isinstance(layout, ir.NonOwningLayout):
+            keep(layout.view, depth + 1)
+
+    @register_lowering(op, type_promotion_kind=None)
+    def _lower(*args, **kwargs):
+        n0 = len(V.graph.operations)
+        out = handler(*args, **kwargs)
+        kernels = [o for o in V.graph.operations[n0:]
+                   if isinstance(o, ir.ExternKernel) and getattr(o, "op_overload", None) is op]
+        if not kernels:
+            import warnings
+
+            warnings.warn(f"deepcompile: the lowering of {op} found no fallback kernel in this torch "
+                          f"({torch.__version__}); its inputs are copied instead of held "
+                          "(compat.never_reuse_inputs needs updating)", stacklevel=2)
+            if on_failure is not None:
+                on_failure()
+        for k in kernels:
+            for inp in k.inputs:
+                for t in (inp if isinstance(inp, (list, tuple)) else [inp]):
+                    keep(t)
+        return out
+
+    return True
 
 
 def forget_outputs(output_node: fx.Node, cleared: list[int]) -> None:

@@ -62,8 +62,8 @@ def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     waits: dict[int, list[fx.Node]] = {}   # a parameter used twice (tied weights) has two waits
     shards: dict[int, fx.Node | None] = {}
     for w in list(g.nodes):
-        if is_op(w, DC.wait_allgather.default) and int(w.args[1]) in keep:
-            pid = int(w.args[1])
+        pid = _waited_pid(w)
+        if pid is not None and pid in keep:
             waits.setdefault(pid, []).append(w)
             shards.setdefault(pid, _gather_shard(w))
     kept = [p for p in waits if shards[p] is not None]  # (a shard computed in the graph: left alone)
@@ -92,6 +92,9 @@ def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     g.erase_node(r)
                 w.replace_all_uses_with(item)
                 g.erase_node(w)
+        for n in reversed(list(g.nodes)):  # a group's wait and collective once nothing is left of them
+            if not n.users and (is_op(n, DC.wait_allgather_many.default) or is_op(n, DC.allgather_params.default)):
+                g.erase_node(n)
     ctx.notes.append(f"kept gathered: {len(kept)} parameters in this graph ({len(keep)} chosen, "
                      f"budget {ctx.params.budget_mb:g} MiB), in one collective at the top")
     g.lint()
@@ -99,10 +102,28 @@ def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
+def _is_member(w: fx.Node) -> bool:
+    """``w`` is one parameter's value out of a group's ``wait_allgather_many`` (prefetch)."""
+    import operator
+
+    return (w.op == "call_function" and w.target is operator.getitem and isinstance(w.args[0], fx.Node)
+            and is_op(w.args[0], DC.wait_allgather_many.default))
+
+
+def _waited_pid(w: fx.Node) -> int | None:
+    """The parameter whose gathered value ``w`` is: a ``wait_allgather`` or a member of a
+    ``wait_allgather_many``; None for any other node."""
+    if is_op(w, DC.wait_allgather.default):
+        return int(w.args[1])
+    if _is_member(w):
+        return int(w.args[0].args[1][w.args[1]])
+    return None
+
+
 def _gather_shard(w: fx.Node) -> fx.Node | None:
     """The shard a wait's parameter is gathered from, if it is a graph input (it is in the
     graphs zero3 produces: the forward's parameters, the backward's saved shards)."""
-    issue, pid = w.args[0], int(w.args[1])
+    issue, pid = (w.args[0].args[0], _waited_pid(w)) if _is_member(w) else (w.args[0], int(w.args[1]))
     if is_op(issue, DC.allgather_param.default):
         shard = issue.args[0]
     elif is_op(issue, DC.allgather_params.default):
@@ -114,9 +135,26 @@ def _gather_shard(w: fx.Node) -> fx.Node | None:
 
 def _detach(g: fx.Graph, w: fx.Node, pid: int) -> None:
     """Take ``pid`` out of the collective that ``w`` waits on: a single gather is erased, a
-    coalesced one loses that parameter (and is erased once empty)."""
-    issue = w.args[0]
-    w.args = (None, w.args[1])  # drop the edge; w itself is erased by the caller
+    coalesced one loses that parameter (and is erased once empty). A member of a
+    ``wait_allgather_many`` leaves that wait too (the later members' indices shift down)."""
+    if _is_member(w):
+        many, i = w.args[0], int(w.args[1])
+        ids = [int(p) for p in many.args[1]]
+        del ids[i]
+        many.args = (many.args[0], ids)
+        many.meta["dc_params"] = ids
+        if ids:
+            many.meta["dc_param"] = ids[0]
+        if isinstance(many.meta.get("val"), (list, tuple)):
+            many.meta["val"] = [v for k, v in enumerate(many.meta["val"]) if k != i]
+        for u in list(many.users):
+            if u is not w and int(u.args[1]) > i:
+                u.args = (many, int(u.args[1]) - 1)
+        w.args = (many, -1)  # no longer an index of many; w is erased by the caller
+        issue = many.args[0]
+    else:
+        issue = w.args[0]
+        w.args = (None, w.args[1])  # drop the edge; w itself is erased by the caller
     if is_op(issue, DC.allgather_params.default):
         shards, pids = list(issue.args[0]), [int(p) for p in issue.args[1]]
         if pid in pids:  # (a second wait on the same group already took it out)
@@ -129,3 +167,5 @@ def _detach(g: fx.Graph, w: fx.Node, pid: int) -> None:
             return
     if not issue.users:
         g.erase_node(issue)
+    # (an emptied wait_allgather_many still has its users until the caller erases them: the
+    # caller erases it and its collective afterwards)

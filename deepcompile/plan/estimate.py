@@ -184,7 +184,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
     waits_of: dict[str, list[dict]] = {}
     unpacked: dict[str, int] = {}  # a multi-output op -> bytes of the values its getitems take out
     for m in nodes:
-        if m.get("target") == "dc.wait_allgather":
+        if m.get("target") in ("dc.wait_allgather", "dc.wait_allgather_many"):
             for r in inputs_of(m):
                 waits_of.setdefault(r, []).append(m)
         if m.get("target") in GETITEM:
@@ -227,7 +227,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
             baseline += size[name]
         elif c in ("allgather_param", "allgather_params"):
             ws = waits_of.get(name, [])
-            nbytes = sum(node_bytes(w) for w in ws) if ws else size[name]
+            nbytes = sum(unpacked.get(w["name"]) or node_bytes(w) for w in ws) if ws else size[name]
             start = max(t, ag_free)
             end = start + comm_us(nbytes)
             ev(name, "allgather", start, end)
@@ -251,16 +251,20 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
                 t = max(t, end)
             if name not in unpacked:
                 live[name] = size[name]  # (the getitems of a multi-output one hold its values)
-        elif c == "wait_allgather":
+        elif c in ("wait_allgather", "wait_allgather_many"):
+            # wait_allgather_many: one wait for a whole coalesced group (prefetch); its getitems
+            # take out the members' values, each released on its own
             src = next((r for r in inputs_of(n) if r in ag_end), None)
             start = t
             t = max(t, ag_end.get(src, t))
             ev(name, "compute", start, max(t, start + 0.1))
+            mine = unpacked.get(name, size[name]) if c == "wait_allgather_many" else size[name]
             if src in live:  # hand this parameter's share of the buffer to the wait
-                live[src] = max(0, live[src] - size[name])
+                live[src] = max(0, live[src] - mine)
                 if not live[src]:
                     live.pop(src)
-            live[name] = size[name]
+            if name not in unpacked:
+                live[name] = size[name]
         elif c == "reduce_grad":
             nbytes = sum(size.get(r, 0) for r in inputs_of(n))
             start = max(t, red_free)

@@ -28,7 +28,8 @@ from typing import Any, Iterable
 from deepcompile.plan.estimate import comm_kind, inputs_of
 
 COMM_COLORS = {
-    "allgather_param": "#f4a261", "wait_allgather": "#f6bd60", "release_param": "#e9c46a",
+    "allgather_param": "#f4a261", "allgather_params": "#f4a261", "wait_allgather": "#f6bd60",
+    "wait_allgather_many": "#f6bd60", "release_param": "#e9c46a",
     "reduce_grad": "#b185db", "end_backward": "#cdb4db", "unshard": "#ef476f", "shard_grad": "#ef476f",
 }
 COMPUTE_COLOR = "#d7e8f7"

@@ -82,6 +82,10 @@ def ensure_registered():
         m = _meta(pid)
         return handle.new_empty(m.shape, dtype=m.gather_dtype)
 
+    @lib.register_fake("dc::wait_allgather_many")
+    def _(handle, pids):
+        return [handle.new_empty(_meta(p).shape, dtype=_meta(p).gather_dtype) for p in pids]
+
     @lib.register_fake("dc::gather_persistent")
     def _(shard, pid):
         m = _meta(pid)
@@ -120,6 +124,12 @@ def ensure_registered():
         compat.mark_side_effect(op)
     compat.never_reuse_output(torch.ops.dc.gather_persistent.default)
     compat.never_reuse_output(torch.ops.dc.gather_persistent_many.default)
+    # reduce_grad's bucket holds the gradient itself until its reduce-scatter has run (no copy):
+    # Inductor must not hand that memory to a later buffer. Where the lowering cannot be
+    # installed the runtime copies each gradient instead.
+    if not compat.never_reuse_inputs(torch.ops.dc.reduce_grad.default,
+                                     on_failure=lambda: C.set_copy_grads(True)):
+        C.set_copy_grads(True)
     from deepcompile.runtime import offload
 
     offload.define_ops()

@@ -40,7 +40,7 @@ _INIT_COUNT = itertools.count()
 # (graph_id, kind) -> {"op:id": node name}; merged and pushed to the runtime at every compile
 _NODES: dict[tuple[int, str], dict[str, str]] = {}
 
-_FUSED = {"allgather_params", "gather_persistent_many"}  # the runtime names these by their first id
+_FUSED = {"allgather_params", "gather_persistent_many", "wait_allgather_many"}  # the runtime names these by their first id
 
 
 def _op_key(node) -> str | None:

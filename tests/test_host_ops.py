@@ -1,0 +1,149 @@
+"""Host work per training step (issue 16): the runtime's own op counters on the tiny GPT.
+
+* one host wait per coalesced gather group (``wait_allgather_many``), not one per parameter;
+* ``reduce_grad`` copies a gradient only where it must (zero padding, a dtype cast), never
+  "just in case" (the clone per parameter is gone), and a bucket travels as one coalesced
+  reduce-scatter of the gradients themselves, not a ``cat`` of them;
+* ``compat.never_reuse_inputs``: the lowering that makes holding the gradient safe under
+  Inductor, on a small graph where Inductor would otherwise reuse the held buffer.
+"""
+from __future__ import annotations
+
+import torch
+
+from tests.dist_utils import run_ranks
+from tests.workloads import LOCAL_BATCH, global_batch, make_model, make_optimizer
+
+
+def _count_step(rank: int, world: int, config: dict):
+    """Two steps; the counters of the second one (compiled graphs already warm)."""
+    import deepcompile
+    from deepcompile.runtime import ops
+
+    model, opt = deepcompile.initialize(make_model(), make_optimizer, {**config, "gradient_accumulation_steps": 1})
+    stats, grads = [], []
+    for s in range(2):
+        ops.C.reset_stats()
+        x, y = global_batch(s, 0, world)
+        sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        loss = model(x[sl], y[sl])
+        loss.backward()
+        stats.append(dict(ops.C.stats()))
+        grads.append([p.grad.detach().clone() for p in model.parameters() if p.grad is not None])
+        opt.step()
+        opt.zero_grad()
+    metas = {pid: (m.numel, m.chunk) for pid, m in ops.PARAMS.items()}
+    graphs = [(v.kind, v.after, v.nodes) for v in model.dc_graphs]
+    return {"stats": stats[-1], "metas": metas, "world": world, "graphs": graphs, "grads": grads}
+
+
+def _final(graphs, kind):
+    return [nodes for k, after, nodes in graphs if k == kind][-1]
+
+
+def test_one_wait_per_coalesced_group_and_no_gradient_copies():
+    passes = ["zero3", {"name": "prefetch", "params": {"budget_mb": 64.0, "fuse_mb": 64.0}}]
+    res = run_ranks(_count_step, 2, {"compiler": "aot_eager", "passes": passes}, timeout=300)
+    r = res[0]
+    st, world = r["stats"], r["world"]
+    nodes = _final(r["graphs"], "forward") + _final(r["graphs"], "backward")
+    targets = [n["target"] for n in nodes]
+    groups = targets.count("dc.allgather_params")
+    singles = targets.count("dc.allgather_param")
+    assert groups > 0, "prefetch coalesced nothing: the test needs groups"
+    # every coalesced group is waited for once, by one wait_allgather_many with its ids
+    assert targets.count("dc.wait_allgather_many") == groups
+    assert targets.count("dc.wait_allgather") == singles
+    for kind in ("forward", "backward"):  # (node names repeat across graphs)
+        g = _final(r["graphs"], kind)
+        by = {n["name"]: n for n in g}
+        for n in g:
+            if n["target"] == "dc.wait_allgather_many":
+                issue = by[n["args"][0]["node"]]
+                assert issue["target"] == "dc.allgather_params" and issue["args"][1] == n["args"][1]
+    # ... and the runtime waited once per collective, not once per gathered parameter
+    assert st["allgather_waits"] == groups + singles, st
+    assert st["allgather_waits"] < st["allgathers"], st
+    # releases stay per parameter
+    assert st["releases"] == st["allgathers"], st
+    # gradients: a copy only for parameters whose rows do not split evenly (zero padding);
+    # reduce and shard dtypes are both fp32 here, so nothing is cast
+    padded = {pid for pid, (numel, chunk) in r["metas"].items() if numel != chunk * world}
+    reduced = [n["param"] for n in nodes if n["target"] == "dc.reduce_grad"]
+    assert st["reduce_calls"] == len(reduced) > 0
+    assert st["reduce_copies"] == sum(1 for pid in reduced if pid in padded), (st, padded)
+    assert st["reduce_copies"] < st["reduce_calls"]
+    # buckets: one coalesced reduce-scatter each (gloo implements it), no packing cat
+    assert st["reduce_cats"] == 0, st
+    # the two ranks computed the same reduced gradients for their own shards' sizes
+    assert [g.shape for g in res[0]["grads"][-1]] == [g.shape for g in res[1]["grads"][-1]]
+
+
+def test_bf16_reduce_casts_each_gradient_once_and_matches_fp32():
+    """reduce_dtype bf16, small buckets: each gradient is cast once into its bucket (that is the
+    copy counted), the bucket is cast back to fp32 once. (Numerics against unsharded training:
+    test_zero3_parity's mixed-precision test.)"""
+    cfg = {"compiler": "aot_eager", "passes": ["zero3"], "reduce_bucket_size": 2000,
+           "mixed_precision": {"reduce_dtype": "bfloat16"}}
+    res = run_ranks(_count_step, 2, cfg, timeout=300)
+    st = res[0]["stats"]
+    assert st["reduce_copies"] == st["reduce_calls"], st  # the cast is the only copy
+    assert st["reduce_scatters"] > 1 and st["reduce_cats"] == 0, st
+    for g in res[0]["grads"][-1]:
+        assert g.dtype == torch.float32 and torch.isfinite(g).all()
+
+
+# -- the lowering that lets the bucket hold Inductor's buffer ----------------------------------
+
+_HELD: list[torch.Tensor] = []
+_LIB = None
+
+
+def _define_ops():
+    global _LIB
+    if _LIB is not None:
+        return
+    from deepcompile import compat
+
+    _LIB = torch.library.Library("dctest_hold", "DEF")
+    for name in ("plain", "kept"):
+        _LIB.define(f"{name}(Tensor(a!) x) -> ()")
+        _LIB.impl(name, lambda x: _HELD.append(x), "CPU")
+        torch.library.register_fake(f"dctest_hold::{name}", lambda x: None, lib=_LIB)
+        compat.mark_side_effect(getattr(torch.ops.dctest_hold, name).default)
+    assert compat.never_reuse_inputs(torch.ops.dctest_hold.kept.default, on_failure=lambda: None)
+
+
+def _held_after_inductor(op, view: bool):
+    """Compile (as the backend does: compile_fx_inner on an already lowered graph) a graph
+    whose held buffer is dead right after ``op``: Inductor's memory planning hands it to the
+    next buffer of its size (the mm's output). Returns (held value intact, shares the output)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def f(x):
+        a = x * 2
+        op(a.view(-1) if view else a)  # a view of the buffer, as a reshaped gradient is
+        c = a * 3
+        return (torch.mm(c, c),)
+
+    _HELD.clear()
+    x = torch.randn(32, 32)
+    gm = make_fx(f, tracing_mode="fake")(x)
+    out = compile_fx_inner(gm, [x])([x])
+    held = _HELD[0]
+    return torch.equal(held.view(32, 32), x * 2), held.untyped_storage().data_ptr() == out[0].data_ptr()
+
+
+def test_never_reuse_inputs_keeps_inductor_from_reusing_the_held_buffer():
+    _define_ops()
+    torch._dynamo.reset()
+    from torch._inductor import config
+
+    with config.patch(fx_graph_cache=False):
+        # the control: without the lowering Inductor reuses the buffer (else this test proves nothing)
+        intact, shared = _held_after_inductor(torch.ops.dctest_hold.plain.default, view=False)
+        assert shared and not intact
+        for view in (False, True):
+            intact, shared = _held_after_inductor(torch.ops.dctest_hold.kept.default, view=view)
+            assert intact and not shared, f"view={view}"
