@@ -29,13 +29,18 @@ A 0-d parameter (shard of shape (1,), held by shard rank 0) is a ``Replicate()``
 copy broadcast from shard rank 0 (DCP keeps any one replica, so every rank must hold the value):
 ``get_state_dict`` is a collective when the model has one.
 
+Under hybrid sharding (config ``mesh.shard``) the mesh is the shard group: the replicas offer the
+same chunks (same offsets, same values) and DCP's save planner keeps one of each, so the files hold
+one copy and load on any layout.
+
 Rejected:
 
 * a wrapper tensor subclass implementing DCP's checkpoint protocol (``__create_write_items__``,
   ``__create_chunk_list__``, ``__get_tensor_shard__``) with a flat range decomposed into N-d
   boxes (a partial row, whole rows, a partial row, recursively): needed for the earlier flat
   (not row-aligned) shards, but it takes ``torch.Tensor._make_wrapper_subclass`` and a private
-  protocol, and users would meet a tensor type of ours in their state dicts;
+  protocol, and users would meet a tensor type of ours in their state dicts (it was built and
+  passed the same tests before the shards became row-aligned: commit f41e1c1's parent design);
 * ``ShardedTensor`` with local shards (``init_from_local_shards``): deprecated in favour of DTensor
   (its methods warn) and its constructor is a collective per tensor;
 * ``torch.distributed.tensor._shards_wrapper.LocalShardsWrapper``: private, built for 2-D
