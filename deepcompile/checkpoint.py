@@ -40,7 +40,7 @@ Rejected:
   boxes (a partial row, whole rows, a partial row, recursively): needed for the earlier flat
   (not row-aligned) shards, but it takes ``torch.Tensor._make_wrapper_subclass`` and a private
   protocol, and users would meet a tensor type of ours in their state dicts (it was built and
-  passed the same tests before the shards became row-aligned: commit f41e1c1's parent design);
+  passed a 2-rank save / 1-rank load while shards were flat; never committed);
 * ``ShardedTensor`` with local shards (``init_from_local_shards``): deprecated in favour of DTensor
   (its methods warn) and its constructor is a collective per tensor;
 * ``torch.distributed.tensor._shards_wrapper.LocalShardsWrapper``: private, built for 2-D
