@@ -110,9 +110,9 @@ class HostMemory:
 def full_optimizer_state(model, opt) -> dict:
     """The optimizer state gathered whole on every rank's CPU, the way full_state_dict gathers
     the parameters (what a user must do today without DCP)."""
-    from deepcompile.checkpoint import _rows
+    from deepcompile import compat
 
-    world = dist.get_world_size(model.dc_group)
+    world = dist.get_world_size(model.dc_shard_group)
     out = {}
     for sp in model.dc_sharded:
         st = opt.state.get(sp.shard, {})
@@ -120,7 +120,7 @@ def full_optimizer_state(model, opt) -> dict:
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and v.shape == sp.shard.shape:
                 buf = torch.empty((world * v.shape[0], *v.shape[1:]), dtype=v.dtype, device=v.device)
-                dist.all_gather_into_tensor(buf, v.contiguous(), group=model.dc_group)
+                compat.all_gather_single(buf, v.contiguous(), model.dc_shard_group)
                 full_rows = sp.meta.shape[0] if sp.meta.shape else 1
                 entry[k] = buf[:full_rows].reshape(sp.meta.shape).cpu()
             else:
