@@ -6,6 +6,7 @@ Every hostile folder is a copy of the session's real demo record (``demo_run``),
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gzip
 import json
 import os
@@ -330,6 +331,33 @@ def test_wrong_steps_fields(run):
         assert needle in _err(run)
     s.write_text(good.replace('"step": 2', '"step": ' + "9" * 5000, 1))   # past Python's int-parsing limit
     assert "line 2" in _err(run)
+
+
+def _write_profile(run: Path, comm) -> None:
+    (run / "rank0" / "profile.json.gz").unlink(missing_ok=True)
+    fw = read_run(run).versions(0, "forward")[-1]
+    g = {"graph_id": 0, "kind": "forward", "hardware": "cpu", "comm": comm, "optimizer_ms": 1.0,
+         "nodes": [{"name": n["name"], "latency_ms": 0.01, "mem_after_bytes": 64, "peak_bytes": 64, "out_bytes": 64}
+                   for n in fw.nodes]}
+    (run / "rank0" / "profile.json.gz").write_bytes(gzip.compress(json.dumps({"graphs": [g]}).encode()))
+
+
+def test_recorded_comm_model_is_checked_before_the_widget_predicts(run):
+    """The inspector's Predict button rebuilds ``CommModel(**comm)`` from the record: the schema
+    holds exactly its fields, so a hand-edited comm is a RecordError, not a TypeError on a click."""
+    from deepcompile.plan.cost_model import CommModel
+    from deepcompile.record import schema as S
+    from deepcompile.widgets.passes_view import PassesModel
+
+    assert S.COMM_FIELDS == tuple(f.name for f in dataclasses.fields(CommModel))
+    good = {"alpha_us": 20.0, "bytes_per_us": 1000.0, "copy_bytes_per_us": 5000.0}
+    _write_profile(run, good)
+    rec = read_run(run)
+    assert "predicted from the recorded profile (cpu)" in PassesModel(rec.config).predict(rec)
+    for bad, needle in (({**good, "extra": 1}, "comm: expected the keys"), ({**good, "bytes_per_us": 0}, "positive"),
+                        ({**good, "alpha_us": "fast"}, "comm.alpha_us"), ([1], "comm: expected an object")):
+        _write_profile(run, bad)
+        assert needle in _err(run)
 
 
 def test_config_passes_5_through_cli_and_widget(run):

@@ -35,6 +35,7 @@ STEPS = "steps.jsonl"
 GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")
 STREAMS = ("compute", "allgather", "reduce", "copy")
 SOURCES = ("measured", "predicted")
+COMM_FIELDS = ("alpha_us", "bytes_per_us", "copy_bytes_per_us")   # deepcompile.plan.cost_model.CommModel
 
 
 class RecordError(Exception):
@@ -290,6 +291,18 @@ def check_profile(file: str, p: Any) -> dict:
         _field(file, g, "graph_id", int, w)
         _field(file, g, "kind", str, w, choices=GRAPH_KINDS)
         _field(file, g, "hardware", (str, dict), w, optional=True)
+        comm = _field(file, g, "comm", dict, w, optional=True, nullable=True)
+        if comm is not None:   # cost_model.CommModel(**comm): exactly its fields; rates divide
+            if set(comm) != set(COMM_FIELDS):
+                _fail(file, f"{w}.comm", f"expected the keys {list(COMM_FIELDS)}, got {sorted(comm)}")
+            for k in COMM_FIELDS:
+                v = _field(file, comm, k, _NUM, f"{w}.comm", finite=True)
+                if v < 0 or (v == 0 and k != "alpha_us"):
+                    _fail(file, f"{w}.comm.{k}", f"expected a positive number, got {v!r}")
+        v = _field(file, g, "optimizer_ms", _NUM, w, optional=True, finite=True)
+        if v is not None and v < 0:
+            _fail(file, f"{w}.optimizer_ms", f"expected a time of at least 0, got {v!r}")
+        _field(file, g, "optimizer_peak_bytes", int, w, optional=True)
         for j, n in enumerate(_list(file, g, "nodes", w)):
             wn = f"{w}.nodes[{j}]"
             _field(file, n, "name", str, wn)
