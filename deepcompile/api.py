@@ -288,7 +288,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
                         "lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
     group = _resolve_group(group, cfg.collective_timeout_s)
     device = _device_for(group)
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    world = dist.get_world_size(group)
     shard_group, replicate_group = _hybrid_groups(group, cfg.mesh.shard, cfg.collective_timeout_s)
 
     C = ops.ensure_registered()

@@ -442,7 +442,7 @@ def test_mutated_fields_give_record_error_or_a_working_report(run, tmp_path):
                     _save_any(path, mutated)
                     tried += 1
                     try:
-                        rec = read_run(run)
+                        read_run(run)
                     except RecordError:
                         continue
                     accepted += 1

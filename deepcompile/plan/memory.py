@@ -126,3 +126,15 @@ def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, 
     return MemoryFacts(fb_peak=int(best), optimizer_peak=opt_peak, shard_bytes=shards, grad_bytes=grads,
                        state_bytes=int(state_bytes), reduce_bytes=int(reduce_bytes), gathered=gathered,
                        fb_peak_at=where)
+
+
+def resident_bytes() -> int:
+    """This process's resident set (Linux ``/proc/self/statm``; 0 where it cannot be read): the
+    host memory a CPU (gloo) rank's training state occupies."""
+    import os
+
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0

@@ -25,13 +25,12 @@ planner plans around them.
 from __future__ import annotations
 
 import math
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from deepcompile.plan.estimate import fmt_bytes
-from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes
+from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes, resident_bytes
 
 DEFAULT_LIMIT_FRACTION = 0.9
 PREFETCH_LEVELS_MB = (2048.0, 512.0, 64.0, 0.0)  # how far ahead gathers may run
@@ -84,13 +83,7 @@ def local_memory(device, device_memory_gib: float | None = None) -> tuple[int, i
     avail = _meminfo("MemAvailable")
     if avail is None:
         return cap, cap
-    rss = 0
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
-    return cap, min(cap, avail + rss)
+    return cap, min(cap, avail + resident_bytes())
 
 
 def agree_memory(local: tuple[int, int], limit_gib: float | None, group=None, device=None) -> DeviceMemory:

@@ -79,12 +79,9 @@ def memory_stats() -> dict:
         return {"allocated": int(torch.cuda.memory_allocated()),
                 "reserved": int(torch.cuda.memory_reserved()),
                 "peak": int(torch.cuda.max_memory_allocated())}
-    rss = 0
-    try:
-        with open("/proc/self/statm") as f:
-            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        pass
+    from deepcompile.plan.memory import resident_bytes
+
+    rss = resident_bytes()
     peak = rss
     try:
         import resource
