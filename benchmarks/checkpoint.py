@@ -183,8 +183,7 @@ def main(argv=None):
     rank, world, dev = z3.init_dist(args)
     env = z3.environment(args, world)
     if args.out is None:
-        args.out = os.path.join(z3.REPO, "benchmarks", "results",
-                                f"checkpoint_{z3.device_slug(env['device'], args.device)}_{world}gpu.json")
+        args.out = z3.default_out("checkpoint", env, args, world)
     root = args.dir or os.path.join(os.environ.get("TMPDIR", "/tmp"), "dc_ckpt_bench")
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)

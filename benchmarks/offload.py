@@ -420,8 +420,7 @@ def main(argv=None):
     env = z3.environment(args, world)
     env["cpu_threads_per_rank"] = torch.get_num_threads()
     if args.out is None:
-        args.out = os.path.join(z3.REPO, "benchmarks", "results",
-                                f"offload_{z3.device_slug(env['device'], args.device)}_{world}gpu.json")
+        args.out = z3.default_out("offload", env, args, world)
     base_model, mcfg_d, n_params = z3.build_base_model(args)
     state_bytes = state_bytes_per_rank(base_model, world)
     z3.log(f"{world} ranks, {args.device}, {args.dtype}, micro-batch {args.micro_batch} x seq {args.seq}; "

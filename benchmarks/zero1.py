@@ -261,8 +261,7 @@ def main(argv=None):
     rank, world, dev = z3.init_dist(args)
     env = z3.environment(args, world)
     if args.out is None:
-        args.out = os.path.join(z3.REPO, "benchmarks", "results",
-                                f"zero1_{z3.device_slug(env['device'], args.device)}_{world}gpu.json")
+        args.out = z3.default_out("zero1", env, args, world)
     base_model, mcfg_d, n_params = z3.build_base_model(args)
     grid = [(mb, seq) for mb in args.micro_batches for seq in args.seqs]
     z3.log(f"{world} ranks, {args.device}, {args.dtype}; shapes {[shape_key(*g) for g in grid]}; "

@@ -234,6 +234,12 @@ def device_name(args) -> str:
     return platform.processor() or platform.machine() or "cpu"
 
 
+def default_out(bench: str, env: dict, args, world: int) -> str:
+    """``benchmarks/results/<bench>_<device>_<N>gpu.json``: where a benchmark writes without --out."""
+    return os.path.join(REPO, "benchmarks", "results",
+                        f"{bench}_{device_slug(env['device'], args.device)}_{world}gpu.json")
+
+
 def device_slug(name: str, device: str) -> str:
     if device == "cpu":
         return "cpu"
@@ -1086,8 +1092,7 @@ def main(argv=None):
     rank, world, dev = init_dist(args)
     env = environment(args, world)
     if args.out is None:
-        args.out = os.path.join(REPO, "benchmarks", "results",
-                                f"zero3_{device_slug(env['device'], args.device)}_{world}gpu.json")
+        args.out = default_out("zero3", env, args, world)
     base_model, mcfg_d, n_params = build_base_model(args)
     log(f"model: {n_params / 1e6:.1f}M params; "
         f"{world} ranks, {args.device}, {args.dtype}; systems {args.systems}")
