@@ -43,6 +43,11 @@ _NODES: dict[tuple[int, str], dict[str, str]] = {}
 _FUSED = {"allgather_params", "gather_persistent_many", "wait_allgather_many"}  # the runtime names these by their first id
 
 
+def _parse(value: bytes) -> tuple[int, ...]:
+    """A posted count, ``b"<k> <count>"`` -> ``(k, count)``."""
+    return tuple(int(x) for x in value.decode().split())
+
+
 def _op_key(node) -> str | None:
     target = node.target
     ns = getattr(target, "namespace", None)
@@ -129,7 +134,7 @@ class SequenceCheck:
         pause = 0.0005
         while True:
             if self.store.check(keys):
-                vals = [tuple(int(x) for x in v.decode().split()) for v in self.store.multi_get(keys)]
+                vals = [_parse(v) for v in self.store.multi_get(keys)]
                 if all(v[0] == k for v in vals):
                     break
             if self.store.check([abort]):
@@ -159,8 +164,7 @@ class SequenceCheck:
         out = []
         for key in keys:
             try:
-                out.append(tuple(int(x) for x in self.store.get(key).decode().split())
-                           if self.store.check([key]) else None)
+                out.append(_parse(self.store.get(key)) if self.store.check([key]) else None)
             except Exception:  # noqa: BLE001
                 out.append(None)
         return out
