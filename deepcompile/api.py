@@ -404,11 +404,9 @@ def load_full_state_dict(model: DeepCompileModel, state_dict: dict[str, torch.Te
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"deepcompile.load_full_state_dict: state_dict must be a mapping of names to tensors, "
                         f"got {type(state_dict).__name__}")
-    keys = set(model.dc_state_keys)
-    missing, unexpected = sorted(keys - set(state_dict)), sorted(set(state_dict) - keys)
-    if missing or unexpected:
-        raise KeyError(f"deepcompile.load_full_state_dict: missing keys {missing[:5]}, unexpected keys "
-                       f"{unexpected[:5]} (of {len(missing)} and {len(unexpected)})")
+    bad = _state_key_mismatch(model, state_dict)
+    if bad:
+        raise KeyError(f"deepcompile.load_full_state_dict: {bad}")
     by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
     world, rank = dist.get_world_size(model.dc_shard_group), dist.get_rank(model.dc_shard_group)
     for key in model.dc_state_keys:  # check everything before writing anything
@@ -436,6 +434,17 @@ def _dtype_kind(dt: torch.dtype) -> str:
     if dt.is_complex:
         return "complex"
     return "float" if dt.is_floating_point else "integer"
+
+
+def _state_key_mismatch(model: DeepCompileModel, state_dict) -> str:
+    """'' when ``state_dict`` has exactly the model's state keys, else what is missing and unexpected
+    (the first five of each, with counts). load_full_state_dict and checkpoint.load_state_dict share it."""
+    keys = set(model.dc_state_keys)
+    missing, unexpected = sorted(keys - set(state_dict)), sorted(set(state_dict) - keys)
+    if not (missing or unexpected):
+        return ""
+    return (f"missing keys {missing[:5]}, unexpected keys {unexpected[:5]} "
+            f"({len(missing)} missing, {len(unexpected)} unexpected)")
 
 
 def _check_loadable(key: str, v, shape: tuple, dtype: torch.dtype) -> None:

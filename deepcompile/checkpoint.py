@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from deepcompile.api import DeepCompileModel
+from deepcompile.api import DeepCompileModel, _state_key_mismatch
 from deepcompile.runtime import ops, optimizer_state
 from deepcompile.sharding import ShardedParam
 
@@ -294,11 +294,9 @@ def _copy_rows(dst: torch.Tensor, src: torch.Tensor, sp: ShardedParam, rank: int
 def _validate_model(model: DeepCompileModel, sd: dict, rank: int, world: int) -> None:
     if not isinstance(sd, dict):
         raise _Bad(f"model_state_dict is a {type(sd).__name__}, expected a dict")
-    keys = set(model.dc_state_keys)
-    missing, unexpected = sorted(keys - set(sd)), sorted(set(sd) - keys)
-    if missing or unexpected:
-        raise _Bad(f"model_state_dict: missing keys {missing[:5]}, unexpected keys {unexpected[:5]} "
-                   f"({len(missing)} missing, {len(unexpected)} unexpected)")
+    bad = _state_key_mismatch(model, sd)
+    if bad:
+        raise _Bad(f"model_state_dict: {bad}")
     by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
     for key in model.dc_state_keys:
         sp = by_name.get(key)
