@@ -237,7 +237,11 @@ std::vector<at::Tensor> Runtime::gather_persistent_many(const std::vector<at::Te
   } else if (!missing.empty()) {
     start_allgather_fused(missing_shards, missing);
   }
-  for (int64_t id : missing) persistent_[id] = finish_allgather(id);
+  if (!missing.empty()) {
+    // one host wait per collective (a fused gather's members finish together), not per parameter
+    std::vector<at::Tensor> got = finish_allgather_many(missing);
+    for (size_t i = 0; i < missing.size(); ++i) persistent_[missing[i]] = std::move(got[i]);
+  }
   std::vector<at::Tensor> out;
   out.reserve(ids.size());
   for (int64_t id : ids) out.push_back(persistent_[id]);
