@@ -31,8 +31,8 @@ import torch
 import torch.fx as fx
 
 from deepcompile.params import spec
+from deepcompile.passes.alias import is_view
 from deepcompile.passes.registry import PassContext, register_pass
-from deepcompile.passes.zero3 import is_view
 from deepcompile.runtime import optimizer_state
 from deepcompile.runtime.offload import OffloadError, pinned_supported
 

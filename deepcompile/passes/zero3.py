@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from deepcompile import compat
-from deepcompile.passes import alias
+from deepcompile.passes.alias import alias_closure  # storage-based; see alias.py
 from deepcompile.passes.registry import PassContext, register_pass
 
 DC = torch.ops.dc
@@ -25,12 +25,6 @@ DC = torch.ops.dc
 
 def is_op(node: fx.Node, op) -> bool:
     return node.op == "call_function" and node.target is op
-
-
-# Alias analysis (which nodes share a gathered value's storage) is storage-based; see alias.py.
-# Re-exported here for the passes that import it from zero3.
-is_view = alias.is_view
-alias_closure = alias.alias_closure
 
 
 def _fake_like(val, shape, dtype=None):
