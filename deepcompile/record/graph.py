@@ -36,12 +36,16 @@ def _arg(a: Any) -> Any:
     return repr(a)
 
 
+def _shape(t: torch.Tensor) -> list:
+    # symbolic sizes (dynamic shapes) as their expression: JSON has no SymInt
+    return [int(s) if not isinstance(s, torch.SymInt) else str(s) for s in t.shape]
+
+
 def _val(v: Any) -> tuple[list | None, str | None]:
     if isinstance(v, torch.Tensor):
-        return [int(s) if not isinstance(s, torch.SymInt) else str(s) for s in v.shape], str(v.dtype).replace("torch.", "")
+        return _shape(v), str(v.dtype).replace("torch.", "")
     if isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
-        # symbolic sizes (dynamic shapes) as their expression, like a single tensor's: JSON has no SymInt
-        return [[int(s) if not isinstance(s, torch.SymInt) else str(s) for s in x.shape] for x in v], "tuple"
+        return [_shape(x) for x in v], "tuple"
     return None, None
 
 
