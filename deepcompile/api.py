@@ -365,6 +365,11 @@ def _reject_wrapped(model: nn.Module) -> None:
                             "them itself")
 
 
+def _params_by_name(model: DeepCompileModel) -> dict[str, ShardedParam]:
+    """Each parameter's state-dict key -> its ShardedParam (tied parameters: every name)."""
+    return {n: sp for sp in model.dc_sharded for n in sp.names}
+
+
 def _gather_full(sp: ShardedParam, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     shard = sp.shard.detach()
@@ -380,7 +385,7 @@ def full_state_dict(model: DeepCompileModel) -> dict[str, torch.Tensor]:
     """
     if not isinstance(model, DeepCompileModel):
         raise TypeError("deepcompile.full_state_dict expects the model returned by deepcompile.initialize")
-    by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
+    by_name = _params_by_name(model)
     gathered: dict[int, torch.Tensor] = {}
     out = {}
     with torch.no_grad():
@@ -407,7 +412,7 @@ def load_full_state_dict(model: DeepCompileModel, state_dict: dict[str, torch.Te
     bad = _state_key_mismatch(model, state_dict)
     if bad:
         raise KeyError(f"deepcompile.load_full_state_dict: {bad}")
-    by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
+    by_name = _params_by_name(model)
     world, rank = dist.get_world_size(model.dc_shard_group), dist.get_rank(model.dc_shard_group)
     for key in model.dc_state_keys:  # check everything before writing anything
         sp = by_name.get(key)

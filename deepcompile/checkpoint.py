@@ -58,7 +58,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from deepcompile.api import DeepCompileModel, _state_key_mismatch
+from deepcompile.api import DeepCompileModel, _params_by_name, _state_key_mismatch
 from deepcompile.runtime import ops, optimizer_state
 from deepcompile.sharding import ShardedParam
 
@@ -208,7 +208,7 @@ def get_state_dict(model: DeepCompileModel, optimizer: torch.optim.Optimizer | N
     """
     _check_args("get_state_dict", model, optimizer)
     rank, _ = _shard_coords(model)
-    by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
+    by_name = _params_by_name(model)
     msd: dict[str, Any] = {}
     for key in model.dc_state_keys:
         sp = by_name.get(key)
@@ -297,7 +297,7 @@ def _validate_model(model: DeepCompileModel, sd: dict, rank: int, world: int) ->
     bad = _state_key_mismatch(model, sd)
     if bad:
         raise _Bad(f"model_state_dict: {bad}")
-    by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
+    by_name = _params_by_name(model)
     for key in model.dc_state_keys:
         sp = by_name.get(key)
         if sp is not None:
@@ -398,7 +398,7 @@ def set_state_dict(model: DeepCompileModel, optimizer: torch.optim.Optimizer | N
         raise ValueError(f"deepcompile.set_state_dict: nothing was loaded: rank {r}: {e}"
                          + (f" (and {len(errors) - 1} more ranks)" if len(errors) > 1 else ""))
 
-    by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
+    by_name = _params_by_name(model)
     with torch.no_grad():
         if model_state_dict is not None:
             for key in model.dc_state_keys:
