@@ -366,8 +366,7 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
     extra = [n for n, x in (("profile", rec.profile), ("schedule", rec.schedule), ("memory timeline", rec.memory)) if x]
     lines.append("also recorded: " + (", ".join(extra) if extra else "nothing else"))
     from deepcompile.record.reader import load_json
-    from deepcompile.record.schema import rank_dir_name
-    from deepcompile.record.writer import PLAN
+    from deepcompile.record.schema import PLAN, rank_dir_name
 
     plan = load_json(Path(run_dir) / rank_dir_name(rank) / PLAN, optional=True, root=run_dir)
     if isinstance(plan, dict) and isinstance(plan.get("chosen"), dict):  # the planner's choice, and why

@@ -31,6 +31,7 @@ PROFILE = "profile.json.gz"
 SCHEDULE = "schedule.json.gz"
 MEMORY = "memory.json.gz"
 STEPS = "steps.jsonl"
+PLAN = "plan.json"   # the planner's choice, per rank (RunRecorder.plan; `deepcompile inspect` prints it)
 
 GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")
 STREAMS = ("compute", "allgather", "reduce", "copy")

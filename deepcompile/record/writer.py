@@ -30,8 +30,6 @@ from typing import Any, Iterable
 
 from deepcompile.record import schema as S
 
-PLAN = "plan.json"  # the planner's choice, per rank (RunRecorder.plan)
-
 
 def _atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -201,7 +199,7 @@ class RunRecorder:
         if not isinstance(plan, dict) or "chosen" not in plan:
             raise ValueError("RunRecorder.plan: expected model.dc_plan (a dict with 'chosen'), got "
                              f"{type(plan).__name__}")
-        write_json(self.dir / PLAN, plan)
+        write_json(self.dir / S.PLAN, plan)
 
     def _write_checked(self, name: str, obj: dict, check) -> None:
         """Validate with the reader's own schema check before writing: a record we write is
