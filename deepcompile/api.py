@@ -42,6 +42,7 @@ class DeepCompileModel(nn.Module):
         object.__setattr__(self, "_dc_passes", config.passes)
         object.__setattr__(self, "dc_dynamic", DynamicDims())  # input dims that vary, agreed across ranks
         object.__setattr__(self, "dc_plan", None)  # the planner's choice and why (deepcompile.plan.planner)
+        object.__setattr__(self, "dc_seqcheck", None)  # per-step collective count check (initialize sets it)
 
     def forward(self, *args, **kwargs):
         passes = self.dc_config.passes_at(self.dc_step)
@@ -82,12 +83,11 @@ class DeepCompileModel(nn.Module):
 
     def _dc_before_optimizer_step(self, *_args) -> None:
         # every rank issued the same collectives this step, or all stop here naming the rank behind
-        check = self.__dict__.get("dc_seqcheck")
-        if check is not None:
-            check.check()
-        # Kept gathered parameters are dropped before the step, not after it: the step does not
-        # read them and would otherwise carry them at its peak (the planner's memory model
-        # counts on this).
+        if self.dc_seqcheck is not None:
+            self.dc_seqcheck.check()
+        # The step changes the shards, so kept gathered copies go stale; they are dropped before
+        # the step, not after it: the step does not read them and would otherwise carry them at
+        # its peak (the planner's memory model counts on this).
         ops.C.invalidate_persistent()
         # the profiling step times optimizer.step() too (and its peak memory): the cost model
         # predicts whole steps
@@ -95,7 +95,6 @@ class DeepCompileModel(nn.Module):
             object.__setattr__(self, "_dc_opt_timer", _StepTimer(self._dc_device()))
 
     def _dc_on_optimizer_step(self, *_args) -> None:
-        ops.C.invalidate_persistent()  # the shards changed: kept gathered copies are stale
         if self.dc_backend.profiling and self.dc_backend.measured:
             self._finish_profile()
         self.dc_dynamic.at_step_end(self.dc_config, self.dc_step, self.dc_group)  # collective before a re-compile
