@@ -98,7 +98,7 @@ def inductor_compile(gm: fx.GraphModule, example_inputs, run_passes: Callable[[f
     def inner(g, inputs, **kw):
         kind = "backward" if kw.get("is_backward") else ("inference" if kw.get("is_inference") else "forward")
         g = run_passes(g, inputs, kind)
-        return cfx.compile_fx_inner(g, inputs, **kw)
+        return inductor_inner(g, inputs, **kw)
 
     def joint_pass(graph: fx.Graph):
         tag_unshard_for_recompute(graph.owning_module)
@@ -115,6 +115,18 @@ def inductor_compile(gm: fx.GraphModule, example_inputs, run_passes: Callable[[f
         return cfx.compile_fx(gm, example_inputs, inner_compile=inner,
                               config_patches={"joint_custom_pre_pass": _JointPass(joint_pass),
                                               "reorder_for_peak_memory": False})
+
+
+def inductor_inner(gm: fx.GraphModule, example_inputs, **kw):
+    """The one place a partitioned forward/backward/inference graph (after our passes) goes to
+    Inductor: ``torch._inductor.compile_fx.compile_fx_inner`` (same name and signature in 2.11
+    and 2.13; ``kw`` are the keyword arguments ``compile_fx`` passes to its ``inner_compile``:
+    ``is_backward``, ``is_inference``, ``graph_id``, ``cudagraphs``, ``boxed_forward_device_index``,
+    ...). Both the normal Inductor path and the trace-once re-compile come through here, so
+    whatever compiles identical blocks once (blocks.py) changes only this body."""
+    from torch._inductor import compile_fx as cfx
+
+    return cfx.compile_fx_inner(gm, example_inputs, **kw)
 
 
 try:  # the base class exists in 2.11 and 2.13; Inductor hashes uuid() into its cache key
