@@ -1,0 +1,650 @@
+"""What-if: a run record's predicted step time and memory under other pass parameters, at once.
+
+The record holds what a re-plan needs: the graphs as traced (``after == "zero3"``, the version
+the later passes start from), the agreed profile (per-node latency and memory, the optimizer
+step, the communication model) and the plan the run chose. :func:`predict_run` rebuilds those
+graphs as FX graphs (dc ops with their real operators, which the passes match; every other op a
+stand-in of the same name, which the cost model matches by name; every value a meta tensor of
+its recorded shape), runs the requested passes on copies of them, and prices the result with
+the cost model (:func:`deepcompile.plan.cost_model.predict`) and the memory model
+(:func:`deepcompile.plan.memory.plan_memory`). No Dynamo, no torch.compile, no device: the
+rebuilt graphs are cached per record, so an edit costs one pass run and one estimate.
+
+Parameters the planner fills (``prefetch.budget_mb``/``fuse_mb``, ``selective_unshard.budget_mb``)
+may be given as ``"auto"``: the planner (:func:`deepcompile.plan.planner.choose`) decides them on
+the same graphs, as the run would; with the record's config planning (``plan: true``, the
+default ZeRO-3 plan) a parameter left out is ``"auto"`` too, else it takes its declared default.
+
+    from deepcompile.plan.whatif import predict_run
+    w = predict_run("runs/demo", [{"name": "zero3"}, {"name": "prefetch", "params": {"budget_mb": 0}},
+                                  {"name": "selective_unshard", "params": {"budget_mb": "auto"}}])
+    w.step_ms, w.peak_bytes, w.memory, w.schedule, w.versions, w.notes, w.seconds
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from deepcompile.params import ConfigError
+from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes
+
+__all__ = ["WhatIf", "WhatIfError", "predict_run", "rebuild", "param_meta", "load_base", "clear_cache",
+           "MEMORY_CATEGORIES"]
+
+# the vocabulary of record/schema.py's MEMORY_CATEGORIES (one for measured and predicted memory)
+MEMORY_CATEGORIES = ("parameter_shards", "gathered", "gradients", "optimizer_state", "activations", "offloaded")
+AUTO = "auto"
+# passes whose graph rewrite the what-if runs on the rebuilt graphs; offload_optimizer is priced
+# by the memory model (its run-time decisions read the allocator, which an offline graph lacks)
+GRAPH_PASSES = ("prefetch", "selective_unshard", "offload_activations")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
+          "bool": torch.bool, "int32": torch.int32, "float64": torch.float64, "uint8": torch.uint8,
+          "int8": torch.int8, "int16": torch.int16, "complex64": torch.complex64}
+# device capacity by name where the record predates plan.json (what torch.cuda reports, GiB)
+CAPACITY_GIB = {"H200": 139.8, "H100": 79.1, "A100-SXM4-80GB": 79.1, "A100-SXM4-40GB": 39.4}
+
+
+class WhatIfError(ValueError):
+    """The record cannot answer the what-if (no zero3 graphs, no profile) or a parameter is bad."""
+
+
+@dataclass
+class WhatIf:
+    """The predicted step of a pass list on a recorded run (``source: "predicted"`` throughout)."""
+    step_ms: float                 # predicted step time (max of the GPU timeline and the host floor)
+    peak_bytes: int                # predicted peak (the larger of forward/backward and the optimizer step)
+    memory: dict                   # category -> bytes at the predicted peak (MEMORY_CATEGORIES)
+    schedule: list                 # {graph_id, kind, node, stream, start_ms, end_ms, source: "predicted"}
+    versions: list                 # graph versions after each pass, as the record's (graph_id, kind, after, seq, nodes, notes)
+    notes: list                    # what the passes and the planner did, and what the prediction assumes
+    seconds: float                 # how long the what-if took
+    params: dict = field(default_factory=dict)     # pass -> the parameters used (auto ones resolved)
+    auto: dict = field(default_factory=dict)       # pass -> [parameters the planner decided]
+    gpu_ms: float = 0.0            # the GPU timeline's step (graphs x accumulation + optimizer + offload)
+    host_ms: float | None = None   # the recorded host time per step, where the record has it
+    optimizer_ms: float = 0.0
+    per_graph_ms: dict = field(default_factory=dict)
+    memory_model: dict = field(default_factory=dict)   # PlanMemory's fields (fb_peak, optimizer_peak, ...)
+    peak_where: str = ""           # "forward/backward" or "optimizer step"
+    plan: dict | None = None       # the planner's choice when something was "auto"
+    measured: dict = field(default_factory=dict)       # the record's own step/peak, to show beside it
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_bytes / GIB
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# ------------------------------------------------------------------------------------ rebuilding graphs
+_STANDINS: dict[str, Any] = {}
+
+
+def _standin(name: str):
+    """A callable whose ``__name__`` is the recorded target (``record.graph.target_name`` gives it back)."""
+    f = _STANDINS.get(name)
+    if f is None:
+        def f(*a, **k):
+            raise RuntimeError(f"{name}: a stand-in for planning, not runnable")
+        f.__name__ = f.__qualname__ = name
+        _STANDINS[name] = f
+    return f
+
+
+def _target(t: str):
+    if t in ("getitem", "_operator.getitem", "operator.getitem"):
+        return operator.getitem
+    parts = t.split(".")
+    if parts[0] == "dc":
+        return getattr(torch.ops.dc, parts[1]).default
+    return _standin(t)
+
+
+def _val(shape, dtype):
+    if not isinstance(shape, list):
+        return None
+    if shape and all(isinstance(s, list) for s in shape):
+        if all(isinstance(x, int) for s in shape for x in s):
+            return [torch.empty(s, device="meta") for s in shape]
+        return None
+    if all(isinstance(s, int) for s in shape):
+        return torch.empty(shape, dtype=DTYPES.get(dtype or "", torch.float32), device="meta")
+    return None
+
+
+def rebuild(nodes: list[dict]) -> fx.Graph:
+    """An FX graph of a record's serialized nodes (see the module doc)."""
+    g = fx.Graph()
+    env: dict[str, fx.Node] = {}
+
+    def arg(a):
+        if isinstance(a, dict):
+            if len(a) == 1 and "node" in a:
+                return env[a["node"]]
+            return {k: arg(v) for k, v in a.items()}
+        if isinstance(a, list):
+            return [arg(x) for x in a]
+        return a
+
+    for n in nodes:
+        if n["op"] == "placeholder":
+            node = g.placeholder(n["name"])
+        elif n["op"] == "output":
+            g.output(arg(n["args"][0]))
+            continue
+        else:
+            node = g.create_node(n["op"], _target(n["target"]), tuple(arg(n["args"])), arg(n.get("kwargs") or {}),
+                                 name=n["name"])
+        if node.name != n["name"]:
+            raise WhatIfError(f"node {n['name']!r} came back as {node.name!r}")
+        env[n["name"]] = node
+        v = _val(n.get("shape"), n.get("dtype"))
+        if v is not None:
+            node.meta["val"] = v
+        if "param" in n:
+            node.meta["dc_param"] = n["param"]
+    return g
+
+
+def param_meta(forward: list[dict], backward: list[dict] | None, world: int) -> dict:
+    """runtime.ops.ParamMeta per parameter id, from the forward's gathers: the shard is the
+    gather's input placeholder, the gathered value the wait's output; a parameter without a
+    ``reduce_grad`` in the backward is frozen."""
+    from deepcompile.runtime.ops import ParamMeta
+
+    by = {n["name"]: n for n in forward}
+    reduced = None
+    if backward:
+        reduced = {int(n["param"]) for n in backward if n.get("target") == "dc.reduce_grad" and "param" in n}
+    out = {}
+    for n in forward:
+        if n.get("target") != "dc.wait_allgather" or len(n.get("args") or []) < 2:
+            continue
+        issue = by.get((n["args"][0] or {}).get("node") if isinstance(n["args"][0], dict) else None)
+        pid = int(n["args"][1])
+        if pid in out or issue is None or issue.get("target") != "dc.allgather_param":
+            continue
+        shard = by.get(issue["args"][0]["node"]) if isinstance(issue["args"][0], dict) else None
+        if shard is None or not isinstance(shard.get("shape"), list) or not isinstance(n.get("shape"), list):
+            continue
+        chunk = math.prod(shard["shape"])
+        shape = tuple(int(s) for s in n["shape"])
+        out[pid] = ParamMeta(id=pid, name=n.get("scope") or f"param{pid}", shape=shape, numel=math.prod(shape),
+                             chunk=chunk, dtype=DTYPES.get(shard.get("dtype") or "", torch.float32),
+                             gather_dtype=DTYPES.get(n.get("dtype") or "", torch.float32),
+                             requires_grad=reduced is None or pid in reduced,
+                             shard_shape=tuple(shard["shape"]) if len(shard["shape"]) > 1 else None)
+    return out
+
+
+def _world(rec, meta: dict) -> int:
+    """The run's world size: the manifest's, or (a record written by one rank of a larger run)
+    what the gathers say: a gathered parameter has about ``world`` times its shard's elements."""
+    w = int(rec.manifest.get("world_size") or 1)
+    if meta:
+        big = max(meta.values(), key=lambda m: m.numel)
+        inferred = max(1, math.ceil(big.numel / max(big.chunk, 1)))
+        if inferred != w:
+            return inferred
+    return w
+
+
+# ------------------------------------------------------------------------------------ the cached base
+@dataclass
+class _Base:
+    """Everything of a record a what-if reuses: built once per record (and its files' mtimes)."""
+    path: str
+    rank: int
+    config: dict
+    profile: Any                    # deepcompile.profile.profiler.Profile
+    graphs: dict                    # (gid, kind) -> fx.Graph (never mutated: passes run on copies)
+    base: dict                      # (gid, kind) -> the record's version dict the passes start from
+    profiled: dict                  # (gid, kind) -> the record's version the profile measured
+    scope: dict                     # (gid, kind) -> {node name: scope}
+    meta: dict                      # pid -> ParamMeta
+    world: int
+    facts: MemoryFacts
+    plan: dict | None
+    capacity: int | None
+    fused: bool
+    accumulation: int
+    host_ms: float | None
+    measured: dict
+    seconds: float
+    prefix: list                    # the record's pass names up to zero3 (the base's)
+
+
+_CACHE: dict = {}
+_LOCK = threading.Lock()
+
+
+def clear_cache() -> None:
+    with _LOCK:
+        _CACHE.clear()
+
+
+def _signature(root: Path, rank: int) -> tuple:
+    from deepcompile.record import schema as S
+
+    rdir = root / S.rank_dir_name(rank)
+    out = []
+    for p in (root / S.MANIFEST, rdir / S.GRAPHS_DIR / S.GRAPH_INDEX, rdir / S.PROFILE, rdir / S.PLAN, rdir / S.STEPS):
+        try:
+            st = os.stat(p)
+            out.append((st.st_mtime_ns, st.st_size))
+        except OSError:
+            out.append(None)
+    return tuple(out)
+
+
+def load_base(run_dir, rank: int = 0) -> _Base:
+    """The record's rebuilt graphs, profile and memory facts (cached; rebuilt when a file changed)."""
+    root = Path(run_dir).resolve()
+    key = (str(root), int(rank))
+    sig = _signature(root, rank)
+    with _LOCK:
+        hit = _CACHE.get(key)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+    base = _build_base(root, rank)
+    with _LOCK:
+        _CACHE[key] = (sig, base)
+    return base
+
+
+def _build_base(root: Path, rank: int) -> _Base:
+    from deepcompile.plan.estimate import profiled_version
+    from deepcompile.plan.memory import facts_from_profile
+    from deepcompile.profile.profiler import Profile
+    from deepcompile.record import schema as S
+    from deepcompile.record.reader import load_json, read_run
+    from deepcompile.runtime import ops
+
+    t0 = time.perf_counter()
+    ops.ensure_registered()
+    rec = read_run(root, rank)
+    if not rec.profile or not rec.profile.get("graphs"):
+        raise WhatIfError(f"{root}: the record has no profile (profile.json.gz); a what-if prices the passes with "
+                          "the profiled latencies and memory: run with profile_step set (the default ZeRO-3 plan "
+                          "profiles step 1), e.g. `python -m deepcompile demo --profile-step 1`")
+    prof = Profile.from_records(rec.profile)
+    graphs, base, profiled, scope = {}, {}, {}, {}
+    by_key: dict = {}
+    for v in rec.graphs:
+        if v.kind != "dynamo":
+            by_key.setdefault((v.graph_id, v.kind), []).append(v)
+    for key in sorted(prof.graphs):
+        vs = by_key.get(key, [])
+        z = [v for v in vs if v.after == "zero3"]
+        if not z:
+            raise WhatIfError(f"{root}: graph {key[0]} {key[1]} has no zero3 version: a what-if re-runs the passes "
+                              "after zero3 on the ZeRO-3 graphs, and this record has none (a ZeRO-1/2 run?)")
+        last = z[-1]  # the last compile's (the one the passes after zero3 ran on)
+        d = {"graph_id": last.graph_id, "kind": last.kind, "after": last.after, "seq": last.seq,
+             "nodes": last.nodes, "notes": list(last.notes), "seconds": last.seconds}
+        base[key] = d
+        graphs[key] = rebuild(last.nodes)
+        dicts = [{"graph_id": v.graph_id, "kind": v.kind, "after": v.after, "nodes": v.nodes} for v in vs]
+        profiled[key] = profiled_version(prof.graphs[key], dicts)
+        scope[key] = {n["name"]: n.get("scope", "") for n in last.nodes}
+    fwd = next((base[k]["nodes"] for k in sorted(base) if k[1] == "forward"), [])
+    bwd = next((base[k]["nodes"] for k in sorted(base) if k[1] == "backward"), None)
+    meta: dict = {}
+    for k in sorted(base):
+        if k[1] == "forward":
+            b = base.get((k[0], "backward"))
+            for pid, m in param_meta(base[k]["nodes"], b["nodes"] if b else None, 1).items():
+                meta.setdefault(pid, m)
+    if not meta and fwd:
+        meta = param_meta(fwd, bwd, 1)
+    world = _world(rec, meta)
+    cfg = rec.config or {}
+    plan = load_json(root / S.rank_dir_name(rank) / S.PLAN, optional=True, root=root)
+    pf = (plan or {}).get("facts") or {}
+    state = int(pf.get("state_bytes") or sum(2 * m.chunk * m.dtype.itemsize for m in meta.values() if m.requires_grad))
+    facts = facts_from_profile(prof, meta, world, state, reduce_bytes=int(pf.get("reduce_bytes") or 0))
+    for k in ("fb_peak", "optimizer_peak", "shard_bytes", "grad_bytes"):
+        if pf.get(k):  # the run's own figures (its optimizer's real state, its reduce buckets)
+            setattr(facts, k, int(pf[k]))
+    capacity = int(plan["capacity_bytes"]) if plan and plan.get("capacity_bytes") else _capacity(rec.environment)
+    host, measured = _measured(rec)
+    names = [str(e.get("name") if isinstance(e, dict) else e) for e in (cfg.get("passes") or [])]
+    prefix = names[:names.index("zero3") + 1] if "zero3" in names else ["zero3"]
+    return _Base(str(root), rank, cfg, prof, graphs, base, profiled, scope, meta, world, facts, plan, capacity,
+                 cfg.get("compiler", "inductor") == "inductor", int(cfg.get("gradient_accumulation_steps") or 1),
+                 host, measured, time.perf_counter() - t0, prefix)
+
+
+def _capacity(env: dict) -> int | None:
+    devs = [str(d) for d in (env or {}).get("devices") or []]
+    for d in devs:
+        for k, gib in CAPACITY_GIB.items():
+            if k in d:
+                return int(gib * GIB)
+    return None
+
+
+def _measured(rec) -> tuple[float | None, dict]:
+    """(host ms per step, {step_ms, peak_bytes}) of the record's steady steps (after the profiled
+    one and any re-compile: the median of the last half)."""
+    st = [s for s in rec.steps if isinstance(s.get("time_s"), (int, float))]
+    if not st:
+        return None, {}
+    tail = st[len(st) // 2:] if len(st) > 2 else st[-1:]
+
+    def med(xs):
+        xs = sorted(xs)
+        return xs[len(xs) // 2] if xs else None
+    out = {"step_ms": med([s["time_s"] * 1e3 for s in tail]), "steps": len(tail), "source": "measured"}
+    peaks = [int((s.get("mem") or {}).get("peak") or 0) for s in tail]
+    if any(peaks):
+        out["peak_bytes"] = max(peaks)
+    host = med([float(s["host_s"]) * 1e3 for s in tail if isinstance(s.get("host_s"), (int, float))])
+    if host is None:
+        host = med([float(s["host_ms"]) for s in tail if isinstance(s.get("host_ms"), (int, float))])
+    return host, out
+
+
+# ------------------------------------------------------------------------------------ parameters
+def _entries(passes) -> list[tuple[str, dict]]:
+    """[(name, params)] of a pass list (names, {"name", "params"} dicts or PassEntry); unknown
+    names and keys raise ConfigError naming ``passes[i]...``; "auto" values are kept for later."""
+    from deepcompile.config import PassEntry
+    from deepcompile.passes import PASSES
+
+    if isinstance(passes, (str, bytes)) or not isinstance(passes, (list, tuple)):
+        raise ConfigError(f"passes: expected a list of pass entries, got {passes!r:.80}")
+    out = []
+    for i, e in enumerate(passes):
+        path = f"passes[{i}]"
+        if isinstance(e, PassEntry):
+            e = {"name": e.name, "params": dict(e.params)}
+        elif isinstance(e, str):
+            e = {"name": e}
+        if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+            raise ConfigError(f"{path}: a pass is a name or {{\"name\": ..., \"params\": {{...}}}}, got {e!r:.80}")
+        unknown = sorted(set(e) - {"name", "params"})
+        if unknown:
+            raise ConfigError(f"{path}.{unknown[0]}: unknown key; a pass entry has 'name' and 'params'")
+        name = e["name"]
+        if name not in PASSES:
+            raise ConfigError(f"{path}.name: unknown pass {name!r}; known: {sorted(PASSES)}")
+        params = e.get("params") or {}
+        if not isinstance(params, dict):
+            raise ConfigError(f"{path}.params: expected a mapping of parameter names to values, got {params!r:.80}")
+        out.append((name, dict(params)))
+    return out
+
+
+def _resolve(entries, planning: bool) -> tuple[dict, dict, dict]:
+    """(explicit params per pass, validated; auto keys per pass; hand-set planned params)."""
+    from deepcompile.params import build
+    from deepcompile.passes import PASSES
+    from deepcompile.plan.planner import PLANNED
+
+    explicit, auto, hand = {}, {}, {}
+    for i, (name, params) in enumerate(entries):
+        path = f"passes[{i}].params"
+        fields = {f.name for f in dataclasses.fields(PASSES[name].params_cls)}
+        a = []
+        for k, v in list(params.items()):
+            if isinstance(v, str) and v.strip().lower() == AUTO:
+                if k not in PLANNED.get(name, ()) or k not in fields:
+                    known = ", ".join(f"{n}.{p}" for n, ps in PLANNED.items() for p in ps)
+                    raise ConfigError(f"{path}.{k}: 'auto' is only for what the planner decides ({known}); "
+                                      f"give {name}.{k} a value")
+                a.append(k)
+                params.pop(k)
+        if planning:
+            a += [k for k in PLANNED.get(name, ()) if k not in params and k not in a and k in fields
+                  and name != "offload_optimizer"]
+        build(PASSES[name].params_cls, params, path)  # validates every explicit value, naming its path
+        explicit[name] = params
+        if a:
+            auto[name] = a
+        if name in PLANNED and params:
+            hand[name] = {k: v for k, v in params.items() if k in PLANNED[name]}
+    return explicit, auto, hand
+
+
+# ------------------------------------------------------------------------------------ running the passes
+class _GraphOnly:
+    """What a pass touches of a GraphModule: its graph and ``recompile()`` (no codegen)."""
+
+    def __init__(self, graph):
+        self.graph = graph
+
+    def recompile(self) -> None:
+        pass
+
+
+def _copy(g: fx.Graph) -> fx.Graph:
+    out = fx.Graph()
+    out.output(out.graph_copy(g, {}))
+    return out
+
+
+class _Runner:
+    """Runs a pass list on copies of the base graphs and prices it (the planner's step-time
+    callable, and the final prediction)."""
+
+    def __init__(self, b: _Base, names: list[str], fixed: dict):
+        self.b, self.names, self.fixed = b, names, fixed
+
+    def ctx(self, gid, kind, name, params):
+        from deepcompile.params import build
+        from deepcompile.passes import PASSES, PassContext
+
+        return PassContext(graph_id=gid, kind=kind, params=build(PASSES[name].params_cls, params, f"passes.{name}.params"),
+                           param_meta=self.b.meta, world_size=self.b.world, rank=self.b.rank, profile=self.b.profile)
+
+    def run(self, params: dict, keep_versions: bool) -> tuple[list[dict], list[dict]]:
+        """(versions for the cost model, versions to show: one per pass that ran, per graph)."""
+        from deepcompile.passes import PASSES
+        from deepcompile.record.graph import serialize
+
+        b = self.b
+        model, shown = [], []
+        for key in sorted(b.graphs, key=lambda k: (k[0], k[1] != "forward")):
+            gid, kind = key
+            cp = _GraphOnly(_copy(b.graphs[key]))
+            seq = b.base[key]["seq"]
+            if b.profiled.get(key) is not None:
+                model.append(b.profiled[key])  # the profiled version: the latencies' names are matched on it
+            for name in self.names:
+                c = self.ctx(gid, kind, name, params.get(name, {}))
+                t0 = time.perf_counter()
+                cp = PASSES[name].fn(cp, c)
+                if keep_versions:
+                    seq += 1
+                    nodes = serialize(cp)
+                    sc = b.scope[key]
+                    for n in nodes:
+                        if not n.get("scope"):
+                            n["scope"] = sc.get(n["name"], "")
+                    shown.append({"graph_id": gid, "kind": kind, "after": name, "seq": seq, "nodes": nodes,
+                                  "notes": list(c.notes), "seconds": round(time.perf_counter() - t0, 4),
+                                  "source": "predicted"})
+            final = shown[-1]["nodes"] if (keep_versions and self.names) else (
+                serialize(cp) if self.names else b.base[key]["nodes"])
+            model.append({"graph_id": gid, "kind": kind, "after": "whatif", "nodes": final})
+        return model, shown
+
+    def price(self, model_versions: list[dict], kept: int, offloaded: int) -> dict:
+        from deepcompile.plan.cost_model import predict
+        from deepcompile.plan.planner import offload_ms
+
+        b = self.b
+        p = predict(model_versions, b.profile, fused=b.fused)
+        graphs_ms = p["step_ms"] - p["optimizer_ms"]
+        comm = b.profile.comm
+        again = (b.accumulation - 1) * (comm.allgather_us(kept) / 1e3 if (comm and kept) else 0.0)
+        p["gpu_ms"] = (b.accumulation * graphs_ms - again + p["optimizer_ms"]
+                       + offload_ms(offloaded, b.accumulation * graphs_ms))
+        return p
+
+    def step_ms(self, cand) -> float:
+        """The planner's callable: a candidate's predicted GPU step."""
+        params = _merge(self.fixed, cand.params())
+        mv, _ = self.run(params, False)
+        return self.price(mv, cand.kept, cand.offloaded)["gpu_ms"]
+
+
+def _merge(explicit: dict, planned: dict) -> dict:
+    out = {k: dict(v) for k, v in explicit.items()}
+    for name, ps in planned.items():
+        for k, v in ps.items():
+            out.setdefault(name, {}).setdefault(k, v)
+    return out
+
+
+def _kept(b: _Base, runner: _Runner, budget_mb: float) -> tuple[int, list[int]]:
+    from deepcompile.passes import selective_unshard as su
+
+    ids = su.choose(runner.ctx(0, "forward", "selective_unshard", {"budget_mb": budget_mb}))
+    return sum(b.facts.gathered.get(p, 0) for p in ids), ids
+
+
+def _memory(pm: PlanMemory) -> tuple[dict, str]:
+    """PlanMemory onto the record's categories, at the predicted peak. At a forward/backward
+    peak: shards, state left on the device, gradients (and reduce buckets), gathered (kept +
+    prefetched), activations (the rest of the profiled peak, with the parameter in use) and the
+    state on the host. At an optimizer-step peak: shards, gradients and the state; what the step
+    holds beyond those (its temporaries) is filed under optimizer_state."""
+    if pm.fb_peak >= pm.optimizer_peak:
+        mem = {"parameter_shards": pm.parameter_shards, "gathered": pm.gathered_kept + pm.gathered_prefetch,
+               "gradients": pm.gradients, "optimizer_state": pm.optimizer_state,
+               "activations": pm.activations, "offloaded": pm.offloaded}
+        rest = pm.fb_peak - sum(v for k, v in mem.items() if k != "offloaded")
+        mem["activations"] = max(0, mem["activations"] + rest)
+        return mem, "forward/backward"
+    state = pm.optimizer_state + pm.offloaded
+    rest = max(0, pm.optimizer_peak - pm.parameter_shards - pm.gradients - state)
+    return ({"parameter_shards": pm.parameter_shards, "gathered": 0, "gradients": pm.gradients,
+             "optimizer_state": state + rest, "activations": 0, "offloaded": 0}, "optimizer step")
+
+
+def predict_run(run_dir, passes, *, rank: int = 0, memory_limit_gib: float | None = None) -> WhatIf:
+    """Predicted step time and memory of ``passes`` (the config's pass list) on the record in
+    ``run_dir``, without Dynamo or torch.compile (see the module doc). Raises ConfigError naming
+    ``passes[i].params.<key>`` for a bad value, WhatIfError when the record cannot answer."""
+    from deepcompile.plan import planner as P
+
+    t0 = time.perf_counter()
+    if memory_limit_gib is not None and (isinstance(memory_limit_gib, bool) or not isinstance(memory_limit_gib, (int, float))
+                                         or not (0 < memory_limit_gib < 1e6)):
+        raise ConfigError(f"memory_limit_gib: expected a positive number of GiB, got {memory_limit_gib!r}")
+    entries = _entries(passes)
+    names = [n for n, _ in entries]
+    if "zero3" not in names:
+        raise WhatIfError(f"passes: {names} has no 'zero3'; a what-if re-plans the ZeRO-3 graphs the record traced "
+                          "(the passes after zero3 run on them), so the list needs zero3")
+    b = load_base(run_dir, rank)
+    cfg_plan = b.config.get("plan")
+    planning = bool(cfg_plan) if cfg_plan is not None else bool(b.plan)
+    explicit, auto, hand = _resolve(entries, planning)
+    notes: list[str] = []
+    after = names[names.index("zero3") + 1:]
+    before = names[:names.index("zero3") + 1]
+    if before != b.prefix and b.config.get("passes"):
+        notes.append(f"the passes up to zero3 {before} differ from the record's {b.prefix}: the graphs are the "
+                     "record's (a change before zero3 needs a new trace: use Run)")
+    graph_names = [n for n in after if n in GRAPH_PASSES]
+    skipped = [n for n in after if n not in GRAPH_PASSES and n != "offload_optimizer"]
+    if skipped:
+        notes.append(f"{', '.join(skipped)}: not re-run offline (no graph rewrite to price); its effect is not predicted")
+    fixed = dict(explicit)
+    if "selective_unshard" not in names:
+        fixed["selective_unshard"] = {"budget_mb": 0.0}
+    if "prefetch" not in names:
+        fixed["prefetch"] = {"budget_mb": 0.0, "fuse_mb": 0.0}
+    runner = _Runner(b, graph_names, explicit)
+    facts = b.facts
+    # the memory limit: the caller's, the config's, the run's plan's, or 90% of the device
+    limit_src = "none"
+    if memory_limit_gib:
+        limit, limit_src = int(memory_limit_gib * GIB), f"memory_limit_gib {memory_limit_gib:g}"
+    elif b.config.get("memory_limit_gib"):
+        limit, limit_src = int(float(b.config["memory_limit_gib"]) * GIB), "the record's memory_limit_gib"
+    elif b.plan and b.plan.get("limit_bytes"):
+        limit, limit_src = int(b.plan["limit_bytes"]), f"the run's plan ({b.plan.get('limit_source', '')})"
+    elif b.capacity:
+        limit, limit_src = int(P.DEFAULT_LIMIT_FRACTION * b.capacity), "90% of the device"
+    else:
+        limit = 1 << 62
+    plan_d = None
+    params = {k: dict(v) for k, v in explicit.items()}
+    if auto:
+        cap = b.capacity or limit
+        mem = P.DeviceMemory(cap, cap, limit, limit_src)
+        planned_hand = {k: v for k, v in hand.items()}
+        for k, v in fixed.items():
+            if k not in names:
+                planned_hand[k] = v
+        plan = P.choose(facts, mem, lambda mb: _kept(b, runner, mb)[0], runner.step_ms, planned_hand,
+                        "cost model on the record's graphs (what-if)")
+        plan_d = plan.to_dict()
+        chosen = plan.chosen.params()
+        for name, keys in auto.items():
+            for k in keys:
+                if k in chosen.get(name, {}):
+                    params.setdefault(name, {})[k] = chosen[name][k]
+        if "offload_optimizer" in chosen and "offload_optimizer" not in names:
+            notes.append(f"the planner offloads optimizer state to fit {limit / GIB:.2f} GiB ({limit_src}): "
+                         "the run would add offload_optimizer")
+            params["offload_optimizer"] = dict(chosen["offload_optimizer"])
+        notes.append(f"planner ({limit_src}): " + ", ".join(f"{n}.{k} = {params[n][k]:g}" for n, ks in auto.items()
+                                                              for k in ks if k in params.get(n, {})))
+    # the resolved plan: what it keeps, prefetches and offloads, and its memory
+    from deepcompile.passes.registry import PASSES
+    from deepcompile.params import build
+
+    full = {n: dataclasses.asdict(build(PASSES[n].params_cls, params.get(n, {}), f"passes.{n}.params")) for n in names}
+    su_mb = full["selective_unshard"]["budget_mb"] if "selective_unshard" in names else 0.0
+    kept, kept_ids = _kept(b, runner, su_mb) if su_mb > 0 else (0, [])
+    pf = full.get("prefetch")
+    ahead = prefetch_bytes(facts, kept, pf["budget_mb"], pf["fuse_mb"]) if pf else 0
+    offloaded = 0
+    if "offload_optimizer" in full or "offload_optimizer" in params:
+        o = full.get("offload_optimizer") or params["offload_optimizer"]
+        lim = int(o.get("limit_mb", 0) * MIB) or (b.capacity or limit)
+        room = lim - int(o.get("headroom_mb", 1024.0) * MIB)
+        need = facts.fb_peak + kept + ahead - room
+        offloaded = max(0, min(int(need), facts.state_bytes))
+        notes.append(f"offload_optimizer: {offloaded / GIB:.2f} GiB of {facts.state_bytes / GIB:.2f} GiB optimizer "
+                     f"state predicted off the device in forward/backward (limit {lim / GIB:.2f} GiB)")
+    pm = plan_memory(facts, kept, ahead, offloaded)
+    mv, shown = runner.run(_merge(params, {}), True)
+    p = runner.price(mv, kept, offloaded)
+    for v in shown:
+        notes += [f"g{v['graph_id']} {v['kind']} {v['after']}: {n}" for n in v["notes"]]
+    memory, where = _memory(pm)
+    gpu_ms = p["gpu_ms"]
+    step = gpu_ms
+    if b.host_ms and b.host_ms > gpu_ms:
+        step = b.host_ms
+        notes.append(f"host-bound: the recorded host time per step ({b.host_ms:.1f} ms) exceeds the GPU timeline's "
+                     f"{gpu_ms:.1f} ms, so the step is predicted at the host's pace")
+    if b.accumulation > 1:
+        notes.append(f"gradient accumulation {b.accumulation}: graphs x{b.accumulation}, kept parameters gathered once")
+    notes.append(f"memory: {pm.summary()}; kept {len(kept_ids)} parameter(s) gathered ({kept / MIB:.0f} MiB), "
+                 f"prefetch up to {ahead / MIB:.0f} MiB ahead")
+    sched = [{"graph_id": e["graph_id"], "kind": e["kind"], "node": e["node"], "stream": e["stream"],
+              "start_ms": e["start_us"] / 1e3, "end_ms": e["end_us"] / 1e3, "source": "predicted"} for e in p["events"]]
+    return WhatIf(step_ms=round(step, 3), peak_bytes=int(pm.peak), memory=memory, schedule=sched, versions=shown,
+                  notes=notes, seconds=round(time.perf_counter() - t0, 3), params=full,
+                  auto={k: list(v) for k, v in auto.items()}, gpu_ms=round(gpu_ms, 3), host_ms=b.host_ms,
+                  optimizer_ms=round(p["optimizer_ms"], 3),
+                  per_graph_ms={k: round(v, 3) for k, v in p["per_graph_ms"].items()},
+                  memory_model=pm.to_dict(), peak_where=where, plan=plan_d, measured=dict(b.measured))
