@@ -199,3 +199,84 @@ def test_profile_step_trains_agrees_across_ranks_and_guides_prefetch():
     assert before["step_ms"] > 0 and after["step_ms"] <= before["step_ms"] + 1e-9
     assert after["peak_bytes"] >= before["peak_bytes"]
     assert pred0[0]["step_ms"] == pred1[0]["step_ms"], "ranks predict differently from one profile"
+
+
+# --------------------------------------------------------------------------- moves, recorded
+def _tiny_zero3_graph(n_params: int = 3, numel: int = 1024):
+    """What zero3 leaves for ``x * p0 * p1 * ...``: each gather issued right before its wait.
+    Returns (GraphModule, param_meta, {name: node} of the interesting nodes)."""
+    import torch.fx as fx
+
+    from deepcompile.runtime import ops
+
+    ops.ensure_registered()
+    DC = torch.ops.dc
+    g = fx.Graph()
+    x = g.placeholder("x")
+    shards = [g.placeholder(f"s{k}") for k in range(n_params)]
+    nodes, cur = {}, x
+    for k, s in enumerate(shards):
+        i = g.call_function(DC.allgather_param.default, (s, k))
+        w = g.call_function(DC.wait_allgather.default, (i, k))
+        cur = g.call_function(torch.mul, (cur, w))
+        r = g.call_function(DC.release_param.default, (w, k))
+        nodes.update({f"issue{k}": i, f"use{k}": cur, f"release{k}": r})
+    g.output(cur)
+    meta = {k: ops.ParamMeta(id=k, name=f"layers.{k}.weight", shape=(numel,), numel=numel, chunk=numel // 2,
+                             dtype=torch.float32, gather_dtype=torch.float32, requires_grad=True)
+            for k in range(n_params)}
+    return fx.GraphModule(torch.nn.Module(), g), meta, nodes
+
+
+def _run_prefetch(budget_mb, fuse_mb):
+    from deepcompile.passes import prefetch as pf
+    from deepcompile.passes.registry import PassContext
+    from deepcompile.record.graph import serialize
+
+    gm, meta, nodes = _tiny_zero3_graph()
+    ctx = PassContext(graph_id=0, kind="forward", world_size=2, rank=0, param_meta=meta,
+                      params=pf.PrefetchParams(budget_mb=budget_mb, fuse_mb=fuse_mb, backend="gloo"))
+    gm = pf.prefetch(gm, ctx)
+    names = {k: n.name for k, n in nodes.items()}
+    return serialize(gm), ctx.notes, names
+
+
+def test_prefetch_records_each_move_from_to_and_first_use():
+    (zero, zero_notes, nm), (far, far_notes, _) = (_run_prefetch(b, 0.0) for b in (0.0, 64.0))
+    moved0 = {n["param"]: n["moved"] for n in zero if "moved" in n}
+    moved = {n["param"]: n["moved"] for n in far if "moved" in n}
+    assert sorted(moved0) == sorted(moved) == [0, 1, 2], "every collective carries its move, moved or not"
+    # budget 0: nothing moves; each is issued where it was (after the previous parameter's release)
+    assert moved0[1] == {"from": nm["release0"], "to": nm["release0"], "params": [1],
+                         "first_use": {"1": nm["use1"]}, "earlier": 0, "bytes": 4096}
+    assert all(m["earlier"] == 0 and m["from"] == m["to"] for m in moved0.values())
+    # a large budget: all three at the top, in the order they are needed
+    order = [n["name"] for n in far]
+    issues = [n["name"] for n in far if n["target"] == "dc.allgather_param"]
+    assert issues == [nm["issue0"], nm["issue1"], nm["issue2"]]
+    assert order.index(issues[-1]) < order.index(nm["use0"])
+    for k, prev in ((1, "release0"), (2, "release1")):
+        m = moved[k]
+        assert m["from"] == nm[prev] and m["to"] == "s2", m   # "to" skips the other collectives issued there
+        assert m["first_use"] == {str(k): nm[f"use{k}"]}
+        assert m["earlier"] == order.index(nm[prev]) - order.index(nm[f"issue{k}"]) > 0
+    assert moved[0]["from"] == moved[0]["to"] == "s2" and moved[0]["earlier"] == 0
+    # the notes say it per collective
+    assert "issued earlier: 0" in zero_notes[0] and "issued earlier: 2" in far_notes[0]
+    line = next(s for s in far_notes if s.startswith("param 2 (layers.2.weight)"))
+    assert f"moved {nm['release1']} -> s2" in line and f"first used at {nm['use2']}" in line, line
+    assert all("not moved" in s for s in zero_notes[1:])
+
+
+def test_prefetch_fused_group_lists_its_params_and_their_first_uses():
+    from deepcompile.record.schema import check_nodes
+
+    nodes, notes, nm = _run_prefetch(64.0, 64.0)
+    fused = [n for n in nodes if n["target"] == "dc.allgather_params"]
+    assert len(fused) == 1 and not any(n["target"] == "dc.allgather_param" for n in nodes)
+    f = fused[0]
+    assert f["params"] == [0, 1, 2] and f["moved"]["params"] == [0, 1, 2]
+    assert f["moved"]["first_use"] == {str(k): nm[f"use{k}"] for k in range(3)}
+    assert f["moved"]["bytes"] == 3 * 4096
+    assert notes[1].startswith("3 params fused [0, 1, 2] (layers.0.weight, layers.1.weight, layers.2.weight)")
+    check_nodes("g.json", nodes)   # the record's schema accepts "moved" and "params"

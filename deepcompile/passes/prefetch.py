@@ -5,6 +5,17 @@ parameter in its own buffer) up to ``fuse_mb`` while the cost model says it is c
 collective's issue point moves back, past the waits of earlier gathers, as long as the bytes
 gathered ahead of need stay within ``budget_mb``: the collective then runs while the compute
 before it does (on GPU on NCCL's stream; on CPU on gloo's thread).
+
+Every collective it leaves (fused or single) carries ``meta["dc_moved"]``, what the record
+(``"moved"`` on the node), the notes and the graph view's diff show as *from -> to*::
+
+    {"from": node it was issued after before this pass (None: the top of the graph),
+     "to": node it is issued after now (None: the top),
+     "params": [parameter ids it gathers], "first_use": {id: first node computing with it},
+     "earlier": nodes between its new and its old place (0: not moved), "bytes": bytes gathered}
+
+"from" and "to" name nodes that survive the pass (never another gather's issue, which moves
+or disappears into a fused one), so both exist in the graphs before and after it.
 """
 from __future__ import annotations
 
@@ -41,6 +52,7 @@ class _Gather:
     waits: list[fx.Node]
     pids: list[int]
     bytes: float
+    origin: fx.Node | None = None   # the node its (first member's) issue followed in the input graph
 
 
 def _param_bytes(ctx: PassContext, pid: int) -> float:
@@ -55,7 +67,9 @@ def _collect(g: fx.Graph, ctx: PassContext) -> list[_Gather]:
             issue = n.args[0]
             if is_op(issue, DC.allgather_param.default):
                 pid = int(n.args[1])
-                out.append(_Gather(issue, [n], [pid], _param_bytes(ctx, pid)))
+                prev = issue.prev
+                out.append(_Gather(issue, [n], [pid], _param_bytes(ctx, pid),
+                                   None if prev.op == "root" else prev))
     return out
 
 
@@ -80,7 +94,8 @@ def _fuse(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> list[_Gather
                 x.waits[0].replace_input_with(x.issue, h)
                 g.erase_node(x.issue)
             many = _wait_once(g, h, [x.waits[0] for x in run], pids)
-            fused.append(_Gather(h, [many], pids, sum(x.bytes for x in run)))
+            # the group's old place is its first member's: the others reach it by fusing
+            fused.append(_Gather(h, [many], pids, sum(x.bytes for x in run), run[0].origin))
         else:
             fused.extend(run)
         run.clear()
@@ -169,29 +184,119 @@ def _hoist(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> int:
                 if covered >= need:
                     j = cand
                     break
-        elif j == i:
+        elif j == i and not (i == 0 and x.bytes <= budget):
+            # (the first collective goes to the top when the budget holds it: the ones hoisted
+            # there after it then queue behind it, not ahead of it)
             continue
         if any(inp.op != "placeholder" for inp in x.issue.all_input_nodes):
             continue  # a shard computed inside the graph: keep it where its input exists
         if j > 0:
-            gathers[j - 1].waits[0].append(x.issue)
-        else:
-            next(n for n in g.nodes if n.op != "placeholder").prepend(x.issue)
+            anchor = gathers[j - 1].waits[0]
+        else:  # the last placeholder (the graph's root node when there is none)
+            anchor = next(n for n in g.nodes if n.op != "placeholder").prev
+        # Never ahead of the previous collective: collectives run in issue order on one stream
+        # (NCCL) or thread (gloo), so one needed later but issued first delays the one needed
+        # sooner. Issues stay in need order (by induction), so the previous one is the last.
+        prev_issue = gathers[i - 1].issue if i > 0 else None
+        n = anchor.next
+        while n is not x.issue and n.op != "root":
+            if n is prev_issue:
+                anchor = n
+            n = n.next
+        if n is not x.issue:
+            continue  # already above its anchor (an earlier pass placed it): leave it
+        if anchor.next is x.issue:
+            continue
+        anchor.append(x.issue)
         moved += 1
     return moved
+
+
+def _is_issue(n: fx.Node) -> bool:
+    return is_op(n, DC.allgather_param.default) or is_op(n, DC.allgather_params.default)
+
+
+def _values(x: _Gather) -> dict[int, fx.Node]:
+    """Parameter id -> the node whose value is that gathered parameter (its wait or getitem)."""
+    w = x.waits[0]
+    if is_op(w, DC.wait_allgather.default):
+        return {x.pids[0]: w}
+    items = {u.args[1]: u for u in w.users if u.op == "call_function" and len(u.args) == 2
+             and isinstance(u.args[1], int)}
+    return {pid: items.get(i, w) for i, pid in enumerate(x.pids)}
+
+
+def _annotate(g: fx.Graph, gathers: list[_Gather], order0: list[fx.Node]) -> list[dict]:
+    """``meta["dc_moved"]`` on every collective (see the module docstring); returns them in
+    issue order."""
+    alive = set(g.nodes)
+    pos0 = {n: i for i, n in enumerate(order0)}
+    order = list(g.nodes)
+    pos = {n: i for i, n in enumerate(order)}
+
+    def surviving(n: fx.Node | None) -> fx.Node | None:
+        # the nearest node at or before n (input order) that is still there and is no issue
+        k = pos0[n] if n is not None else -1
+        while k >= 0 and (order0[k] not in alive or _is_issue(order0[k])):
+            k -= 1
+        return order0[k] if k >= 0 else None
+
+    out = []
+    for x in sorted(gathers, key=lambda x: pos[x.issue]):
+        src = surviving(x.origin)
+        dst = x.issue.prev
+        while dst.op != "root" and _is_issue(dst):
+            dst = dst.prev
+        dst = None if dst.op == "root" else dst
+        first = {}
+        for pid, v in _values(x).items():
+            users = [u for u in v.users if not str(u.target).startswith("dc.")]
+            first[pid] = min(users, key=pos.__getitem__).name if users else v.name
+        earlier = pos[src] - pos[x.issue] if src is not None and pos[src] > pos[x.issue] else 0
+        info = {"from": src.name if src is not None else None, "to": dst.name if dst is not None else None,
+                "params": list(x.pids), "first_use": first, "earlier": int(earlier), "bytes": int(x.bytes)}
+        x.issue.meta["dc_moved"] = info
+        out.append(info)
+    return out
+
+
+def _group_note(info: dict, ctx: PassContext) -> str:
+    """One line per collective: which parameters, issued where, first used where."""
+    from deepcompile.plan.estimate import fmt_bytes
+
+    pids = info["params"]
+    names = [ctx.param_meta[p].name if p in ctx.param_meta else str(p) for p in pids]
+    what = (f"param {pids[0]} ({names[0]})" if len(pids) == 1 else
+            f"{len(pids)} params fused {pids} ({', '.join(names)})")
+    where = lambda n: n if n is not None else "the top"  # noqa: E731
+    if info["earlier"] > 0:
+        moved = f"moved {where(info['from'])} -> {where(info['to'])}, {info['earlier']} nodes earlier"
+    else:
+        moved = f"not moved (issued after {where(info['to'])})"
+    uses = sorted(set(info["first_use"].values()), key=list(info["first_use"].values()).index)
+    return f"{what}, {fmt_bytes(info['bytes'])}: {moved}; first used at {', '.join(uses)}"
+
+
+MAX_GROUP_NOTES = 64   # a 32-layer graph has hundreds of gathers: the notes name the first ones
 
 
 @register_pass("prefetch", PrefetchParams)
 def prefetch(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Move allgathers earlier within a memory budget and fuse small ones."""
     g = gm.graph
+    order0 = list(g.nodes)
     gathers = _collect(g, ctx)
     before = len(gathers)
     if ctx.params.fuse_mb > 0:
         gathers = _fuse(g, gathers, ctx)
-    moved = _hoist(g, gathers, ctx)
+    _hoist(g, gathers, ctx)
+    infos = _annotate(g, gathers, order0)
+    moved = sum(1 for d in infos if d["earlier"] > 0)
     ctx.notes.append(f"collectives: {before} -> {len(gathers)}; issued earlier: {moved}; "
-                     f"budget {ctx.params.budget_mb:g} MiB")
+                     f"budget {ctx.params.budget_mb:g} MiB, fuse {ctx.params.fuse_mb:g} MiB")
+    ctx.notes.extend(_group_note(d, ctx) for d in infos[:MAX_GROUP_NOTES])
+    if len(infos) > MAX_GROUP_NOTES:
+        ctx.notes.append(f"... {len(infos) - MAX_GROUP_NOTES} more collectives (the graph's nodes carry each one's move)")
     g.lint()
     gm.recompile()
     return gm

@@ -1,10 +1,16 @@
 """FX graph -> plain data (the record's graph format; also what tests inspect).
 
 Each node: name, op, target, args (node names or literals), output shape and dtype, the
-``nn.Module`` scope it came from, and the parameter id on communication ops.
+``nn.Module`` scope it came from, and the parameter id on communication ops. Optional:
+``params`` (every parameter id of a fused collective or its wait), ``moved`` (what the prefetch
+pass did with a collective: ``{"from", "to", "params", "first_use": {str(id): node}, "earlier",
+"bytes"}``, see :mod:`deepcompile.passes.prefetch`) and ``source`` (the user's source line the
+node came from, ``"file.py:12 in forward: x = self.fc(x)"``).
 """
 from __future__ import annotations
 
+import os
+import re
 from typing import Any
 
 import torch
@@ -62,6 +68,33 @@ def module_scope(n: fx.Node) -> str:
     return path
 
 
+_OWN = re.compile(r"/deepcompile/(?!models/)|/torch/")
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def source_line(n: fx.Node) -> str | None:
+    """The innermost frame of the node's ``stack_trace`` (where in the user's code it came from):
+    ``"model.py:42 in forward: y = self.fc(x)"``; None without a stack trace."""
+    st = n.meta.get("stack_trace")
+    if not st:
+        return None
+    frames = _FRAME.findall(str(st))
+    if not frames:
+        return None
+    # the innermost frame of the user's code: a gathered parameter's innermost frame is
+    # deepcompile's own unshard wrapper (sharding.py), the line that used it is one further out
+    user = [fr for fr in frames if not _OWN.search(fr[0].replace(os.sep, "/"))]
+    f, line, fn, code = (user or frames)[-1]
+    return f"{os.path.basename(f)}:{line} in {fn}: {code.strip()[:160]}"
+
+
+def _moved(m: dict) -> dict:
+    # JSON objects have string keys: first_use is {str(id): node name}
+    return {"from": m.get("from"), "to": m.get("to"), "params": [int(p) for p in m.get("params", [])],
+            "first_use": {str(k): str(v) for k, v in m.get("first_use", {}).items()},
+            "earlier": int(m.get("earlier", 0)), "bytes": int(m.get("bytes", 0))}
+
+
 def serialize(gm: fx.GraphModule) -> list[dict]:
     out = []
     for n in gm.graph.nodes:
@@ -77,5 +110,12 @@ def serialize(gm: fx.GraphModule) -> list[dict]:
                 pid = n.args[1]
             if pid is not None:
                 d["param"] = int(pid)
+            pids = n.meta.get("dc_params")
+            if pids is not None and len(pids) > 1:
+                d["params"] = [int(p) for p in pids]
+            if (m := n.meta.get("dc_moved")) is not None:
+                d["moved"] = _moved(m)
+        if (src := source_line(n)) is not None:
+            d["source"] = src
         out.append(d)
     return out
