@@ -1,27 +1,37 @@
-"""The static HTML report: one self-contained file (inline SVG, CSS and JS; no network).
+"""The static HTML report: one self-contained file (inline CSS and JS; no network).
 
 ``render_report(run_dir, out_file)`` reads the record (validated: a broken record raises
 :class:`~deepcompile.record.schema.RecordError` before anything is written) and writes:
 
 * the run: status, environment, config;
-* steps: loss and step time charts, per-rank memory;
-* every graph id and kind, the graph before and after each pass, collapsed by module scope as
-  the inspector's collapsed view draws it (``graph_layout.module_levels``: one box per module with
-  op counts and communication chips, edge counts as pen width, no arrows to the inputs/outputs
-  boxes; graphviz ``dot`` per level when installed, else the order-based layout), with what each
-  pass changed. Every module box opens on a click (a few lines of inline script, no kernel): the
-  level inside it, pre-rendered, shows below the picture and its module boxes open further. The
-  levels are stored once per distinct structure (a skeleton: identical decoder layers share one)
-  plus each level's strings, and graphviz lays out each distinct level once, all of them in at
-  most ``workers`` processes;
-* the schedule as one timeline per stream, the memory timeline as a line chart (measured where
-  the record has them, else the naive prediction of ``deepcompile.plan.estimate``);
+* steps: step time, loss and per-step memory per rank (:func:`figures.steps_figure`: the
+  compile and profiling steps marked, not setting the scale), a sortable table, the run's peak;
+* every graph id and kind once, with the versions of its latest compile (an earlier compile's
+  graph is described only where it differs), the graph before and after each pass, collapsed by
+  module scope as the inspector's collapsed view draws it (``graph_layout.module_levels``: one
+  box per module with op counts and communication chips, edge counts as pen width, no arrows to
+  the inputs/outputs boxes; graphviz ``dot`` per level when installed, else the order-based
+  layout), with what each pass changed. Every module box opens on a click (a few lines of inline
+  script, no kernel): the level inside it, pre-rendered, shows below the picture and its module
+  boxes open further. The levels are stored once per distinct structure (a skeleton: identical
+  decoder layers share one) plus each level's strings, and graphviz lays out each distinct level
+  once, all of them in at most ``workers`` processes;
+* the schedule of one step for every rank (:func:`figures.schedule_figure`: measured and
+  predicted in separate panels, ms, gathers linked issue to wait) with its exposed
+  communication, overlap and idle time; the memory timeline stacked by category
+  (:func:`figures.memory_figure`, from ``record.reader.memory_view``: the run's one peak);
 * per-operator latency and memory tables, sortable by clicking a column header.
+
+The charts are plotly figures drawn by the plotly.min.js of the installed plotly package,
+inlined (:func:`plotly_js`): the file opens offline. Without plotly the page says so and keeps
+its tables and graph pictures.
 """
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import html
+import importlib.util
 import json
 import math
 import os
@@ -30,12 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from deepcompile.plan import estimate as E
-from deepcompile.record.reader import RunRecord, read_all_steps, read_run
+from deepcompile.profile import trace
+from deepcompile.record import schema as S
+from deepcompile.record.reader import RecordError, RunRecord, load_json, read_all_steps, read_run
+from deepcompile.report import figures as F
 from deepcompile.report import graph_layout as L
 
 esc = html.escape
-STREAM_ORDER = ["compute", "allgather", "reduce", "copy"]
-STREAM_COLORS = {"compute": "#4e79a7", "allgather": "#f28e2b", "reduce": "#9c6ade", "copy": "#59a14f"}
 
 CSS = """
 body{font-family:Helvetica,Arial,sans-serif;margin:0;color:#222;background:#fafafa}
@@ -102,137 +113,69 @@ document.querySelectorAll('table.sortable').forEach(function(t){
 """
 
 
-# --------------------------------------------------------------------------- small SVG charts
+# --------------------------------------------------------------------------- plotly, offline
+@functools.lru_cache(maxsize=2)
+def _read_js(path: str, mtime: float) -> str:
+    # a script element ends at the first "</script": keep any inside the library from ending it
+    return Path(path).read_text(encoding="utf-8").replace("</script", "<\\/script")
+
+
+def plotly_js() -> str | None:
+    """The text of ``plotly.min.js`` shipped inside the installed plotly package (located with
+    ``importlib.util.find_spec``, which does not import plotly), or None without plotly. The
+    report inlines it: its charts then work with no network."""
+    try:
+        spec = importlib.util.find_spec("plotly")
+    except (ImportError, ValueError):
+        return None
+    for d in (spec.submodule_search_locations or []) if spec is not None else []:
+        p = Path(d) / "package_data" / "plotly.min.js"
+        if p.is_file():
+            return _read_js(str(p), p.stat().st_mtime)
+    return None
+
+
+NO_PLOTLY = ("The charts need plotly, which is not installed here (<code>pip install plotly</code>, or "
+             "<code>pip install 'deepcompile[report]'</code>), then render the report again; the tables below "
+             "do not need it.")
+
+
+class _Figures:
+    """The plotly figures of one report: each a ``<div>`` where it goes, all their JSON in one
+    ``<script type="application/json">`` that a few lines of script hand to ``Plotly.newPlot``."""
+
+    def __init__(self, enabled: bool):
+        self.enabled, self.items = enabled, []
+
+    def add(self, fig: dict, cls: str) -> str:
+        if not self.enabled:
+            return f"<p class='empty no-plotly'>{esc(cls)} chart: plotly is not installed.</p>"
+        self.items.append(fig)
+        h = int((fig.get("layout") or {}).get("height") or 300)
+        return (f"<div class='plotly-fig {esc(cls)}' id='dc-fig-{len(self.items) - 1}' "
+                f"data-fig='{len(self.items) - 1}' style='min-height:{h}px'></div>")
+
+    def script(self) -> str:
+        if not self.items:
+            return ""
+        return ("<script type='application/json' id='dc-figs'>["
+                + ",".join(F.figure_json(f) for f in self.items) + "]</script>")
+
+
+PLOT_JS = """
+(function(){  // the plotly figures: JSON in #dc-figs, drawn by the inlined plotly.min.js
+  var src=document.getElementById('dc-figs');if(!src)return;
+  var divs=document.querySelectorAll('.plotly-fig');
+  if(!window.Plotly){divs.forEach(function(d){d.innerHTML="<p class='empty'>plotly.js did not load</p>";});return;}
+  var F=JSON.parse(src.textContent);
+  divs.forEach(function(d){var f=F[+d.dataset.fig];
+    Plotly.newPlot(d,f.data,f.layout,{responsive:true,displaylogo:false});});
+})();
+"""
+
+
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    """Round tick values from ``lo`` to ``hi``: at most ~n of them, whatever the numbers (a range
-    far below the float resolution of its values, or one that overflows, gets its ends)."""
-    if not (_finite(lo) and _finite(hi)):
-        return []
-    try:
-        span = float(hi) - float(lo)
-        if span <= 0 or not math.isfinite(span):
-            return [lo] if span <= 0 else [lo, hi]
-        step = 10.0 ** math.floor(math.log10(span / n))
-        for m in (1, 2, 5, 10):
-            if span / (step * m) <= n:
-                step *= m
-                break
-        if step <= 0:
-            return [lo]
-        k0 = math.ceil(lo / step)
-        out: list[float] = []
-        for k in range(k0, k0 + 2 * n + 2):   # bounded: a step below the values' resolution stops too
-            t = k * step
-            if t > hi + abs(step) * 1e-9 or (out and t <= out[-1]):
-                break
-            out.append(t)
-        return out or [lo]
-    except (OverflowError, ValueError, ZeroDivisionError):
-        return [lo, hi]
-
-
-def _num(v: float) -> str:
-    return f"{v:.4g}"
-
-
-def _scale(lo: float, hi: float, a: float, b: float):
-    """x -> position in [a, b]; halves first so that ``hi - lo`` cannot overflow to inf."""
-    lo2, span2 = lo / 2, (hi / 2 - lo / 2) or 0.5
-    return lambda x: a + (x / 2 - lo2) / span2 * (b - a)
-
-
-def line_chart(series: list[tuple[str, list[float], list[float], str]], *, title: str, xlabel: str,
-               ylabel: str, yfmt=_num, width: int = 560, height: int = 240, cls: str = "") -> str:
-    """Lines of ``(label, xs, ys, color)``. A y of None, NaN or ±inf (a diverged loss) is a gap
-    in its line, and the chart says how many points were not finite."""
-    pts_all = [(x, y) for s in series for x, y in zip(s[1], s[2]) if _finite(x) and _finite(y)]
-    bad = sum(1 for s in series for x, y in zip(s[1], s[2]) if y is not None and not (_finite(x) and _finite(y)))
-    note = (f'<text class="gap-note" x="{width - 12}" y="14" text-anchor="end" fill="#c62828">{bad} point(s) '
-            "NaN/inf: gaps</text>") if bad else ""
-    if not pts_all:
-        extra = f" ({bad} NaN/inf value(s))" if bad else ""
-        return f'<p class="empty">{esc(title)}: no data{extra}</p>'
-    xs_all, ys_all = [p[0] for p in pts_all], [p[1] for p in pts_all]
-    x0, x1 = min(xs_all), max(xs_all)
-    y0, y1 = min(0.0, min(ys_all)), max(ys_all)
-    x1 = x1 if x1 > x0 else x0 + 1
-    y1 = y1 if y1 > y0 else y0 + 1
-    L_, R, T, B = 70, 12, 24, 36
-    pw, ph = width - L_ - R, height - T - B
-    sx = _scale(x0, x1, L_, L_ + pw)
-    sy = _scale(y0, y1, T + ph, T)
-    out = [f'<svg class="chart {cls}" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'font-family="Helvetica,Arial,sans-serif" font-size="10">',
-           f'<text x="{L_}" y="14" font-size="12" font-weight="bold">{esc(title)}</text>', note]
-    for t in _ticks(y0, y1):
-        out.append(f'<line x1="{L_}" x2="{L_ + pw}" y1="{sy(t):.1f}" y2="{sy(t):.1f}" stroke="#eee"/>'
-                   f'<text x="{L_ - 4}" y="{sy(t) + 3:.1f}" text-anchor="end">{esc(yfmt(t))}</text>')
-    for t in _ticks(x0, x1, 8):
-        out.append(f'<text x="{sx(t):.1f}" y="{T + ph + 14}" text-anchor="middle">{esc(_num(t))}</text>')
-    out.append(f'<rect x="{L_}" y="{T}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>')
-    out.append(f'<text x="{L_ + pw / 2}" y="{height - 4}" text-anchor="middle">{esc(xlabel)}</text>')
-    out.append(f'<text transform="translate(12,{T + ph / 2}) rotate(-90)" text-anchor="middle">{esc(ylabel)}</text>')
-    lx = L_ + 8
-    for label, xs, ys, color in series:
-        runs: list[list[str]] = [[]]     # one polyline per stretch of finite points
-        for x, y in zip(xs, ys):
-            if _finite(x) and _finite(y):
-                runs[-1].append(f"{sx(x):.1f},{sy(y):.1f}")
-            elif runs[-1]:
-                runs.append([])
-        for pts in runs:
-            if len(pts) == 1:   # a lone finite point between gaps: a dot, or it would not show
-                cx, cy = pts[0].split(",")
-                out.append(f'<circle class="series" cx="{cx}" cy="{cy}" r="2" fill="{color}"><title>{esc(label)}'
-                           "</title></circle>")
-            elif pts:
-                out.append(f'<polyline class="series" points="{" ".join(pts)}" fill="none" stroke="{color}" '
-                           f'stroke-width="1.6"><title>{esc(label)}</title></polyline>')
-        if len(series) > 1:
-            out.append(f'<rect x="{lx}" y="{T + 4}" width="10" height="3" fill="{color}"/>'
-                       f'<text x="{lx + 13}" y="{T + 9}">{esc(label)}</text>')
-            lx += 20 + 6 * len(label)
-    out.append("</svg>")
-    return "".join(out)
-
-
-def timeline(events: list[dict], *, title: str, width: int = 1100) -> str:
-    """One lane per stream; a rectangle per op with its name and times as a tooltip."""
-    if not events:
-        return f'<p class="empty">{esc(title)}: no events</p>'
-    streams = [s for s in STREAM_ORDER if any(e["stream"] == s for e in events)]
-    t0 = min(e["start_us"] for e in events)
-    t1 = max(e["end_us"] for e in events)
-    span = max(t1 - t0, 1e-9)
-    L_, lane, T = 80, 26, 24
-    pw = width - L_ - 12
-    h = T + lane * len(streams) + 30
-    sx = lambda t: L_ + (t - t0) / span * pw  # noqa: E731
-    out = [f'<svg class="timeline" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{h}" '
-           f'font-family="Helvetica,Arial,sans-serif" font-size="10">',
-           f'<text x="{L_}" y="14" font-size="12" font-weight="bold">{esc(title)}</text>']
-    for i, s in enumerate(streams):
-        y = T + i * lane
-        out.append(f'<rect x="{L_}" y="{y}" width="{pw}" height="{lane - 4}" fill="#f4f6f7"/>'
-                   f'<text x="{L_ - 6}" y="{y + lane / 2 + 1}" text-anchor="end">{esc(s)}</text>')
-    for e in events:
-        y = T + streams.index(e["stream"]) * lane
-        x = sx(e["start_us"])
-        w = max(0.6, sx(e["end_us"]) - x)
-        color = STREAM_COLORS.get(e["stream"], "#888")
-        if e["stream"] == "compute" and e["node"].startswith("wait_"):
-            color = "#e15759"
-        out.append(f'<rect class="ev" x="{x:.2f}" y="{y + 1}" width="{w:.2f}" height="{lane - 6}" '
-                   f'fill="{color}" stroke="#fff" stroke-width="0.3"><title>{esc(e["node"])} '
-                   f'[{e["stream"]}] {e["start_us"]:.1f}–{e["end_us"]:.1f} µs ({e["source"]})</title></rect>')
-    for t in _ticks(t0, t1, 10):
-        out.append(f'<text x="{sx(t):.1f}" y="{h - 16}" text-anchor="middle">{_num(t - t0)}</text>')
-    out.append(f'<text x="{L_ + pw / 2}" y="{h - 3}" text-anchor="middle">µs</text></svg>')
-    return "".join(out)
 
 
 # --------------------------------------------------------------------------- sections
@@ -251,13 +194,16 @@ def _section_run(rec: RunRecord) -> str:
             + "<h3>Config</h3><pre>" + esc(json.dumps(rec.config, indent=1)) + "</pre></section>")
 
 
-def _section_steps(rec: RunRecord, all_steps: dict[int, list[dict]]) -> str:
+def _nan_note(n: int, what: str) -> str:
+    return f"<p class='note gap-note'>{what}: {n} point(s) NaN/inf: gaps in the chart.</p>" if n else ""
+
+
+def _section_steps(rec: RunRecord, all_steps: dict[int, list[dict]], figs: _Figures, view: dict) -> str:
     out = ["<section id='steps'><h2>Steps</h2>"]
     st = rec.steps
     if not st:
         out.append("<p class='empty'>no steps recorded (yet)</p></section>")
         return "".join(out)
-    xs = [s["step"] for s in st]
     bad_loss = [s["step"] for s in st if s.get("loss") is not None and not _finite(s["loss"])]
     bad_time = [s["step"] for s in st if not _finite(s["time_s"])]
     if bad_loss:
@@ -267,31 +213,42 @@ def _section_steps(rec: RunRecord, all_steps: dict[int, list[dict]]) -> str:
     if bad_time:
         out.append(f"<p class='note'>{len(bad_time)} step time(s) are NaN or infinite (from step {bad_time[0]}); "
                    "they are gaps in the step-time chart.</p>")
-    out.append(line_chart([("loss", xs, [s.get("loss") for s in st], "#4e79a7")], title="loss (rank 0)",
-                          xlabel="step", ylabel="loss", cls="loss"))
-    out.append(line_chart([("time", xs, [s["time_s"] for s in st], "#e15759")], title="step time",
-                          xlabel="step", ylabel="seconds", cls="steptime"))
-    colors = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"]
-    mem_series = [(f"rank {r} peak", [s["step"] for s in ss], [(s.get("mem") or {}).get("peak") for s in ss],
-                   colors[i % len(colors)]) for i, (r, ss) in enumerate(sorted(all_steps.items())) if ss]
-    out.append(line_chart(mem_series, title="peak memory per rank", xlabel="step", ylabel="bytes",
-                          yfmt=E.fmt_bytes, cls="mem-steps"))
+    out.append(_nan_note(len(bad_loss), "loss") + _nan_note(len(bad_time), "step time"))
+    special = F.special_steps(st, rec.config)
+    if special:
+        out.append("<p class='note'>Not steady-state steps (marked above the step-time chart, whose scale the "
+                   "other steps set): " + ", ".join(f"step {k}: {esc(v)}" for k, v in sorted(special.items()))
+                   + ".</p>")
+    out.append(figs.add(F.steps_figure({r: ss for r, ss in all_steps.items() if ss} or {rec.rank: st},
+                                       special=special), "steps"))
     rows = []
     for s in st:
         mem = s.get("mem") or {}
         loss = s.get("loss")
+        t = s["time_s"]
         rows.append(f"<tr><td class=num data-v='{s['step']}'>{s['step']}</td>"
                     f"<td class=num data-v='{_js_num(loss)}'>{'' if loss is None else f'{loss:.4f}'}</td>"
-                    f"<td class=num data-v='{_js_num(s['time_s'])}'>{s['time_s']:.3f}</td>"
-                    + "".join(f"<td class=num data-v='{mem.get(k, 0)}'>{E.fmt_bytes(mem.get(k, 0))}</td>"
+                    f"<td class=num data-v='{_js_num(t)}'>{F.fmt_us(t * 1e6) if _finite(t) else esc(str(t))}"
+                    f"{' (' + esc(special[s['step']]) + ')' if s['step'] in special else ''}</td>"
+                    + "".join(f"<td class=num data-v='{_js_num(mem.get(k, 0))}'>{F.fmt_bytes(mem.get(k, 0))}</td>"
                               for k in ("allocated", "reserved", "peak")) + "</tr>")
-    out.append("<div class='scroll'><table class='sortable'><thead><tr><th>step</th><th>loss</th><th>time (s)</th>"
-               "<th>allocated</th><th>reserved</th><th>peak</th></tr></thead><tbody>"
+    out.append("<div class='scroll'><table class='sortable steps'><thead><tr><th>step</th><th>loss</th><th>time</th>"
+               "<th>allocated</th><th>reserved</th><th>allocator peak</th></tr></thead><tbody>"
                + "".join(rows) + "</tbody></table></div>")
-    peaks = {r: max(((s.get("mem") or {}).get("peak", 0) for s in ss), default=0) for r, ss in all_steps.items()}
-    out.append("<p>Peak memory: " + ", ".join(f"rank {r}: {E.fmt_bytes(p)}" for r, p in sorted(peaks.items()))
-               + "</p></section>")
+    out.append(_peak_line(view) + "</section>")
     return "".join(out)
+
+
+def _peak_line(view: dict) -> str:
+    """The run's peak memory: the one number (``memory_view``), labelled measured or predicted."""
+    parts = []
+    for p in F._peaks(view):
+        where = p.get("where")
+        where = where.get("node", "") if isinstance(where, dict) else where if isinstance(where, str) else ""
+        parts.append(f"<b>{F.fmt_bytes(p['bytes'])}</b> {esc(p['source'])}" + (f" (at {esc(where)})" if where else ""))
+    if not parts:
+        return "<p class='peak'>Peak memory: no memory timeline in the record.</p>"
+    return "<p class='peak'>Peak memory (rank %s): " % esc(str(view.get("rank", 0))) + "; ".join(parts) + "</p>"
 
 
 def _js_num(v: Any) -> str:
@@ -365,27 +322,64 @@ def _graph_pictures(jobs: list, pscopes: dict, depth: int | None,
                             + "</script>")
 
 
+def compiles(versions: list) -> list[list]:
+    """The versions of one (graph_id, kind) split per compile: each compile starts at ``input``."""
+    out: list[list] = []
+    for v in versions:
+        if v.after == "input" or not out:
+            out.append([])
+        out[-1].append(v)
+    return out
+
+
+def _compile_diff(chains: list[list]) -> str:
+    """A line per earlier compile whose final graph differs from the latest one's; nothing when
+    every compile gave the same graph."""
+    if len(chains) < 2:
+        return ""
+    last = chains[-1][-1]
+    lines = []
+    for k, ch in enumerate(chains[:-1], start=1):
+        v = ch[-1]
+        passes = " → ".join(x.after for x in ch[1:]) or "no passes"
+        if v.nodes == last.nodes:
+            continue
+        df = L.diff(v.nodes, last.nodes)
+        comm = ", ".join(f"{c} +{n}" for c, n in sorted(df["comm_added"].items()))
+        lines.append(f"<div class='diff compile-diff'>compile {k} of {len(chains)} ({esc(passes)}) → the latest: "
+                     f"{df['before']} → {df['after']} nodes, +{df['added']} / −{df['removed']}"
+                     f"{'; comm: ' + esc(comm) if comm else ''}</div>")
+    same = len(chains) - 1 - len(lines)
+    head = (f"<div class='note'>compiled {len(chains)} times; shown: the latest compile"
+            + (f" ({same} earlier compile(s) gave the same graph)" if same else "") + "</div>")
+    return head + "".join(lines)
+
+
 def _section_graphs(rec: RunRecord, depth: int | None, workers: int) -> str:
     pscopes = L.param_scopes(rec.graphs)
-    jobs = []
+    jobs, chains_of = [], {}
     for gid in rec.graph_ids:
         for kind in rec.kinds(gid):
-            vs = rec.versions(gid, kind)
+            chains = compiles(rec.versions(gid, kind))
+            chains_of[(gid, kind)] = chains
+            vs = chains[-1]      # each graph once: the latest compile's passes
             for i, v in enumerate(vs):
                 jobs.append((gid, kind, i, v, vs[i - 1] if i else None))
     svgs, refs, levels_script = _graph_pictures(jobs, pscopes, depth, workers)
     out = ["<section id='graphs'><h2>Graphs</h2>",
-           "<p class='note'>Each graph collapsed by module scope (one box per module, to the first "
-           "ModuleList index, with its op counts; communication ops as coloured chips; a thicker arrow "
-           "carries more tensors; the inputs and outputs boxes are drawn without their arrows). Backward "
-           f"nodes without a scope are placed with the layer they follow in graph order. Click a {L.FOLD_MARK} "
-           "box to open it: the boxes inside it (sub-modules and single nodes) show below the picture, "
+           "<p class='note'>Each graph once, with the passes of its latest compile (an earlier compile is "
+           "described only where its graph differs). Each picture is the graph collapsed by module scope (one box "
+           "per module, to the first ModuleList index, with its op counts; communication ops as coloured chips; a "
+           "thicker arrow carries more tensors; the inputs and outputs boxes are drawn without their arrows). "
+           "Backward nodes without a scope are placed with the layer they follow in graph order. Click a "
+           f"{L.FOLD_MARK} box to open it: the boxes inside it (sub-modules and single nodes) show below the picture, "
            "where a module opens further; click it again or <i>close</i> to fold it.</p>", _legend()]
     by: dict[tuple[int, str], list] = defaultdict(list)
     for ref, job, svg in zip(refs, jobs, svgs):
         by[(job[0], job[1])].append((ref, job, svg))
     for (gid, kind), items in by.items():
-        out.append(f"<h3 id='graph-{gid}-{kind}'>graph {gid} · {esc(kind)}</h3><div class='versions'>")
+        out.append(f"<h3 id='graph-{gid}-{kind}'>graph {gid} · {esc(kind)}</h3>"
+                   + _compile_diff(chains_of[(gid, kind)]) + "<div class='versions'>")
         for ref, (_, _, i, v, prev), svg in items:
             head = "input" if v.after == "input" else f"after {esc(v.after)}"
             d = ""
@@ -393,7 +387,7 @@ def _section_graphs(rec: RunRecord, depth: int | None, workers: int) -> str:
                 df = L.diff(prev.nodes, v.nodes)
                 comm = ", ".join(f"{k} +{n}" for k, n in sorted(df["comm_added"].items()))
                 d = (f"<div class='diff'>{df['before']} → {df['after']} nodes: +{df['added']} / "
-                     f"−{df['removed']}{'; comm: ' + esc(comm) if comm else ''}; {v.seconds * 1e3:.1f} ms</div>")
+                     f"−{df['removed']}{'; comm: ' + esc(comm) if comm else ''}; {F.fmt_us(v.seconds * 1e6)}</div>")
             notes = "".join(f"<div class='note'>{esc(n)}</div>" for n in v.notes)
             out.append(f"<div class='version' data-graph='{gid}' data-kind='{esc(kind)}' data-after='{esc(v.after)}' "
                        f"data-levels='{ref}'><h4>{head} ({len(v.nodes)} nodes)</h4>{d}{notes}{svg}"
@@ -413,40 +407,93 @@ def _final_versions(rec: RunRecord) -> dict[tuple[int, str], Any]:
     return last
 
 
-def _section_schedule(rec: RunRecord, events: list[dict], source: str) -> str:
+def _all_rank_events(rec: RunRecord) -> tuple[list[dict], list[str]]:
+    """The schedule events of every rank in the record (each with its ``rank``), and a note per
+    rank whose schedule file could not be read (the report still renders)."""
+    events = [dict(e, rank=rec.rank) for e in (rec.schedule or {}).get("events", [])]
+    notes = []
+    for r in rec.manifest["ranks"]:
+        if r == rec.rank:
+            continue
+        p = rec.path / S.rank_dir_name(r) / S.SCHEDULE
+        try:
+            obj = load_json(p, optional=True, root=rec.path)
+            if obj is not None:
+                events += [dict(e, rank=r) for e in S.check_schedule(str(p), obj)["events"]]
+        except RecordError as e:
+            notes.append(f"rank {r}'s schedule is left out: {e}")
+    return events, notes
+
+
+def _section_schedule(rec: RunRecord, events: list[dict], source: str, figs: _Figures, notes: list[str]) -> str:
     out = ["<section id='schedule'><h2>Schedule</h2>",
-           f"<p class='note'>Source: {esc(source)}. One lane per stream; hover an op for its name and times; "
-           "red on the compute stream: waiting for a gather.</p>",
-           "<div class='legend'>" + "".join(f"<span><i style='background:{c}'></i>{s}</span>"
-                                            for s, c in STREAM_COLORS.items()) + "</div>"]
-    by: dict[tuple[int, str], list] = defaultdict(list)
-    for e in events:
-        by[(e["graph_id"], e["kind"])].append(e)
-    for (gid, kind), evs in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] != "forward")):
-        srcs = sorted({e["source"] for e in evs})
-        out.append(timeline(evs, title=f"graph {gid} · {kind} ({'/'.join(srcs)})"))
+           f"<p class='note'>Source: {esc(source)}. One lane per rank and stream; measured and predicted bars are in "
+           "separate panels, never in one lane. x is ms from the start of the step (the panels zoom together: drag "
+           "to zoom, double-click to reset); hover a bar for its node, duration and graph; red on the compute "
+           "stream: waiting for a collective; dotted lines link each gather's issue to its wait. Measured on CPU, "
+           "the lanes are host operators (a wait is the time the host blocked).</p>"]
+    out += [f"<p class='note'>{esc(n)}</p>" for n in notes]
     if not events:
-        out.append("<p class='empty'>no schedule recorded</p>")
+        out.append("<p class='empty'>no schedule recorded</p></section>")
+        return "".join(out)
+    graphs = trace.final_graphs(rec.graphs)
+    out.append(figs.add(F.schedule_figure(events, graphs=graphs, rank=rec.rank), "schedule"))
+    nums = F.step_numbers(events)
+    out.append("<h3>Per step</h3><table class='numbers'><thead><tr><th>source</th><th>rank</th><th>step</th>"
+               "<th>compute busy</th><th>communication busy</th><th>overlap</th><th>exposed communication</th>"
+               "<th>idle (host-bound)</th></tr></thead><tbody>"
+               + "".join(f"<tr><td>{esc(n['source'])}</td><td class=num>{n['rank']}</td>"
+                         + "".join(f"<td class=num data-v='{n[k]}'>{F.fmt_ms(n[k])}</td>" for k in
+                                   ("step_ms", "compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms"))
+                         + "</tr>" for n in nums)
+               + "</tbody></table><p class='note'>Exposed communication: a collective runs while no compute "
+               "does (the step waits for it). Overlap: communication hidden under compute. Idle: no stream busy, "
+               "the device waiting for the host (between the host's operators on a CPU record). Waits are not "
+               "counted as compute.</p>")
     out.append("</section>")
     return "".join(out)
 
 
-def _section_memory(samples: list[dict], source: str) -> str:
-    out = ["<section id='memory'><h2>Memory timeline</h2>", f"<p class='note'>Source: {esc(source)}.</p>"]
-    by: dict[Any, list] = defaultdict(list)
-    for s in samples:
-        by[(s.get("graph_id", -1), s.get("kind", ""))].append(s)
-    for (gid, kind), ss in sorted(by.items(), key=lambda kv: (kv[0][0], kv[0][1] != "forward")):
-        xkey = "node_index" if all("node_index" in s for s in ss) else "t_us"
-        xs = [s.get(xkey, 0) for s in ss]
-        series = [("allocated", xs, [s["allocated_bytes"] for s in ss], "#4e79a7")]
-        if any("reserved_bytes" in s for s in ss):
-            series.append(("reserved/peak", xs, [s.get("reserved_bytes") for s in ss], "#f28e2b"))
-        name = f"graph {gid} · {kind}" if gid != -1 else "run"
-        out.append(line_chart(series, title=name, xlabel="node index" if xkey == "node_index" else "µs",
-                              ylabel="bytes", yfmt=E.fmt_bytes, width=720, cls="memory"))
+def memory_view_of(rec: RunRecord) -> dict:
+    """``record.reader.memory_view`` of the run where the reader has it; else the same shape
+    built from the record's memory samples (or, without them, the liveness estimate of the final
+    graphs), each labelled with its source."""
+    from deepcompile.record import reader as R
+
+    mv = getattr(R, "memory_view", None)
+    if mv is not None:
+        try:
+            view = mv(rec.path, rec.rank)
+        except TypeError:
+            view = mv(rec)
+        if view and view.get("samples"):
+            return dict(view, rank=rec.rank)
+    samples = list((rec.memory or {}).get("samples") or [])
+    note = "recorded"
     if not samples:
-        out.append("<p class='empty'>no memory timeline recorded</p>")
+        _, samples = E.estimate_versions([vars(v) for v in _final_versions(rec).values()])
+        samples = [dict(s, source="predicted") for s in samples]
+        note = "predicted by liveness over the final graphs (no memory timeline in the record)"
+    view = {"samples": samples, "note": note, "rank": rec.rank}
+    if samples:
+        best = max(samples, key=lambda s: s.get("allocated_bytes", 0) if _finite(s.get("allocated_bytes")) else 0)
+        src = str(best.get("source", "measured"))
+        key = "peak" if src == "measured" else "predicted"
+        view[key] = {"bytes": best.get("allocated_bytes", 0), "where": best.get("node", ""), "source": src}
+    return view
+
+
+def _section_memory(view: dict, figs: _Figures) -> str:
+    src = sorted({str(s.get("source", "measured")) for s in view.get("samples") or []})
+    out = ["<section id='memory'><h2>Memory timeline</h2>",
+           f"<p class='note'>Source: {esc(view.get('note') or 'the record')} ({esc('/'.join(src) or 'none')}). "
+           "Stacked by category; "
+           "hover for the node and the bytes of each category; the peak is marked and labelled measured or "
+           "predicted.</p>", _peak_line(view)]
+    if not view.get("samples"):
+        out.append("<p class='empty'>no memory timeline recorded</p></section>")
+        return "".join(out)
+    out.append(figs.add(F.memory_figure(view, title=f"memory of one step, rank {view.get('rank', 0)}"), "memory"))
     out.append("</section>")
     return "".join(out)
 
@@ -454,12 +501,14 @@ def _section_memory(samples: list[dict], source: str) -> str:
 def _section_ops(rec: RunRecord, events: list[dict], samples: list[dict], pscopes: dict) -> str:
     out = ["<section id='ops'><h2>Operators</h2>",
            "<p class='note'>Per node of the final version of each graph. Latency and memory are measured "
-           "where the record has a profile, else predicted. Click a column to sort.</p>"]
+           "where the record has a profile, else predicted (*). Click a column to sort.</p>"]
     prof = {}
     for g in (rec.profile or {}).get("graphs", []):
         prof[(g["graph_id"], g["kind"])] = ({n["name"]: n for n in g["nodes"]}, g.get("hardware"))
-    lat = {(e["graph_id"], e["kind"], e["node"]): e["end_us"] - e["start_us"] for e in events}
-    mem = {(s.get("graph_id"), s.get("kind"), s.get("node")): s["allocated_bytes"] for s in samples}
+    lat = {(e["graph_id"], e["kind"], e["node"]): e["end_us"] - e["start_us"] for e in events
+           if e.get("rank", rec.rank) == rec.rank}
+    mem = {(s.get("graph_id"), s.get("kind"), s.get("node")): s["allocated_bytes"] for s in samples
+           if "allocated_bytes" in s}
     for (gid, kind), v in sorted(_final_versions(rec).items(), key=lambda kv: (kv[0][0], kv[0][1] != "forward")):
         p, hw = prof.get((gid, kind), ({}, None))
         keys, _ = L.node_groups(v.nodes, None, pscopes)
@@ -470,13 +519,13 @@ def _section_ops(rec: RunRecord, events: list[dict], samples: list[dict], pscope
             pn = p.get(n["name"])
             if pn:
                 latency = pn.get("latency_ms")
-                lat_s = "" if latency is None else f"{latency:.4f}"
+                lat_s = "" if latency is None else F.fmt_ms(latency)
                 after = pn.get("mem_after_bytes")
                 peak, outb = pn.get("peak_bytes"), pn.get("out_bytes", E.node_bytes(n))
             else:
                 us = lat.get((gid, kind, n["name"]))
                 latency = None if us is None else us / 1e3
-                lat_s = "" if latency is None else f"{latency:.4f}*"
+                lat_s = "" if latency is None else F.fmt_ms(latency) + "*"
                 after, peak, outb = mem.get((gid, kind, n["name"])), None, E.node_bytes(n)
             comm = E.comm_kind(n)
             style = f" style='background:{L.comm_color(comm)}'" if comm else ""
@@ -484,13 +533,13 @@ def _section_ops(rec: RunRecord, events: list[dict], samples: list[dict], pscope
                 f"<tr><td class=num data-v='{i}'>{i}</td><td{style}>{esc(n['name'])}</td><td>{esc(n['target'])}</td>"
                 f"<td>{esc(grp)}</td><td>{esc(json.dumps(n.get('shape')))}</td>"
                 f"<td class=num data-v='{latency if latency is not None else -1}'>{lat_s}</td>"
-                f"<td class=num data-v='{outb or 0}'>{E.fmt_bytes(outb or 0)}</td>"
-                f"<td class=num data-v='{after if after is not None else -1}'>{'' if after is None else E.fmt_bytes(after)}</td>"
-                f"<td class=num data-v='{peak if peak is not None else -1}'>{'' if peak is None else E.fmt_bytes(peak)}</td></tr>")
+                f"<td class=num data-v='{outb or 0}'>{F.fmt_bytes(outb or 0)}</td>"
+                f"<td class=num data-v='{after if after is not None else -1}'>{'' if after is None else F.fmt_bytes(after)}</td>"
+                f"<td class=num data-v='{peak if peak is not None else -1}'>{'' if peak is None else F.fmt_bytes(peak)}</td></tr>")
         src = f"measured on {esc(json.dumps(hw))}" if p else "predicted (*)"
         out.append(f"<h3>graph {gid} · {esc(kind)} · after {esc(v.after)} — {src}</h3>"
                    "<div class='scroll'><table class='sortable ops'><thead><tr><th>#</th><th>node</th><th>target</th>"
-                   "<th>module</th><th>shape</th><th>latency (ms)</th><th>output</th><th>mem after</th>"
+                   "<th>module</th><th>shape</th><th>latency</th><th>output</th><th>mem after</th>"
                    "<th>peak</th></tr></thead><tbody>" + "".join(rows) + "</tbody></table></div>")
     out.append("</section>")
     return "".join(out)
@@ -503,17 +552,17 @@ def render_report(run_dir: str | os.PathLike, out_file: str | os.PathLike | None
     all_steps = read_all_steps(run_dir, rec.manifest)
     out = Path(out_file) if out_file is not None else Path(run_dir) / "report.html"
     pscopes = L.param_scopes(rec.graphs)
-    # measured where recorded, else the naive prediction from the final graphs
-    if rec.schedule and rec.schedule["events"]:
-        events, ev_src = rec.schedule["events"], "recorded"
+    js = plotly_js()
+    figs = _Figures(js is not None)
+    events, ev_notes = _all_rank_events(rec)
+    if events:
+        srcs = sorted({e["source"] for e in events})
+        ev_src = "the record's schedule (" + ", ".join(srcs) + ")"
     else:
         events, _ = E.estimate_versions([vars(v) for v in _final_versions(rec).values()])
+        events = [dict(e, rank=rec.rank) for e in events]
         ev_src = "predicted by the naive order-based estimate (no schedule in the record)"
-    if rec.memory and rec.memory["samples"]:
-        samples, mem_src = rec.memory["samples"], "recorded"
-    else:
-        _, samples = E.estimate_versions([vars(v) for v in _final_versions(rec).values()])
-        mem_src = "predicted by liveness over the final graphs (no memory timeline in the record)"
+    view = memory_view_of(rec)
     title = f"deepcompile run {Path(run_dir).resolve().name}"
     body = [
         f"<header><h1>{esc(title)}</h1><div class='sub'>{rec.manifest['world_size']} rank(s) · "
@@ -521,13 +570,15 @@ def render_report(run_dir: str | os.PathLike, out_file: str | os.PathLike | None
         f"rendered {_dt.datetime.now().isoformat(timespec='seconds')}</div></header>",
         "<nav><a href='#run'>Run</a><a href='#steps'>Steps</a><a href='#graphs'>Graphs</a>"
         "<a href='#schedule'>Schedule</a><a href='#memory'>Memory</a><a href='#ops'>Operators</a></nav>",
-        _section_run(rec), _section_steps(rec, all_steps),
+        "" if js is not None else f"<p class='note no-plotly-banner'>{NO_PLOTLY}</p>",
+        _section_run(rec), _section_steps(rec, all_steps, figs, view),
         _section_graphs(rec, depth, workers or min(8, os.cpu_count() or 1)),
-        _section_schedule(rec, events, ev_src), _section_memory(samples, mem_src),
-        _section_ops(rec, events, samples, pscopes)]
+        _section_schedule(rec, events, ev_src, figs, ev_notes), _section_memory(view, figs),
+        _section_ops(rec, events, view.get("samples") or [], pscopes)]
+    lib = f"<script>{js}</script>" if (js is not None and figs.items) else ""
     doc = ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
-           f"<title>{esc(title)}</title><style>{CSS}</style></head><body>"
-           + "".join(body) + f"<script>{JS}</script></body></html>")
+           f"<title>{esc(title)}</title><style>{CSS}</style>{lib}</head><body>"
+           + "".join(body) + figs.script() + f"<script>{JS}{PLOT_JS if figs.items else ''}</script></body></html>")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     tmp.write_text(doc, encoding="utf-8")
