@@ -38,17 +38,18 @@ def default_model(backend: str) -> CommModel:
     return DEFAULTS["nccl" if "nccl" in backend else "gloo"]
 
 
-def predict(versions, profile=None, fused: bool = False) -> dict:
+def predict(versions, profile=None, fused: bool = False, static: dict | None = None) -> dict:
     """Predicted step time and memory of the latest compiled graphs (a list of GraphVersion or
     record dicts), from a profile where one exists: compute ops take their measured latency,
     collectives the measured alpha-beta time, waits block compute until their collective ends,
     buffers live from allocation (a gather's from its issue) to their last use. The step adds
     the profiling step's measured ``optimizer.step()`` (its graphs' time alone left out a
     quarter of a ZeRO-3 step's AdamW on an H200). ``fused``: the graphs are compiled by
-    Inductor, whose fused kernels move only what crosses them (``plan.estimate.fused_us``)."""
+    Inductor, whose fused kernels move only what crosses them (``plan.estimate.fused_us``).
+    ``static``: per-graph costs computed once (``plan.estimate.static_costs``; the what-if)."""
     from deepcompile.plan.estimate import estimate_versions
 
-    events, samples = estimate_versions(versions, profile, fused)
+    events, samples = estimate_versions(versions, profile, fused, static)
     step_us = 0.0
     per_graph: dict = {}
     for e in events:

@@ -87,6 +87,12 @@ def inputs_of(n: dict) -> list[str]:
     return _refs([n.get("args"), n.get("kwargs")], [])
 
 
+def inputs_by_name(nodes: list[dict]) -> dict[str, list[str]]:
+    """``inputs_of`` of every node, by name: computed once per graph (the estimate asks it of
+    each node several times, and the what-if prices the same graphs many times over)."""
+    return {n["name"]: _refs([n.get("args"), n.get("kwargs")], []) for n in nodes}
+
+
 def comm_kind(n: dict) -> str | None:
     t = n.get("target", "")
     return t[3:] if n.get("op") == "call_function" and t.startswith("dc.") else None
@@ -114,7 +120,7 @@ def memory_bound_rate(nodes: list[dict], latency_us: dict) -> float | None:
     return b / us if b > 0 and us > 0 else None
 
 
-def fused_us(nodes: list[dict], rate: float) -> dict[str, float]:
+def fused_us(nodes: list[dict], rate: float, ins: dict[str, list[str]] | None = None) -> dict[str, float]:
     """Microseconds of every pointwise/reduction ("other") node once Inductor has fused them.
 
     Inductor fuses chains of such ops into kernels that read their inputs once and write only
@@ -123,7 +129,8 @@ def fused_us(nodes: list[dict], rate: float) -> dict[str, float]:
     graph output or such an op uses it (views are looked through; they are no kernel). On the
     953M Llama on an H200 the node-by-node profile of these ops was 23.3 ms, this 4.9 ms, and
     a trace of the compiled step 3.1 ms of Inductor kernels. Kernel launch is
-    charged once per written output."""
+    charged once per written output. ``ins``: ``inputs_by_name(nodes)`` where the caller has it."""
+    ins = ins if ins is not None else inputs_by_name(nodes)
     by_name = {n["name"]: n for n in nodes}
     size = {n["name"]: node_bytes(n) for n in nodes}
     cls = {n["name"]: ("input" if n["op"] in ("placeholder", "get_attr") else
@@ -132,15 +139,15 @@ def fused_us(nodes: list[dict], rate: float) -> dict[str, float]:
            for n in nodes}
     users: dict[str, list[str]] = {}
     for n in nodes:
-        for r in inputs_of(n):
+        for r in ins[n["name"]]:
             users.setdefault(r, []).append(n["name"])
 
     def base(name: str) -> str:
         while cls.get(name) == "view":
-            ins = [r for r in inputs_of(by_name[name]) if r in by_name]
-            if not ins:
+            src = [r for r in ins[name] if r in by_name]
+            if not src:
                 break
-            name = ins[0]
+            name = src[0]
         return name
 
     def external_users(name: str) -> bool:
@@ -158,7 +165,7 @@ def fused_us(nodes: list[dict], rate: float) -> dict[str, float]:
         name = n["name"]
         if cls[name] != "other" or n["op"] != "call_function":
             continue
-        reads = sum(size.get(r, 0) for r in dict.fromkeys(inputs_of(n))
+        reads = sum(size.get(r, 0) for r in dict.fromkeys(ins[name])
                     if r in by_name and cls.get(base(r)) != "other")
         writes = size[name] if external_users(name) else 0
         out[name] = (OP_OVERHEAD_US if writes else 0.0) + (reads + writes) / rate
@@ -166,7 +173,8 @@ def fused_us(nodes: list[dict], rate: float) -> dict[str, float]:
 
 
 def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | None = None,
-             comm: Any = None, rate: float | None = None, fused: bool = False) -> tuple[list[dict], list[dict]]:
+             comm: Any = None, rate: float | None = None, fused: bool = False,
+             fused_cost: dict[str, float] | None = None) -> tuple[list[dict], list[dict]]:
     """(schedule events, memory samples by node index) for one graph version.
 
     ``latency_us`` (node name -> measured microseconds) and ``comm`` (a CommModel) replace the
@@ -174,27 +182,34 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
     ``rate``: bytes/us for compute nodes without a latency (default: ``memory_bound_rate`` of
     ``nodes`` and ``latency_us``). ``fused``: the graph is compiled by Inductor, so pointwise
     and reduction ops cost what ``fused_us`` says instead of their unfused profiled latency.
+    ``fused_cost``: that dict where the caller has it (the passes after zero3 move and replace
+    only collectives, so a graph's fused costs hold for every re-plan of it: the what-if
+    computes them once per record); nodes it lacks are costed as without it.
     """
     by_name = {n["name"]: n for n in nodes}
     size = {n["name"]: node_bytes(n) for n in nodes}
+    ins = inputs_by_name(nodes)
     last_use: dict[str, int] = {}
     for i, n in enumerate(nodes):
-        for r in inputs_of(n):
+        for r in ins[n["name"]]:
             last_use[r] = i
     waits_of: dict[str, list[dict]] = {}
     unpacked: dict[str, int] = {}  # a multi-output op -> bytes of the values its getitems take out
     for m in nodes:
         if m.get("target") in ("dc.wait_allgather", "dc.wait_allgather_many"):
-            for r in inputs_of(m):
+            for r in ins[m["name"]]:
                 waits_of.setdefault(r, []).append(m)
         if m.get("target") in GETITEM:
-            for r in inputs_of(m):
-                unpacked[r] = unpacked.get(r, 0) + node_bytes(m)
+            for r in ins[m["name"]]:
+                unpacked[r] = unpacked.get(r, 0) + size[m["name"]]
 
     if rate is None:
         rate = memory_bound_rate(nodes, latency_us) if latency_us else None
     rate = rate or COMPUTE_BYTES_PER_US
-    fused_cost = fused_us(nodes, rate) if fused else {}
+    if not fused:
+        fused_cost = {}
+    elif fused_cost is None:
+        fused_cost = fused_us(nodes, rate, ins)
 
     def comm_us(nbytes: float) -> float:
         return comm.allgather_us(nbytes) if comm is not None else OP_OVERHEAD_US + nbytes / COMM_BYTES_PER_US
@@ -254,7 +269,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
         elif c in ("wait_allgather", "wait_allgather_many"):
             # wait_allgather_many: one wait for a whole coalesced group (prefetch); its getitems
             # take out the members' values, each released on its own
-            src = next((r for r in inputs_of(n) if r in ag_end), None)
+            src = next((r for r in ins[name] if r in ag_end), None)
             start = t
             t = max(t, ag_end.get(src, t))
             ev(name, "compute", start, max(t, start + 0.1))
@@ -266,7 +281,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
             if name not in unpacked:
                 live[name] = size[name]
         elif c == "reduce_grad":
-            nbytes = sum(size.get(r, 0) for r in inputs_of(n))
+            nbytes = sum(size.get(r, 0) for r in ins[name])
             start = max(t, red_free)
             end = start + comm_us(nbytes)
             ev(name, "reduce", start, end)
@@ -278,7 +293,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
             ev(name, "compute", t, max(t, red_free, t + 0.1))
             t = max(t, red_free)
         elif c == "release_param":
-            for r in inputs_of(n):
+            for r in ins[name]:
                 live.pop(r, None)
         elif op == "call_function" or op == "call_module" or op == "call_method":
             if n.get("target") in GETITEM or op_class(n.get("target", "")) == "view":
@@ -293,7 +308,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
             t += d
             live[name] = size[name]
         # free what is dead after this node (not gathered params: release_param frees those)
-        for r in inputs_of(n):
+        for r in ins[name]:
             if last_use.get(r) == i and r in live and comm_kind(by_name[r]) != "wait_allgather":
                 live.pop(r, None)
         alloc = baseline + sum(live.values())
@@ -304,13 +319,25 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
     return events, samples
 
 
-def estimate_versions(versions: Iterable[Any], profile: Any = None, fused: bool = False
-                      ) -> tuple[list[dict], list[dict]]:
+def static_costs(profile: Any, versions: list[dict], base: dict, fused: bool) -> tuple:
+    """(latency_us, rate, fused_cost) of ``base`` (one graph's version, ``versions`` all of
+    that graph's): what ``estimate_versions`` derives per graph from the profile. The passes
+    after zero3 change only collectives, so these hold for every re-plan of ``base``; the
+    what-if computes them once per record and hands them in as ``static``."""
+    gp = profile.get(base["graph_id"], base["kind"]) if profile is not None else None
+    lat, rate = matched_latency_us(gp, versions, base) if gp is not None else (None, None)
+    r = rate or (memory_bound_rate(base["nodes"], lat) if lat else None) or COMPUTE_BYTES_PER_US
+    return lat, r, (fused_us(base["nodes"], r) if fused else None)
+
+
+def estimate_versions(versions: Iterable[Any], profile: Any = None, fused: bool = False,
+                      static: dict | None = None) -> tuple[list[dict], list[dict]]:
     """Estimate the *last* version of every (graph_id, kind) among ``versions``
     (GraphVersion objects or dicts), skipping Dynamo's pre-split graphs. With a
     ``deepcompile.profile.profiler.Profile`` the estimate uses measured latencies and the
     measured communication model. ``fused``: those versions are compiled by Inductor (see
-    ``estimate``)."""
+    ``estimate``). ``static``: (graph_id, kind) -> ``static_costs`` of the graph the last
+    version was planned from (else derived here)."""
     last: dict[tuple[int, str], Any] = {}
     every: dict[tuple[int, str], list] = {}
     for v in versions:
@@ -320,13 +347,16 @@ def estimate_versions(versions: Iterable[Any], profile: Any = None, fused: bool 
             every.setdefault((d["graph_id"], d["kind"]), []).append(d)
     events, samples = [], []
     for (gid, kind), d in sorted(last.items(), key=lambda kv: (kv[0][0], kv[0][1] != "forward")):
-        lat, comm, rate = None, None, None
-        if profile is not None:
+        lat, comm, rate, fcost = None, None, None, None
+        if static is not None and (gid, kind) in static:
+            lat, rate, fcost = static[(gid, kind)]
+        elif profile is not None:
             gp = profile.get(gid, kind)
             if gp is not None:
                 lat, rate = matched_latency_us(gp, every[(gid, kind)], d)
+        if profile is not None:
             comm = profile.comm
-        e, s = estimate(d["nodes"], gid, kind, lat, comm, rate, fused)
+        e, s = estimate(d["nodes"], gid, kind, lat, comm, rate, fused, fcost)
         events += e
         samples += s
     return events, samples

@@ -23,6 +23,7 @@ default ZeRO-3 plan) a parameter left out is ``"auto"`` too, else it takes its d
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import operator
 import os
@@ -44,6 +45,7 @@ __all__ = ["WhatIf", "WhatIfError", "predict_run", "rebuild", "param_meta", "loa
 # the vocabulary of record/schema.py's MEMORY_CATEGORIES (one for measured and predicted memory)
 MEMORY_CATEGORIES = ("parameter_shards", "gathered", "gradients", "optimizer_state", "activations", "offloaded")
 AUTO = "auto"
+FULL_KEPT = 6   # whole predictions (versions, events, samples) kept per record for going back
 # passes whose graph rewrite the what-if runs on the rebuilt graphs; offload_optimizer is priced
 # by the memory model (its run-time decisions read the allocator, which an offline graph lacks)
 GRAPH_PASSES = ("prefetch", "selective_unshard", "offload_activations")
@@ -223,6 +225,9 @@ class _Base:
     measured: dict
     seconds: float
     prefix: list                    # the record's pass names up to zero3 (the base's)
+    static: dict = field(default_factory=dict)   # (gid, kind) -> estimate.static_costs of the base
+    times: dict = field(default_factory=dict)    # run key -> priced scalars (planner candidates, re-used)
+    full: dict = field(default_factory=dict)     # run key -> (model versions, shown versions, prediction)
 
 
 _CACHE: dict = {}
@@ -264,7 +269,7 @@ def load_base(run_dir, rank: int = 0) -> _Base:
 
 
 def _build_base(root: Path, rank: int) -> _Base:
-    from deepcompile.plan.estimate import profiled_version
+    from deepcompile.plan.estimate import profiled_version, static_costs
     from deepcompile.plan.memory import facts_from_profile
     from deepcompile.profile.profiler import Profile
     from deepcompile.record import schema as S
@@ -321,9 +326,14 @@ def _build_base(root: Path, rank: int) -> _Base:
     host, measured = _measured(rec)
     names = [str(e.get("name") if isinstance(e, dict) else e) for e in (cfg.get("passes") or [])]
     prefix = names[:names.index("zero3") + 1] if "zero3" in names else ["zero3"]
+    fused = cfg.get("compiler", "inductor") == "inductor"
+    static = {}
+    for key, d in base.items():
+        vs = [x for x in (profiled[key], d) if x is not None]
+        static[key] = static_costs(prof, vs, d, fused)
     return _Base(str(root), rank, cfg, prof, graphs, base, profiled, scope, meta, world, facts, plan, capacity,
-                 cfg.get("compiler", "inductor") == "inductor", int(cfg.get("gradient_accumulation_steps") or 1),
-                 host, measured, time.perf_counter() - t0, prefix)
+                 fused, int(cfg.get("gradient_accumulation_steps") or 1),
+                 host, measured, time.perf_counter() - t0, prefix, static)
 
 
 def _capacity(env: dict) -> int | None:
@@ -449,6 +459,27 @@ class _Runner:
         return PassContext(graph_id=gid, kind=kind, params=build(PASSES[name].params_cls, params, f"passes.{name}.params"),
                            param_meta=self.b.meta, world_size=self.b.world, rank=self.b.rank, profile=self.b.profile)
 
+    def key(self, params: dict) -> str:
+        return json.dumps([self.names, {n: params.get(n, {}) for n in self.names}], sort_keys=True, default=str)
+
+    def evaluate(self, params: dict, keep_versions: bool) -> tuple[list[dict], list[dict], dict]:
+        """(model versions, shown versions, cost_model.predict's dict) of ``params``; the last
+        few are kept per record, so going back to an earlier edit is instant."""
+        from deepcompile.plan.cost_model import predict
+
+        b, k = self.b, self.key(params)
+        hit = b.full.get(k)
+        if hit is not None and (hit[1] is not None or not keep_versions):
+            return hit
+        mv, shown = self.run(params, keep_versions)
+        p = predict(mv, b.profile, fused=b.fused, static=b.static)
+        out = (mv, shown if keep_versions else None, p)
+        b.full[k] = out
+        while len(b.full) > FULL_KEPT:
+            b.full.pop(next(iter(b.full)))
+        b.times[k] = {"step_ms": p["step_ms"], "optimizer_ms": p["optimizer_ms"]}
+        return out
+
     def run(self, params: dict, keep_versions: bool) -> tuple[list[dict], list[dict]]:
         """(versions for the cost model, versions to show: one per pass that ran, per graph)."""
         from deepcompile.passes import PASSES
@@ -481,24 +512,26 @@ class _Runner:
             model.append({"graph_id": gid, "kind": kind, "after": "whatif", "nodes": final})
         return model, shown
 
-    def price(self, model_versions: list[dict], kept: int, offloaded: int) -> dict:
-        from deepcompile.plan.cost_model import predict
+    def gpu_ms(self, p: dict, kept: int, offloaded: int) -> float:
+        """The step on the GPU's timeline: the graphs once per micro-batch (kept parameters
+        gathered once per optimizer step), the optimizer step, the offload copies not hidden."""
         from deepcompile.plan.planner import offload_ms
 
         b = self.b
-        p = predict(model_versions, b.profile, fused=b.fused)
         graphs_ms = p["step_ms"] - p["optimizer_ms"]
         comm = b.profile.comm
         again = (b.accumulation - 1) * (comm.allgather_us(kept) / 1e3 if (comm and kept) else 0.0)
-        p["gpu_ms"] = (b.accumulation * graphs_ms - again + p["optimizer_ms"]
-                       + offload_ms(offloaded, b.accumulation * graphs_ms))
-        return p
+        return (b.accumulation * graphs_ms - again + p["optimizer_ms"]
+                + offload_ms(offloaded, b.accumulation * graphs_ms))
 
     def step_ms(self, cand) -> float:
-        """The planner's callable: a candidate's predicted GPU step."""
+        """The planner's callable: a candidate's predicted GPU step (priced once per record and
+        parameters: a changed memory limit re-plans from the times already known)."""
         params = _merge(self.fixed, cand.params())
-        mv, _ = self.run(params, False)
-        return self.price(mv, cand.kept, cand.offloaded)["gpu_ms"]
+        p = self.b.times.get(self.key(params))
+        if p is None:
+            p = self.evaluate(params, False)[2]
+        return self.gpu_ms(p, cand.kept, cand.offloaded)
 
 
 def _merge(explicit: dict, planned: dict) -> dict:
@@ -517,6 +550,13 @@ def _kept(b: _Base, runner: _Runner, budget_mb: float) -> tuple[int, list[int]]:
 
 
 def _memory(pm: PlanMemory) -> tuple[dict, str]:
+    by = getattr(pm, "by_category", None)  # plan/memory.py's own split, where it has one
+    if by is not None:
+        return by()
+    return _split(pm)
+
+
+def _split(pm: PlanMemory) -> tuple[dict, str]:
     """PlanMemory onto the record's categories, at the predicted peak. At a forward/backward
     peak: shards, state left on the device, gradients (and reduce buckets), gathered (kept +
     prefetched), activations (the rest of the profiled peak, with the parameter in use) and the
@@ -585,7 +625,25 @@ def predict_run(run_dir, passes, *, rank: int = 0, memory_limit_gib: float | Non
         limit = 1 << 62
     plan_d = None
     params = {k: dict(v) for k, v in explicit.items()}
-    if auto:
+    recorded = (b.plan or {}).get("chosen", {}).get("params") or {}
+    same = (auto and recorded and not hand and b.plan.get("limit_bytes") == limit
+            and all(set(auto.get(n, ())) == {k for k in P.PLANNED[n] if k in recorded.get(n, {})}
+                    for n in ("prefetch", "selective_unshard") if n in names)
+            and all(n in names for n in ("prefetch", "selective_unshard") if n in recorded))
+    if same:
+        # every planned value is "auto" under the run's own limit: the run's planner already
+        # chose, from the same profile (plan.json); its choice is what the run would do again
+        plan_d = b.plan
+        for name, keys in auto.items():
+            for k in keys:
+                if k in recorded.get(name, {}):
+                    params.setdefault(name, {})[k] = recorded[name][k]
+        if "offload_optimizer" in recorded and "offload_optimizer" not in names:
+            params["offload_optimizer"] = dict(recorded["offload_optimizer"])
+        notes.append("planner: the run's own choice (plan.json, same limit and hand-set values): "
+                     + ", ".join(f"{n}.{k} = {params[n][k]:g}" for n, ks in auto.items() for k in ks
+                                 if k in params.get(n, {})))
+    elif auto:
         cap = b.capacity or limit
         mem = P.DeviceMemory(cap, cap, limit, limit_src)
         planned_hand = {k: v for k, v in hand.items()}
@@ -625,12 +683,11 @@ def predict_run(run_dir, passes, *, rank: int = 0, memory_limit_gib: float | Non
         notes.append(f"offload_optimizer: {offloaded / GIB:.2f} GiB of {facts.state_bytes / GIB:.2f} GiB optimizer "
                      f"state predicted off the device in forward/backward (limit {lim / GIB:.2f} GiB)")
     pm = plan_memory(facts, kept, ahead, offloaded)
-    mv, shown = runner.run(_merge(params, {}), True)
-    p = runner.price(mv, kept, offloaded)
+    mv, shown, p = runner.evaluate(params, True)
+    gpu_ms = runner.gpu_ms(p, kept, offloaded)
     for v in shown:
         notes += [f"g{v['graph_id']} {v['kind']} {v['after']}: {n}" for n in v["notes"]]
     memory, where = _memory(pm)
-    gpu_ms = p["gpu_ms"]
     step = gpu_ms
     if b.host_ms and b.host_ms > gpu_ms:
         step = b.host_ms
