@@ -705,3 +705,58 @@ def predict_run(run_dir, passes, *, rank: int = 0, memory_limit_gib: float | Non
                   optimizer_ms=round(p["optimizer_ms"], 3),
                   per_graph_ms={k: round(v, 3) for k, v in p["per_graph_ms"].items()},
                   memory_model=pm.to_dict(), peak_where=where, plan=plan_d, measured=dict(b.measured))
+
+
+# ------------------------------------------------------------------------------------ the planner offline
+def variant(b: _Base, *, world: int | None = None, gb_per_s: float | None = None, alpha_us: float | None = None,
+            optimizer_peak_gib: float | None = None, accumulation: int | None = None,
+            compiler: str | None = None, capacity_gib: float | None = None) -> _Base:
+    """A copy of a record's base with the hardware or the run changed (another link speed, the
+    optimizer step's peak of an older record that did not measure it, another world size), and
+    fresh caches (its prices differ)."""
+    from deepcompile.plan.estimate import static_costs
+    from deepcompile.plan.memory import facts_from_profile
+
+    prof = b.profile
+    if gb_per_s or alpha_us is not None or optimizer_peak_gib:
+        prof = dataclasses.replace(prof)
+        if gb_per_s or alpha_us is not None:
+            prof.comm = dataclasses.replace(prof.comm, bytes_per_us=(gb_per_s * 1e3 if gb_per_s else prof.comm.bytes_per_us),
+                                            alpha_us=(alpha_us if alpha_us is not None else prof.comm.alpha_us))
+        if optimizer_peak_gib:
+            prof.optimizer_peak_bytes = int(optimizer_peak_gib * GIB)
+    w = world or b.world
+    facts = b.facts
+    if prof is not b.profile or w != b.world:
+        facts = facts_from_profile(prof, b.meta, w, b.facts.state_bytes, reduce_bytes=b.facts.reduce_bytes)
+    fused = b.fused if compiler is None else compiler == "inductor"
+    static = b.static if fused == b.fused else {
+        k: static_costs(prof, [x for x in (b.profiled[k], d) if x is not None], d, fused) for k, d in b.base.items()}
+    return dataclasses.replace(b, profile=prof, world=w, facts=facts, fused=fused, static=static,
+                               accumulation=accumulation or b.accumulation,
+                               capacity=int(capacity_gib * GIB) if capacity_gib else b.capacity,
+                               times={}, full={})
+
+
+def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **changes):
+    """The planner on a record, offline: (plan, base, [(candidate, predicted GPU ms)]) for every
+    candidate it priced. ``changes``: see :func:`variant`. The limit: ``limit_gib``, else 90% of
+    the capacity (``capacity_gib``, the record's plan, or the device's by name)."""
+    from deepcompile.plan import planner as P
+
+    b = load_base(run_dir, rank)
+    if any(v is not None for v in changes.values()):
+        b = variant(b, **changes)
+    cap = b.capacity or int(141.0 * GIB)
+    limit = int(limit_gib * GIB) if limit_gib else int(P.DEFAULT_LIMIT_FRACTION * cap)
+    mem = P.DeviceMemory(cap, cap, limit, f"limit {limit_gib:g} GiB" if limit_gib else "90% of the capacity")
+    runner = _Runner(b, ["prefetch", "selective_unshard"], {})
+    seen = []
+
+    def timed(c):
+        t = runner.step_ms(c)
+        seen.append((c, t))
+        return t
+    plan = P.choose(b.facts, mem, lambda mb: _kept(b, runner, mb)[0], timed, {},
+                    "cost model on the record's graphs (offline)")
+    return plan, b, seen
