@@ -110,6 +110,10 @@ class DeepCompileModel(nn.Module):
         timer = self.__dict__.pop("_dc_opt_timer", None)
         prof.optimizer_ms = timer.stop() if timer is not None else 0.0
         prof.optimizer_peak_bytes = timer.peak_bytes if timer is not None else 0
+        from deepcompile.profile.profiler import take_memory_timeline
+
+        # this rank's memory timeline of the step, by category (the record's memory.json.gz)
+        prof.memory = take_memory_timeline(b.compiled, self.dc_step, prof.optimizer_ms, prof.optimizer_peak_bytes)
         # the gathers the passes schedule run in the shard group (all ranks but under mesh.shard)
         prof.comm = benchmark_comm(self.dc_shard_group, self._dc_device())
         b.profile = agree(prof, self.dc_group)
@@ -333,6 +337,9 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     object.__setattr__(wrapped, "dc_next_is_boundary", opt.dc_next_is_boundary)
     global _CURRENT
     _CURRENT = weakref.ref(wrapped)
+    from deepcompile.profile.profiler import track_memory
+
+    track_memory(wrapped)  # the profiling step splits its memory by category (held weakly)
     compat.route_clip_grad_norm()
     return wrapped, opt
 

@@ -40,9 +40,29 @@ def _parse_value(v: str):
         return v
 
 
-def build_config(compiler: str, passes: str | None, pass_params: list[str]) -> dict:
+def build_config(compiler: str, passes: str | None, pass_params: list[str], profile_step: int | None = None) -> dict:
+    """The demo's config. Without ``passes`` (and without ``profile_step``): the default ZeRO-3
+    plan (``Config.apply_default_schedule``: zero3, a profiling step, then zero3 + prefetch +
+    selective_unshard with the planner's parameters), spelled out so that ``pass_params`` apply to
+    the planned passes (a parameter set by hand is kept by the planner). Otherwise exactly those
+    passes, with ``profile_step`` if given."""
+    if passes is None and profile_step is None:
+        from deepcompile.config import Config
+
+        cfg = Config.load({"compiler": compiler}).to_dict()
+        names = [e["name"] for e in cfg["schedule"][-1]["passes"]]
+        _apply_pass_params(cfg["schedule"][-1]["passes"], names, pass_params)
+        return cfg
     names = [p.strip() for p in (passes or "zero3").split(",") if p.strip()]
     entries = [{"name": n, "params": {}} for n in names]
+    _apply_pass_params(entries, names, pass_params)
+    cfg = {"compiler": compiler, "passes": entries}
+    if profile_step is not None:
+        cfg["profile_step"] = profile_step
+    return cfg
+
+
+def _apply_pass_params(entries: list[dict], names: list[str], pass_params: list[str]) -> None:
     for item in pass_params or []:
         key, eq, value = item.partition("=")
         name, dot, pkey = key.partition(".")
@@ -50,10 +70,10 @@ def build_config(compiler: str, passes: str | None, pass_params: list[str]) -> d
             raise CLIError(f"--pass-param {item!r}: expected NAME.KEY=VALUE, e.g. prefetch.budget_mb=512")
         hits = [e for e in entries if e["name"] == name]
         if not hits:
-            raise CLIError(f"--pass-param {item!r}: pass {name!r} is not in --passes ({','.join(names)})")
+            raise CLIError(f"--pass-param {item!r}: pass {name!r} is not in the pass list ({','.join(names)}); "
+                           "name it in --passes")
         for e in hits:
             e["params"][pkey] = _parse_value(value)
-    return {"compiler": compiler, "passes": entries}
 
 
 def load_factory(spec: str):
@@ -93,7 +113,8 @@ def _builtin_gpt(batch: int, seed: int, world: int):
 
 
 def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps: int, out: str,
-               batch: int, seed: int, factory: str | None = None, timeout_s: float = 600.0) -> None:
+               batch: int, seed: int, factory: str | None = None, timeout_s: float = 600.0,
+               command: dict | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     import torch
@@ -119,7 +140,7 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
         torch.manual_seed(seed)  # same initial weights on every rank
         user_model, make_batch = load_factory(factory)() if factory else _builtin_gpt(batch, seed, world)
         model, opt = deepcompile.initialize(user_model, lambda ps: torch.optim.AdamW(ps, lr=3e-3), cfg)
-        rec = RunRecorder(out, rank, world, model.dc_config)
+        rec = RunRecorder(out, rank, world, model.dc_config, command=command)
         model.dc_backend.observers.append(rec.graph_version)  # graphs compile at the first call
         for step in range(1, steps + 1):
             args = make_batch(step, rank, device)
@@ -146,8 +167,7 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
             rec.step(step, dt, lv, memory_stats())
             if rank == 0:
                 print(f"step {step:>4}/{steps}  loss {lv:.4f}  {dt * 1e3:8.1f} ms", flush=True)
-        if model.dc_profile is not None:
-            rec.profile(model.dc_profile.to_records())
+        rec.model(model)   # the profile, this rank's measured memory timeline, the plan
         events, samples = estimate.estimate_versions(model.dc_graphs, model.dc_profile,
                                                      fused=model.dc_config.compiler == "inductor")
         rec.schedule(events + measured, replace=True)
@@ -155,9 +175,8 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
             print(f"measured step {steps}: compute busy {overlap['compute_busy_us'] / 1e3:.1f} ms, communication "
                   f"{overlap['comm_busy_us'] / 1e3:.1f} ms, {100 * overlap['overlap_fraction']:.0f}% of it "
                   "overlapped with compute", flush=True)
-        rec.memory(samples, replace=True)
-        if getattr(model, "dc_plan", None):
-            rec.plan(model.dc_plan)
+        if not (model.dc_profile is not None and model.dc_profile.memory):
+            rec.memory(samples, replace=True)   # no profiling step: the naive estimate (predicted)
         rec.close()
         dist.barrier()
         dist.destroy_process_group()
@@ -241,9 +260,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     use_gpu = (not a.cpu) and torch.cuda.is_available() and torch.cuda.device_count() >= a.ranks
     backend = "nccl" if use_gpu else "gloo"
     compiler = a.compiler or ("inductor" if use_gpu else "aot_eager")
-    cfg = build_config(compiler, a.passes, a.pass_param)
-    if a.profile_step is not None:
-        cfg["profile_step"] = a.profile_step
+    cfg = build_config(compiler, a.passes, a.pass_param, a.profile_step)
     cfg["collective_timeout_s"] = a.timeout
     Config.load(cfg)  # ConfigError (exit 2) before any process starts
     if a.model:
@@ -257,8 +274,16 @@ def cmd_demo(a: argparse.Namespace) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a parent that is a file, no permission, read-only file system
         raise CLIError(f"--out {out}: cannot create the run directory ({e.strerror or e})") from None
+    plan = "".join(f", from step {e['step']} {[p['name'] for p in e['passes']]}" for e in cfg.get("schedule") or [])
+    if cfg.get("profile_step") is not None:
+        plan += f", step {cfg['profile_step']} profiled" + (" and planned" if cfg.get("plan") else "")
     print(f"deepcompile demo: {a.ranks} rank(s), {backend}, compiler {compiler}, passes "
-          f"{[e['name'] for e in cfg['passes']]}, {a.steps} steps -> {out}", flush=True)
+          f"{[e['name'] for e in cfg['passes']]}{plan}, {a.steps} steps -> {out}", flush=True)
+    from deepcompile.record.writer import launch_command
+
+    # how to run this demo again (the inspector's Run): this command line, launched by the demo
+    command = launch_command(a.ranks, launcher="deepcompile demo",
+                             relaunch=[sys.executable, "-m", "deepcompile", *getattr(a, "argv", [])])
     t0 = time.perf_counter()
     from deepcompile.record.writer import finalize_manifest
 
@@ -266,7 +291,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     ctx = None
     try:
         ctx = mp.start_processes(_demo_rank, args=(a.ranks, port, backend, cfg, a.steps,
-                                                   str(out), a.batch, a.seed, a.model, a.timeout),
+                                                   str(out), a.batch, a.seed, a.model, a.timeout, command),
                                  nprocs=a.ranks, join=False, start_method="spawn")
         while not ctx.join(timeout=0.5):  # join=True would not return on SIGINT before the ranks end
             pass
@@ -319,7 +344,7 @@ def cmd_report(a: argparse.Namespace) -> int:
 
 def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
     from deepcompile.plan.estimate import fmt_bytes
-    from deepcompile.record.reader import read_all_steps, read_run
+    from deepcompile.record.reader import read_run
     from deepcompile.report.graph_layout import diff
 
     rec = read_run(run_dir, rank)
@@ -358,13 +383,27 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
             lines.append(f"loss: first {losses[0]:.4f}, min {min(losses):.4f}, last {losses[-1]:.4f}")
     else:
         lines.append("steps: none recorded")
-    peaks = []
-    for r, ss in sorted(read_all_steps(run_dir, m).items()):
-        p = max(((s.get("mem") or {}).get("peak", 0) for s in ss), default=0)
-        peaks.append(f"rank {r} {fmt_bytes(p)}")
-    lines.append("peak memory: " + ", ".join(peaks))
+    from deepcompile.record.reader import format_peak, memory_view
+
+    # the one peak of the run (measured timeline, else the plan's prediction) with its categories;
+    # then the other side when both exist, and the per-step process memory, each labelled
+    view = memory_view(rec)
+    lines.append(format_peak(view) + (f" ({view['peak']['bytes']} bytes)" if view["peak"] else ""))
+    if view["measured"] and view["predicted"]:
+        pp = view["predicted"]["peak"]
+        lines.append(f"  {view['predicted']['label']}: {fmt_bytes(pp['bytes'])} ("
+                     + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in pp["by_category"].items() if v) + ")")
+    proc = view["process"]
+    lines.append(f"{proc['label']}: "
+                 + ", ".join(f"rank {r} {fmt_bytes(b)}" for r, b in sorted(proc["by_rank"].items())))
     extra = [n for n, x in (("profile", rec.profile), ("schedule", rec.schedule), ("memory timeline", rec.memory)) if x]
     lines.append("also recorded: " + (", ".join(extra) if extra else "nothing else"))
+    from deepcompile.record.reader import run_command
+
+    cmd = run_command(rec)
+    if cmd is not None:
+        lines.append("command: " + (" ".join(cmd["relaunch"]) + f"  (in {cmd['cwd']})" if cmd.get("relaunch")
+                                    else f"cannot be run again: {cmd.get('why_not', 'unknown launcher')}"))
     from deepcompile.record.reader import load_json
     from deepcompile.record.schema import PLAN, rank_dir_name
 
@@ -390,7 +429,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--steps", type=int, default=20, help="training steps, default 20")
     d.add_argument("--compiler", choices=("inductor", "aot_eager", "eager"), default=None,
                    help="inner compiler (default: aot_eager on CPU, inductor on GPU)")
-    d.add_argument("--passes", default=None, help="comma-separated pass names, default zero3")
+    d.add_argument("--passes", default=None,
+                   help="comma-separated pass names (default: the default ZeRO-3 plan: zero3, step 1 profiled, "
+                        "then zero3,prefetch,selective_unshard with planned parameters)")
     d.add_argument("--profile-step", type=int, default=None,
                    help="optimizer step to run node by node under the profiler (its profile is recorded)")
     d.add_argument("--pass-param", action="append", default=[], metavar="NAME.KEY=VALUE",
@@ -423,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     from deepcompile.record.schema import RecordError
 
     a = parser().parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)   # the demo records it (run it again)
     try:
         return a.fn(a)
     except (CLIError, RecordError, ConfigError) as e:

@@ -21,9 +21,10 @@ def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subpro
 
 @pytest.fixture(scope="session")
 def demo_run(tmp_path_factory) -> Path:
-    """``python -m deepcompile demo --ranks 2 --steps 3`` on CPU (gloo), once per session."""
+    """``python -m deepcompile demo --ranks 2 --steps 3 --passes zero3`` on CPU (gloo), once per
+    session: zero3 only, no profiling step (the demo's default plan is tested in test_memory_truth)."""
     out = tmp_path_factory.mktemp("demo") / "run"
-    r = run_cli("demo", "--ranks", "2", "--steps", "3", "--cpu", "--out", str(out))
+    r = run_cli("demo", "--ranks", "2", "--steps", "3", "--cpu", "--passes", "zero3", "--out", str(out))
     assert r.returncode == 0, f"demo failed ({r.returncode}):\nSTDOUT:\n{r.stdout}\nSTDERR:\n{r.stderr}"
     lines = r.stdout.strip().splitlines()
     assert lines[-1] == f"report: {out / 'report.html'}", r.stdout

@@ -16,10 +16,21 @@ group and fits the alpha-beta :class:`~deepcompile.plan.cost_model.CommModel`.
 
 Profiles are agreed across ranks (element-wise maximum) before any pass reads them: a rank
 that decided differently would issue different collectives and deadlock the job.
+
+The same walk records this rank's **memory timeline** of the profiled step (not agreed: it is
+per rank), split into ``plan.memory.MEMORY_CATEGORIES``: after every node, the parameter shards
+and their gradients (the model's shards and their ``.grad``), the optimizer state on the device
+(``runtime.optimizer_state``), the gathered parameters alive (the runtime's transient gathers and
+kept copies), what is offloaded to the host, and as activations everything else: on GPU the
+allocator's total minus the known categories, on CPU the storages the interpreter holds that are
+none of those. Its x axis is the step's compute time: the sum of the measured node latencies so
+far (the interpreter's own overhead and the GPU spins are not in it). See
+:func:`track_memory` and :func:`take_memory_timeline`.
 """
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +68,7 @@ class Profile:
     step: int = -1
     optimizer_ms: float = 0.0   # the profiling step's optimizer.step(), measured (part of a step)
     optimizer_peak_bytes: int = 0  # the allocator's peak during that optimizer.step() (CUDA; 0: not measured)
+    memory: dict | None = None   # this rank's memory timeline of the step (take_memory_timeline); not agreed
 
     def get(self, graph_id: int, kind: str) -> GraphProfile | None:
         return self.graphs.get((graph_id, kind))
@@ -112,10 +124,14 @@ class _HeldEnv(dict):
     step on the CPU). A storage resized in place while held (a CPU activation offload) keeps the
     size it entered with: the CPU's "device memory" is an approximation anyway."""
 
-    def __init__(self, items):
+    def __init__(self, items, classify=None):
         super().__init__()
-        self.refs: dict[int, list[int]] = {}   # data_ptr -> [values holding it, nbytes]
+        self.refs: dict[int, list] = {}   # data_ptr -> [values holding it, nbytes, category]
         self.total = 0
+        # bytes by what a storage is (``classify(data_ptr)``, decided when it enters): the memory
+        # timeline's split of what the interpreter holds
+        self.classify = classify
+        self.by_kind: dict[str, int] = {}
         for k, v in items:
             self[k] = v
 
@@ -127,11 +143,14 @@ class _HeldEnv(dict):
             if r is None:
                 if step < 0:
                     continue
-                r = self.refs[ptr] = [0, nbytes]
+                kind = self.classify(ptr) if self.classify is not None else "other"
+                r = self.refs[ptr] = [0, nbytes, kind]
                 self.total += nbytes
+                self.by_kind[kind] = self.by_kind.get(kind, 0) + nbytes
             r[0] += step
             if r[0] <= 0:
                 self.total -= r[1]
+                self.by_kind[r[2]] -= r[1]
                 del self.refs[ptr]
 
     def __setitem__(self, k, v) -> None:
@@ -187,6 +206,9 @@ class ProfilingInterpreter(fx.Interpreter):
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.records: list[NodeProfile] = []
         self._events: list[tuple[NodeProfile, torch.cuda.Event, torch.cuda.Event]] = []
+        self.memory = _MEMORY.sources()   # None: no model to split the memory by (no timeline)
+        self._mem: list[dict] = []         # per record: bytes by category after the node
+        self._gathered: set[int] = set()   # storages that dc gather ops returned (CPU split)
 
     def _keep_gpu_behind(self) -> None:
         k = len(self._events)
@@ -197,7 +219,13 @@ class ProfilingInterpreter(fx.Interpreter):
     def boxed_run(self, args_list):
         if self.cuda:  # the allocator counts device memory; no environment walk needed
             return super().boxed_run(args_list)
-        env = _HeldEnv(zip([n for n in self.graph.nodes if n.op == "placeholder"], args_list))
+        classify = None
+        if self.memory is not None:
+            shards, gathered = self.memory.shard_ptrs(), self._gathered
+
+            def classify(ptr: int) -> str:
+                return "shard" if ptr in shards else "gathered" if ptr in gathered else "other"
+        env = _HeldEnv(zip([n for n in self.graph.nodes if n.op == "placeholder"], args_list), classify)
         args_list.clear()
         return self.run(initial_env=env)
 
@@ -236,7 +264,29 @@ class ProfilingInterpreter(fx.Interpreter):
             after = before + ob  # the interpreter frees dead inputs after this node returns
             rec = NodeProfile(n.name, dt, after, after, ob)
         self.records.append(rec)
+        if self.memory is not None:
+            if not self.cuda and _is_gather(n):
+                seen: dict = {}
+                _storages(out, seen)
+                self._gathered.update(seen)   # classified as gathered when the env takes them
+            self._mem.append(self._split(rec))
         return out
+
+    def _split(self, rec: NodeProfile) -> dict:
+        """Bytes by category after the node (device categories sum to ``allocated``)."""
+        m = self.memory
+        cats = {"parameter_shards": m.shard_bytes(), "gathered": m.gathered_bytes(),
+                "gradients": m.grad_bytes(), "optimizer_state": m.state_bytes()}
+        if self.cuda:
+            cats["activations"] = max(0, rec.mem_after_bytes - sum(cats.values()))
+        else:
+            env = self.env if isinstance(self.env, _HeldEnv) else None
+            held = env.by_kind if env is not None else {}
+            # a gathered value the graph holds is alive in the runtime too: the larger of the two
+            cats["gathered"] = max(cats["gathered"], held.get("gathered", 0))
+            cats["activations"] = held.get("other", 0)
+        cats["offloaded"] = m.offloaded_bytes()
+        return cats
 
     def finish(self) -> list[NodeProfile]:
         """The node records, with CUDA latencies read from their events (one sync for the graph)."""
@@ -245,7 +295,149 @@ class ProfilingInterpreter(fx.Interpreter):
             for rec, start, end in self._events:
                 rec.latency_ms = start.elapsed_time(end)
             self._events.clear()
+        if self.memory is not None and self._mem:
+            _MEMORY.add_graph(self.module, self.records, self._mem)
+            self._mem = []
         return self.records
+
+
+# ---------------------------------------------------------------------------- memory timeline
+_GATHER_OPS = {"wait_allgather", "wait_allgather_many", "gather_persistent", "gather_persistent_many", "unshard"}
+
+
+def _is_gather(n: fx.Node) -> bool:
+    """A dc op whose output is a gathered (full) parameter."""
+    t = str(n.target)
+    return t.startswith("dc.") and t.split(".")[1] in _GATHER_OPS
+
+
+def _distinct_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (views of one buffer count it once: the
+    gradients of a fused reduce-scatter can share one)."""
+    seen: dict = {}
+    for t in tensors:
+        _storages(t, seen)
+    return sum(seen.values())
+
+
+class MemorySources:
+    """Where the training state's bytes are, readable at any point of a step: the model's
+    parameter shards and their ``.grad``, the optimizer state on the device (its storages: state
+    offloaded by ``offload_optimizer`` has none), the gathered parameters alive in the runtime
+    (transient gathers by parameter id, and the kept copies), and the host bytes offloaded."""
+
+    def __init__(self, model):
+        self._model = weakref.ref(model)
+        b = model.dc_backend
+        self.gathered_by_id = {pid: m.chunk * b.world_size * torch.empty((), dtype=m.gather_dtype).element_size()
+                               for pid, m in b.param_meta.items()}
+
+    def _shards(self) -> list:
+        m = self._model()
+        return [sp.shard for sp in m.dc_sharded] if m is not None else []
+
+    def shard_ptrs(self) -> set[int]:
+        seen: dict = {}
+        _storages(self._shards(), seen)
+        return {p for p, n in seen.items() if n}
+
+    def shard_bytes(self) -> int:
+        return _distinct_bytes(self._shards())
+
+    def grad_bytes(self) -> int:
+        return _distinct_bytes(s.grad for s in self._shards() if s.grad is not None)
+
+    def state_bytes(self) -> int:
+        from deepcompile.runtime import optimizer_state
+
+        return _distinct_bytes(t for _, t in optimizer_state.MANAGER.state_tensors())
+
+    def gathered_bytes(self) -> int:
+        from deepcompile.runtime import ops
+
+        C = ops.C
+        if C is None or not C.is_initialized():
+            return 0
+        return sum(self.gathered_by_id.get(int(i), 0) for i in C.live_gathered()) + int(C.persistent_bytes())
+
+    @staticmethod
+    def offloaded_bytes() -> int:
+        from deepcompile.runtime.offload import ENGINE
+
+        return sum(p.nbytes for ps in ENGINE.pending.values() for p in ps if p.state == "offloaded")
+
+
+class _StepMemory:
+    """The profiled step's memory samples, graph by graph in the order they ran."""
+
+    def __init__(self):
+        self._sources: MemorySources | None = None
+        self.graphs: list[tuple] = []   # (graph module ref, records, per-record categories)
+
+    def sources(self) -> MemorySources | None:
+        s = self._sources
+        return s if s is not None and s._model() is not None else None
+
+    def add_graph(self, gm, records: list[NodeProfile], cats: list[dict]) -> None:
+        self.graphs.append((weakref.ref(gm), list(records), cats))
+
+
+_MEMORY = _StepMemory()
+
+
+def track_memory(model) -> None:
+    """Split the memory of ``model``'s profiling steps by category (``api.initialize`` calls it;
+    the model is held weakly)."""
+    _MEMORY._sources = MemorySources(model)
+    _MEMORY.graphs = []
+
+
+def take_memory_timeline(compiled: dict, step: int = -1, optimizer_ms: float = 0.0,
+                         optimizer_peak_bytes: int = 0) -> dict | None:
+    """The memory timeline of the profiling step that just ended (None without one), in the
+    record's ``memory.json.gz`` form (``record.schema``), and forget it. ``compiled``: the
+    backend's (graph_id, kind) -> graph module, naming the graphs that ran; the optimizer step
+    adds one last sample (its measured peak on GPU; on CPU what it holds: shards, gradients, state)."""
+    from deepcompile.plan.memory import DEVICE_CATEGORIES, MEMORY_CATEGORIES
+
+    graphs, _MEMORY.graphs = _MEMORY.graphs, []
+    src = _MEMORY.sources()
+    if not graphs or src is None:
+        return None
+    key_of = {id(gm): k for k, gm in compiled.items()}
+    samples, t = [], 0.0
+    for ref, records, cats in graphs:
+        gm = ref()
+        gid, kind = key_of.get(id(gm), (-1, "forward")) if gm is not None else (-1, "forward")
+        for i, (rec, c) in enumerate(zip(records, cats)):
+            t += rec.latency_ms
+            alloc = sum(c[k] for k in DEVICE_CATEGORIES)
+            samples.append({"t_ms": round(t, 6), "graph_id": int(gid), "kind": kind, "node": rec.name,
+                            "node_index": i, "by_category": {k: int(c[k]) for k in MEMORY_CATEGORIES},
+                            "allocated_bytes": int(alloc), "peak_bytes": int(max(alloc, rec.peak_bytes)),
+                            "source": "measured"})
+    # optimizer.step(): shards, gradients and all of the state on the device; the rest of its
+    # measured peak (CUDA) is the optimizer's temporaries and what the loop still holds
+    c = {"parameter_shards": src.shard_bytes(), "gathered": src.gathered_bytes(), "gradients": src.grad_bytes(),
+         "optimizer_state": src.state_bytes(), "offloaded": src.offloaded_bytes()}
+    known = sum(c[k] for k in DEVICE_CATEGORIES if k != "activations")
+    c["activations"] = max(0, int(optimizer_peak_bytes) - known)
+    t += float(optimizer_ms)
+    alloc = known + c["activations"]
+    samples.append({"t_ms": round(t, 6), "graph_id": -1, "kind": "optimizer", "node": "optimizer.step",
+                    "node_index": 0, "by_category": {k: int(c[k]) for k in MEMORY_CATEGORIES},
+                    "allocated_bytes": int(alloc), "peak_bytes": int(alloc), "source": "measured"})
+    top = max(samples, key=lambda s: s["peak_bytes"])
+    at = dict(top["by_category"])
+    at["activations"] += top["peak_bytes"] - top["allocated_bytes"]   # the node's own temporaries
+    where = ("optimizer.step()" if top["kind"] == "optimizer"
+             else f"graph {top['graph_id']} {top['kind']}, node {top['node']}")
+    return {"source": "measured", "step": int(step), "categories": list(MEMORY_CATEGORIES),
+            "device": "cuda allocator" if torch.cuda.is_available() and torch.cuda.is_initialized()
+            else "cpu (profiling interpreter + training state)",
+            "samples": samples,
+            "peak": {"bytes": int(top["peak_bytes"]), "where": where, "t_ms": top["t_ms"],
+                     "by_category": at, "source": "measured"}}
 
 
 def profiled_callable(gm: fx.GraphModule, sink) -> callable:

@@ -43,7 +43,8 @@ from typing import Any
 from deepcompile.record import schema as S
 from deepcompile.record.schema import RecordError
 
-__all__ = ["RecordError", "RunRecord", "GraphRecord", "Limits", "read_run", "load_json"]
+__all__ = ["RecordError", "RunRecord", "GraphRecord", "Limits", "read_run", "load_json", "memory_view",
+           "run_command", "read_plan"]
 
 MiB = 1 << 20
 
@@ -394,3 +395,118 @@ def read_all_steps(run_dir: str | os.PathLike, manifest: dict, *, limits: Limits
         p = root / S.rank_dir_name(r) / S.STEPS
         out[r] = read_steps(p, root=root, limits=limits, budget=budget)[0] if os.path.lexists(p) else []
     return out
+
+
+# --------------------------------------------------------------------------- one memory truth
+def _as_record(run: RunRecord | str | os.PathLike, rank: int) -> RunRecord:
+    return run if isinstance(run, RunRecord) else read_run(run, rank, load_graphs=False)
+
+
+def read_plan(run: RunRecord | str | os.PathLike, rank: int = 0) -> dict | None:
+    """This rank's ``plan.json`` (the planner's choice, ``RunRecorder.plan``), validated; None
+    when the run was not planned."""
+    rec = _as_record(run, rank)
+    p = rec.path / S.rank_dir_name(rec.rank) / S.PLAN
+    obj = load_json(p, optional=True, root=rec.path)
+    return None if obj is None else S.check_plan(str(p), obj)
+
+
+def _fmt(n: float) -> str:
+    from deepcompile.plan.estimate import fmt_bytes
+
+    return fmt_bytes(n)
+
+
+def memory_view(run: RunRecord | str | os.PathLike, rank: int = 0) -> dict:
+    """The one memory truth of a run, for every view that shows memory (``deepcompile inspect``,
+    the report, the inspector, Predict)::
+
+        {"categories": MEMORY_CATEGORIES,
+         "measured":  None | {"source": "measured", "label", "step", "device", "samples": [...],
+                              "peak": {"bytes", "where", "t_ms", "by_category", "source"}},
+         "predicted": None | {"source": "predicted", "label", "by_category", "where",
+                              "peak": {"bytes", "where", "by_category", "source"}},
+         "peak":      None | {"bytes", "source", "label", "where", "by_category"},
+         "process":   {"label", "by_rank": {rank: bytes}}}
+
+    ``measured`` is the profiled step's timeline (``memory.json.gz``, samples with
+    ``by_category``; x axis ``t_ms``: the step's compute time); ``predicted`` the chosen plan's
+    peak by category (``plan.json``). ``peak`` is *the* peak of the run: measured when the run
+    has a timeline, else predicted, with its label; show this one number wherever a peak is
+    shown. ``process`` is what ``steps.jsonl`` logs per step, which is another quantity: the
+    allocator's high-water mark per step on GPU (whole step, optimizer included), the process's
+    resident set on CPU (the Python process, not the training state); label it as such.
+
+    A record from before the timeline (its memory samples carry no categories: the naive
+    per-graph estimate, activations only) has no ``measured`` part."""
+    from deepcompile.plan.memory import categories_at_peak
+
+    rec = _as_record(run, rank)
+    cats = list(S.MEMORY_CATEGORIES)
+    out: dict = {"categories": cats, "measured": None, "predicted": None, "peak": None}
+    mem = rec.memory or {}
+    samples = [s for s in mem.get("samples") or [] if "by_category" in s and "t_ms" in s]
+    if samples:
+        peak = mem.get("peak")
+        if not peak:   # written without one: the largest sample
+            top = max(samples, key=lambda s: s.get("peak_bytes", s["allocated_bytes"]))
+            peak = {"bytes": top.get("peak_bytes", top["allocated_bytes"]), "t_ms": top["t_ms"],
+                    "where": f"graph {top.get('graph_id')} {top.get('kind')}, node {top.get('node')}",
+                    "by_category": top["by_category"], "source": "measured"}
+        step = mem.get("step")
+        label = (f"measured peak (profiled step{'' if step is None else f' {step}'}, rank {rec.rank}, "
+                 f"{mem.get('device') or 'profiler'})")
+        out["measured"] = {"source": "measured", "label": label, "step": step, "device": mem.get("device"),
+                           "samples": samples, "peak": dict(peak, source="measured")}
+    plan = read_plan(rec)
+    pm = (plan or {}).get("chosen", {}).get("memory")
+    if pm:
+        by, where = categories_at_peak(pm)
+        by = {k: int(v) for k, v in (pm.get("by_category") or by).items()}
+        where = pm.get("peak_at") or where
+        pk = {"bytes": int(pm.get("peak") or sum(v for k, v in by.items() if k != "offloaded")),
+              "where": where, "by_category": by, "source": "predicted"}
+        out["predicted"] = {"source": "predicted", "label": f"predicted peak of the chosen plan (plan.json, {where})",
+                            "by_category": by, "where": where, "peak": pk}
+    best = out["measured"] or out["predicted"]
+    if best is not None:
+        p = best["peak"]
+        out["peak"] = {"bytes": int(p["bytes"]), "source": best["source"], "label": best["label"],
+                       "where": p.get("where", ""), "by_category": dict(p.get("by_category") or {})}
+    by_rank = {}
+    try:
+        for r, ss in read_all_steps(rec.path, rec.manifest).items():
+            by_rank[r] = max(((s.get("mem") or {}).get("peak", 0) for s in ss), default=0)
+    except RecordError:
+        by_rank = {rec.rank: max(((s.get("mem") or {}).get("peak", 0) for s in rec.steps), default=0)}
+    dev = str(mem.get("device") or "")
+    what = ("the allocator's high-water mark per step (GPU; the whole step, optimizer included)" if dev.startswith("cuda")
+            else "the process's resident set per step (CPU; the whole Python process, not the training state)"
+            if dev.startswith("cpu") else "per step: the allocator's high-water mark on GPU (optimizer included), "
+            "the process's resident set on CPU")
+    out["process"] = {"label": f"process memory, steps.jsonl: {what}",
+                      "by_rank": by_rank}
+    return out
+
+
+def format_peak(view: dict) -> str:
+    """``memory_view``'s one peak as one line: bytes, label, where, and the categories."""
+    p = view.get("peak")
+    if not p:
+        return "memory peak: none recorded (no profiling step and no plan)"
+    cats = ", ".join(f"{k} {_fmt(v)}" for k, v in p["by_category"].items() if v)
+    return f"memory peak: {_fmt(p['bytes'])}, {p['label']}, at {p['where']}" + (f" [{cats}]" if cats else "")
+
+
+def run_command(run: RunRecord | str | os.PathLike) -> dict | None:
+    """How the run was started (``writer.launch_command``: argv, cwd, executable, world_size,
+    launcher and its env, ``relaunch`` or ``why_not``), or None when the record does not say
+    (a record from before this field)."""
+    if isinstance(run, RunRecord):
+        m = run.manifest
+    else:
+        root = _root(run)
+        mpath = root / S.MANIFEST
+        m = S.check_manifest(str(mpath), load_json(mpath, root=root))
+    c = m.get("command")
+    return dict(c) if isinstance(c, dict) else None

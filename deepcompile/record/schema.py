@@ -2,14 +2,20 @@
 
 One directory per run::
 
-    RUN_DIR/manifest.json            {format_version, tool, created, world_size, ranks, status}
+    RUN_DIR/manifest.json            {format_version, tool, created, world_size, ranks, status, command?}
     RUN_DIR/config.json              Config.to_dict()
     RUN_DIR/rank<R>/environment.json torch/python versions, devices, hostname, world size, rank
     RUN_DIR/rank<R>/graphs/index.json          [{graph_id, kind, after, seq, file, node_count, notes, seconds}]
     RUN_DIR/rank<R>/graphs/<file>.json.gz      {graph_id, kind, after, nodes: [serialize() nodes]}
     RUN_DIR/rank<R>/profile.json.gz   (optional) {graphs: [{graph_id, kind, hardware, nodes: [...]}]}
     RUN_DIR/rank<R>/schedule.json.gz  (optional) {events: [{graph_id, kind, node, stream, start_us, end_us, source}]}
-    RUN_DIR/rank<R>/memory.json.gz    (optional) {samples: [{t_us | node_index, allocated_bytes, reserved_bytes, ...}]}
+    RUN_DIR/rank<R>/memory.json.gz    (optional) the measured memory timeline of the profiled step:
+                                      {source: "measured", step, categories: MEMORY_CATEGORIES,
+                                       samples: [{t_ms, graph_id, kind, node, node_index, by_category,
+                                                  allocated_bytes, peak_bytes}],
+                                       peak: {bytes, where, t_ms, by_category, source: "measured"}};
+                                      or, in a run without a profiling step, the naive estimate's
+                                      samples [{node_index | t_us, allocated_bytes, source: "predicted"}]
     RUN_DIR/rank<R>/steps.jsonl       one JSON object per line: {step, time_s, loss, mem: {allocated, reserved, peak}}
 
 Everything is plain JSON (gzip where large). The validators here are deliberately small and
@@ -37,6 +43,11 @@ GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")
 STREAMS = ("compute", "allgather", "reduce", "copy")
 SOURCES = ("measured", "predicted")
 COMM_FIELDS = ("alpha_us", "bytes_per_us", "copy_bytes_per_us")   # deepcompile.plan.cost_model.CommModel
+# One vocabulary of memory, measured (memory.json.gz) and predicted (plan.json's chosen.memory):
+# defined beside the memory model (deepcompile.plan.memory, no imports); every category but
+# "offloaded" (host) is on the device, and those sum to a sample's allocated_bytes.
+from deepcompile.plan.memory import DEVICE_CATEGORIES, MEMORY_CATEGORIES  # noqa: E402
+MEMORY_KINDS = GRAPH_KINDS + ("optimizer",)   # a memory sample is in a graph or in optimizer.step()
 
 
 class RecordError(Exception):
@@ -141,7 +152,34 @@ def check_manifest(file: str, m: Any) -> dict:
     _field(file, m, "created", str, "", optional=True)
     _field(file, m, "tool", str, "", optional=True)
     _field(file, m, "reason", str, "", optional=True)
+    cmd = _field(file, m, "command", dict, "", optional=True, nullable=True)
+    if cmd is not None:
+        check_command(file, cmd, "command")
     return m
+
+
+LAUNCHERS = ("torchrun", "deepcompile demo", "none")
+
+
+def check_command(file: str, c: Any, where: str) -> dict:
+    """How the run was launched (``writer.launch_command``): enough to launch it again."""
+    for k in ("argv", "orig_argv"):
+        for i, a in enumerate(_list(file, c, k, where, optional=k == "orig_argv")):
+            _check_value(file, f"{where}.{k}[{i}]", a, str)
+    _field(file, c, "cwd", str, where)
+    _field(file, c, "executable", str, where)
+    _field(file, c, "launcher", str, where, choices=LAUNCHERS)
+    w = _field(file, c, "world_size", int, where)
+    if w < 1:
+        _fail(file, f"{where}.world_size", f"expected at least 1, got {w}")
+    env = _field(file, c, "env", dict, where, optional=True) or {}
+    for k, v in env.items():
+        _check_value(file, f"{where}.env.{k}", v, str)
+    again = _field(file, c, "relaunch", list, where, optional=True, nullable=True) or []
+    for i, a in enumerate(again):
+        _check_value(file, f"{where}.relaunch[{i}]", a, str)
+    _field(file, c, "why_not", str, where, optional=True)
+    return c
 
 
 _SCALAR = (int, float, str, bool, type(None))
@@ -332,22 +370,76 @@ def check_schedule(file: str, s: Any) -> dict:
     return s
 
 
+def _check_categories(file: str, obj: Any, where: str) -> dict:
+    d = _field(file, obj, "by_category", dict, where)
+    for k, v in d.items():
+        if k not in MEMORY_CATEGORIES:
+            _fail(file, f"{where}.by_category", f"{_short(k)} is not one of {list(MEMORY_CATEGORIES)}")
+        _check_value(file, f"{where}.by_category.{k}", v, int)
+        if v < 0:
+            _fail(file, f"{where}.by_category.{k}", f"bytes cannot be negative, got {v}")
+    return d
+
+
 def check_memory(file: str, m: Any) -> dict:
     if not isinstance(m, dict):
         _fail(file, "", "expected a JSON object")
+    _field(file, m, "source", str, "", optional=True, choices=SOURCES)
+    _field(file, m, "step", int, "", optional=True)
+    _field(file, m, "device", str, "", optional=True)
+    cats = _list(file, m, "categories", "", optional=True)
+    for i, c in enumerate(cats):
+        if c not in MEMORY_CATEGORIES:
+            _fail(file, f"categories[{i}]", f"{_short(c)} is not one of {list(MEMORY_CATEGORIES)}")
     for i, e in enumerate(_list(file, m, "samples", "")):
         w = f"samples[{i}]"
-        if not isinstance(e, dict) or ("t_us" not in e and "node_index" not in e):
-            _fail(file, w, "each sample needs t_us or node_index")
+        if not isinstance(e, dict) or ("t_us" not in e and "node_index" not in e and "t_ms" not in e):
+            _fail(file, w, "each sample needs t_ms, t_us or node_index")
+        _field(file, e, "t_ms", _NUM, w, optional=True, finite=True)
         _field(file, e, "t_us", _NUM, w, optional=True, finite=True)
         _field(file, e, "node_index", int, w, optional=True)
         _field(file, e, "allocated_bytes", int, w)
+        _field(file, e, "peak_bytes", int, w, optional=True)
         _field(file, e, "reserved_bytes", int, w, optional=True)
         _field(file, e, "graph_id", int, w, optional=True)
-        _field(file, e, "kind", str, w, optional=True, choices=GRAPH_KINDS)
+        _field(file, e, "kind", str, w, optional=True, choices=MEMORY_KINDS)
         _field(file, e, "source", str, w, optional=True, choices=SOURCES)
         _field(file, e, "node", str, w, optional=True)
+        if "by_category" in e:
+            _check_categories(file, e, w)
+    peak = _field(file, m, "peak", dict, "", optional=True, nullable=True)
+    if peak is not None:
+        b = _field(file, peak, "bytes", int, "peak")
+        if b < 0:
+            _fail(file, "peak.bytes", f"bytes cannot be negative, got {b}")
+        _field(file, peak, "where", str, "peak")
+        _field(file, peak, "source", str, "peak", choices=SOURCES)
+        _field(file, peak, "t_ms", _NUM, "peak", optional=True, finite=True)
+        if "by_category" in peak:
+            _check_categories(file, peak, "peak")
     return m
+
+
+def check_plan(file: str, p: Any) -> dict:
+    """``plan.json`` (``RunRecorder.plan``), as far as readers use it: the chosen plan's
+    predicted memory (``PlanMemory.to_dict``) and step time."""
+    if not isinstance(p, dict):
+        _fail(file, "", "expected a JSON object")
+    c = _field(file, p, "chosen", dict, "")
+    _field(file, c, "step_ms", _NUM, "chosen", optional=True, finite=True)
+    _field(file, c, "peak_bytes", int, "chosen", optional=True)
+    mem = _field(file, c, "memory", dict, "chosen", optional=True)
+    if mem is not None:
+        for k, v in mem.items():
+            if k == "by_category":
+                _check_categories(file, mem, "chosen.memory")
+            elif k == "peak_at":
+                _check_value(file, "chosen.memory.peak_at", v, str)
+            else:
+                _check_value(file, f"chosen.memory.{k}", v, int)
+    _field(file, p, "summary", str, "", optional=True)
+    _field(file, p, "why", str, "", optional=True)
+    return p
 
 
 def check_step(file: str, line_no: int, s: Any) -> dict:

@@ -68,15 +68,19 @@ def environment(rank: int, world: int) -> dict:
     }
 
 
-def memory_stats() -> dict:
+def memory_stats(reset_peak: bool = False) -> dict:
     """Bytes allocated / reserved / peak on this rank's device (CUDA), or the process' resident
-    set on CPU (allocated = reserved = current RSS, peak = max RSS)."""
+    set on CPU (allocated = reserved = current RSS, peak = max RSS). ``reset_peak`` (CUDA): start
+    the allocator's peak again after reading it, so the next read is that step's own peak."""
     import torch
 
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        return {"allocated": int(torch.cuda.memory_allocated()),
-                "reserved": int(torch.cuda.memory_reserved()),
-                "peak": int(torch.cuda.max_memory_allocated())}
+        out = {"allocated": int(torch.cuda.memory_allocated()),
+               "reserved": int(torch.cuda.memory_reserved()),
+               "peak": int(torch.cuda.max_memory_allocated())}
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats()
+        return out
     from deepcompile.plan.memory import resident_bytes
 
     rss = resident_bytes()
@@ -88,6 +92,66 @@ def memory_stats() -> dict:
     except (ImportError, OSError):
         pass
     return {"allocated": rss, "reserved": rss, "peak": int(peak)}
+
+
+LAUNCHER_ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
+                "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                "CUDA_VISIBLE_DEVICES", "PYTHONPATH", "OMP_NUM_THREADS")
+
+
+def launch_command(world: int | None = None, *, argv: list[str] | None = None, launcher: str | None = None,
+                   relaunch: list[str] | None = None) -> dict:
+    """How this process was started, to start the run again (the inspector's Run): ``argv``
+    (``sys.argv``), ``orig_argv`` (the interpreter's own command line, with ``-m``), ``cwd``,
+    ``executable``, ``world_size``, the launcher (``torchrun``, ``deepcompile demo`` or ``none``)
+    and its environment variables, and ``relaunch``: the argv that runs it again from ``cwd``,
+    or None with ``why_not`` (a multi-node torchrun job, an interactive session).
+
+    ``relaunch`` of a torchrun job is ``python -m torch.distributed.run --nproc-per-node=N``
+    and the script's command line; of the demo, the demo's own command line (the caller passes
+    it as ``relaunch``; a re-run needs a new ``--out``)."""
+    env = {k: os.environ[k] for k in LAUNCHER_ENV if k in os.environ}
+    if world is None:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    orig = list(getattr(sys, "orig_argv", []) or [])
+    if launcher is None:
+        launcher = "torchrun" if "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_WORLD_SIZE" in os.environ else "none"
+    argv = list(argv if argv is not None else sys.argv)
+    cmd = {"argv": argv, "orig_argv": orig, "cwd": os.getcwd(), "executable": sys.executable,
+           "world_size": int(world), "launcher": launcher, "env": env}
+    script = list(relaunch) if relaunch is not None else _script_argv(argv, orig)
+    why = ""
+    if relaunch is not None:
+        pass
+    elif script is None:
+        why = "started from an interactive session or python -c (no script to run again)"
+    elif launcher == "torchrun":
+        local = int(env.get("LOCAL_WORLD_SIZE", world) or world)
+        if local != world:
+            why = (f"a multi-node torchrun job ({world} ranks, {local} on this node): start it again on "
+                   "every node with the same torchrun command")
+        else:
+            script = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={local}"] + script[1:]
+    elif launcher == "none" and world > 1:
+        why = (f"{world} ranks started by an unknown launcher (no torchrun environment): start it again "
+               "the way it was started")
+    cmd["relaunch"] = None if why else script
+    if why:
+        cmd["why_not"] = why
+    return cmd
+
+
+def _script_argv(argv: list[str], orig: list[str]) -> list[str] | None:
+    """``[python, script-or--m-module, args...]`` that runs this program again, or None."""
+    if not argv or argv[0] in ("", "-c"):
+        return None
+    if orig and "-m" in orig[1:]:   # python [opts] -m module args: keep the module form
+        i = orig.index("-m", 1)
+        if i + 1 < len(orig):
+            return [sys.executable, "-m", orig[i + 1]] + argv[1:]
+    if argv[0].endswith("__main__.py"):   # sys.argv of ``python -m pkg`` seen in a spawned child
+        return [sys.executable, "-m", os.path.basename(os.path.dirname(argv[0]))] + argv[1:]
+    return [sys.executable] + argv
 
 
 def _as_dict(v: Any) -> dict:
@@ -102,7 +166,7 @@ class RunRecorder:
     """Writes this rank's part of a run record. Rank 0 also writes the manifest and config."""
 
     def __init__(self, run_dir: str | os.PathLike, rank: int = 0, world: int = 1, config: Any = None,
-                 *, env: dict | None = None):
+                 *, env: dict | None = None, command: dict | None = None):
         self.run_dir = Path(run_dir)
         self.rank, self.world = int(rank), int(world)
         self.dir = self.run_dir / S.rank_dir_name(rank)
@@ -117,6 +181,9 @@ class RunRecorder:
             config = config.to_dict()
         self.config = config
         self.created = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        # how the run was started (launch_command), so that it can be run again; rank 0's goes in
+        # the manifest (``reader.run_command``)
+        self.command = command if command is not None else launch_command(self.world)
         if self.rank == 0:
             self._manifest("running")
             write_json(self.run_dir / S.CONFIG, config if config is not None else {})
@@ -130,6 +197,8 @@ class RunRecorder:
         m = {"format_version": S.FORMAT_VERSION, "tool": f"deepcompile {__version__}",
              "created": self.created, "world_size": self.world, "ranks": list(range(self.world)),
              "status": status}
+        if self.command:
+            m["command"] = self.command
         if reason:
             m["reason"] = str(reason)
         write_json(self.run_dir / S.MANIFEST, m)
@@ -163,7 +232,7 @@ class RunRecorder:
         here when omitted."""
         rec = {"step": int(step), "time_s": float(time_s),
                "loss": None if loss is None else float(loss),
-               "mem": {k: int(v) for k, v in (mem if mem is not None else memory_stats()).items()}}
+               "mem": {k: int(v) for k, v in (mem if mem is not None else memory_stats(reset_peak=True)).items()}}
         rec.update(extra)
         self._steps.write(json.dumps(rec) + "\n")
         self._steps.flush()
@@ -191,6 +260,25 @@ class RunRecorder:
         self._samples.extend(dict(s) for s in samples)
         self._write_checked(S.MEMORY, {"samples": self._samples}, S.check_memory)
 
+    def memory_timeline(self, timeline: dict) -> None:
+        """Record the measured memory timeline of the profiled step (``model.dc_profile.memory``,
+        :func:`deepcompile.profile.profiler.take_memory_timeline`): samples by category and its
+        peak, replacing any samples written before."""
+        self._samples = list(timeline.get("samples") or [])
+        self._write_checked(S.MEMORY, dict(timeline), S.check_memory)
+
+    def model(self, model: Any) -> None:
+        """Everything a trained ``DeepCompileModel`` has to record beyond graphs and steps: the
+        agreed profile, this rank's measured memory timeline and the planner's choice (each where
+        it exists). Call it once training (or at least the profiling step) is done."""
+        prof = getattr(model, "dc_profile", None)
+        if prof is not None:
+            self.profile(prof.to_records())
+            if getattr(prof, "memory", None):
+                self.memory_timeline(prof.memory)
+        if getattr(model, "dc_plan", None):
+            self.plan(model.dc_plan)
+
     def plan(self, plan: dict) -> None:
         """Record the planner's choice (``model.dc_plan``, :mod:`deepcompile.plan.planner`): the
         pass parameters it chose and why (predicted step time and peak of the chosen plan and of
@@ -199,6 +287,7 @@ class RunRecorder:
         if not isinstance(plan, dict) or "chosen" not in plan:
             raise ValueError("RunRecorder.plan: expected model.dc_plan (a dict with 'chosen'), got "
                              f"{type(plan).__name__}")
+        S.check_plan(str(self.dir / S.PLAN), plan)
         write_json(self.dir / S.PLAN, plan)
 
     def _write_checked(self, name: str, obj: dict, check) -> None:
