@@ -370,6 +370,45 @@ def bench(layers: int, repeat: int, use_dot: bool | None, rec=None, source: str 
     return res
 
 
+def whatif_bench(run_dir: str, repeat: int) -> dict:
+    """Seconds of ``plan.whatif.predict_run`` on a record (target < 2 s per edit): the first call
+    (reads the record and rebuilds its graphs, then cached), an edit of explicit parameters
+    (each a new value, so no cached prediction answers it), every planned value "auto" under a
+    new memory limit (the planner prices its whole grid once per record), and again under another
+    limit (the grid's prices reused)."""
+    from deepcompile.plan.whatif import WhatIfError, clear_cache, predict_run
+
+    def plan(pf, fuse, keep):
+        return [{"name": "zero3"}, {"name": "prefetch", "params": {"budget_mb": pf, "fuse_mb": fuse}},
+                {"name": "selective_unshard", "params": {"budget_mb": keep}}]
+    clear_cache()
+    out: dict = {"record": str(run_dir)}
+    try:
+        t0 = time.perf_counter()
+        w = predict_run(run_dir, plan(512, 128, 64))
+        out["first_s"] = round(time.perf_counter() - t0, 3)
+    except WhatIfError as e:
+        return dict(out, error=str(e))
+    edits = []
+    for i in range(repeat):
+        t0 = time.perf_counter()
+        predict_run(run_dir, plan(100.0 + 37 * i, 0 if i % 2 else 64, 16.0 * i))
+        edits.append(time.perf_counter() - t0)
+    out["edit_s"] = round(statistics.median(edits), 3)
+    out["edit_s_all"] = [round(x, 3) for x in edits]
+    auto = plan("auto", "auto", "auto")
+    t0 = time.perf_counter()
+    a = predict_run(run_dir, auto, memory_limit_gib=w.peak_bytes / 2 ** 30 * 1.5)
+    out["auto_new_limit_s"] = round(time.perf_counter() - t0, 3)
+    t0 = time.perf_counter()
+    predict_run(run_dir, auto, memory_limit_gib=w.peak_bytes / 2 ** 30 * 0.99)
+    out["auto_other_limit_s"] = round(time.perf_counter() - t0, 3)
+    out.update(step_ms=w.step_ms, peak_gib=round(w.peak_bytes / 2 ** 30, 3), auto_step_ms=a.step_ms,
+               auto_params={k: v for k, v in a.params.items() if k in a.auto},
+               load_average=os.getloadavg()[0])
+    return out
+
+
 def _previous(path: Path) -> dict | None:
     """The headline numbers of an earlier result file (for before/after)."""
     try:
@@ -395,6 +434,9 @@ def main() -> int:
                     help="with --model: reuse this run directory (written by an earlier --model run) instead of "
                          "building a new record (~20-90 s)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "inspector_cpu.json"))
+    ap.add_argument("--whatif", action="append", default=None, metavar="RECORD",
+                    help="time plan.whatif.predict_run on this record (repeatable; default: every "
+                         "benchmarks/results/*dc_default_record); 'none' skips it")
     a = ap.parse_args()
     from deepcompile.report.graph_layout import have_dot
 
@@ -429,8 +471,20 @@ def main() -> int:
             result["model_record_build_s"] = time.perf_counter() - t0
         src = f"embedded GPT, {a.layers} blocks, through the backend (zero3, prefetch)"
         result["runs"] += [bench(a.layers, a.repeat, None, rec, src), bench(a.layers, a.repeat, False, rec, src)]
+    wi = a.whatif if a.whatif is not None else sorted(
+        str(p) for p in (REPO / "benchmarks" / "results").glob("*dc_default_record"))
+    wi = [w for w in wi if w != "none"]
+    if a.model and result.get("model_record") and "none" not in (a.whatif or []):
+        wi.append(result["model_record"])
+    result["whatif"] = [whatif_bench(w, a.repeat) for w in wi]
+    result["targets"]["whatif_edit_s"] = 2.0
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(result, indent=1))
+    for w in result["whatif"]:
+        print(f"[what-if · {w['record']}] " + (w.get("error") or (
+            f"first {w['first_s']:.2f} s, edit {w['edit_s']:.2f} s, auto under a new limit "
+            f"{w['auto_new_limit_s']:.2f} s, under another {w['auto_other_limit_s']:.2f} s "
+            f"(load average {w['load_average']:.1f})")))
     for run in result["runs"]:
         print(f"[{run['graphs']} · {run['layout']}]")
         for kind in ("forward", "backward"):
