@@ -3,6 +3,7 @@ re-run wiring (the exact command line), jobs (progress, cancel), live following,
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 import time
@@ -182,6 +183,145 @@ def test_union_diff_marks_moved_added_removed():
     assert [u["name"] for u in union] == list("adebcX")   # e right after d, its predecessor in `before`
 
 
+# --------------------------------------------------------------------------- moved collectives, detail, legend
+def _prefetch_record(budget_mb=64.0, fuse_mb=0.0):
+    """An in-memory record of the tiny zero3 graph of tests/test_prefetch.py before and after prefetch."""
+    from deepcompile.record.reader import GraphRecord, RunRecord
+    from tests.test_prefetch import _run_prefetch
+
+    before, after, notes, names = _run_prefetch(budget_mb, fuse_mb, with_before=True)
+    graphs = [GraphRecord(0, "forward", "zero3", 0, before), GraphRecord(0, "forward", "prefetch", 1, after, notes)]
+    return RunRecord(Path("."), {}, {}, 0, {}, graphs, [], None, None, None), names
+
+
+@pytest.mark.parametrize("layout", ["simple", "dot"])
+def test_graph_view_moved_collectives_from_to(layout):
+    import html as H
+
+    from deepcompile.report import graph_layout as L
+    from deepcompile.widgets import GraphModel
+    from deepcompile.widgets.graph_view import DIFF_COLORS
+
+    if layout == "dot" and not L.have_dot():
+        pytest.skip("graphviz not installed")
+    rec, nm = _prefetch_record()
+    g = GraphModel(rec)
+    g.select_passes("zero3", "prefetch")
+    moves = g.moves()
+    assert [(m["node"], m["params"], m["from"], m["to"]) for m in moves] == [
+        (nm["issue1"], [1], nm["release0"], "s2"), (nm["issue2"], [2], nm["release1"], "s2")]
+    # boxes: it left layers.0 / layers.1 (where it was issued), is issued among the inputs now,
+    # and stays drawn in its parameter's module
+    assert [(m["from_key"], m["to_key"], m["key"]) for m in moves] == [
+        ("layers.0", "inputs", "layers.1"), ("layers.1", "inputs", "layers.2")]
+    assert moves[0]["first_use"] == {1: nm["use1"]} and moves[0]["param_names"] == ["layers.1.weight"]
+    r = g.render(layout)
+    assert r.moves == moves and "2 collective(s) issued earlier" in r.summary
+    # the front end's arrows: old box -> new box, on the picture's root element
+    m = re.search(r'data-dc-moves="([^"]*)"', r.svg)
+    data = json.loads(H.unescape(m.group(1)))
+    assert [(d["from"], d["to"], d["node"]) for d in data] == [("layers.0", "inputs", nm["issue1"]),
+                                                               ("layers.1", "inputs", nm["issue2"])]
+    assert "→" in data[0]["label"]
+    # a "moved" chip, not an added or removed one, on the boxes of the moved collectives
+    assert r.chips == {"layers.1": {"moved": 1}, "layers.2": {"moved": 1}}
+    assert r.svg.count('class="dc-chip dc-chip-moved"') == 2 and "dc-chip-added" not in r.svg
+    assert f'fill="{DIFF_COLORS["moved"]}"' in r.svg and ">⇡1</text>" in r.svg
+    # no diff: no arrows, no chips
+    g.set_diff(None)
+    r = g.render(layout)
+    assert "data-dc-moves" not in r.svg and not r.chips and not r.moves
+
+
+def test_graph_view_added_and_removed_chips_differ():
+    from deepcompile.widgets import GraphModel
+    from deepcompile.widgets.graph_view import DIFF_COLORS, DIFF_SYMBOLS
+
+    rec, nm = _prefetch_record(64.0, 64.0)      # three gathers fused into one: 1 added, 3 removed
+    g = GraphModel(rec, use_dot=False)
+    g.select_passes("zero3", "prefetch")
+    r = g.render()
+    assert r.diff["added"] >= 1 and r.diff["removed"] >= 3
+    assert set(DIFF_COLORS.values()).__len__() == 3 and len(set(DIFF_SYMBOLS.values())) == 3
+    added = re.search(r'<g class="dc-chip dc-chip-added"><rect [^>]*fill="([^"]+)"[^>]*/><text[^>]*>([^<]+)</text>', r.svg)
+    removed = re.search(r'<g class="dc-chip dc-chip-removed"><rect [^>]*fill="([^"]+)"([^>]*)/><text[^>]*>([^<]+)</text>',
+                        r.svg)
+    assert added and removed
+    assert added.group(1) == DIFF_COLORS["added"] != removed.group(1) == DIFF_COLORS["removed"]
+    assert added.group(2).startswith("+") and removed.group(3).startswith("−") and "stroke-dasharray" in removed.group(2)
+    lg = g.legend()
+    assert [(d["status"], d["symbol"], d["color"]) for d in lg["diff"]] == [
+        (s, DIFF_SYMBOLS[s], DIFF_COLORS[s]) for s in ("added", "removed", "moved")]
+    assert 'class="dc-chip dc-chip-removed"' in r.html and r.html.index("dc-graph-legend") < r.html.index("<svg")
+    # the fused collective lists its parameters in the detail panel
+    fused = next(n for n in rec.versions(0, "forward")[-1].nodes if n["target"] == "dc.allgather_params")
+    d = g.node_detail(fused["name"])
+    assert [p["id"] for p in d["params"]] == [0, 1, 2] and d["bytes"] == 3 * 4096
+    assert d["moved"]["first_use"] == {k: nm[f"use{k}"] for k in range(3)}
+
+
+def test_graph_view_node_detail_fields():
+    from deepcompile.widgets import GraphModel
+
+    rec, nm = _prefetch_record()
+    g = GraphModel(rec, use_dot=False)
+    g.select_passes("zero3", "prefetch")
+    d = g.node_detail(nm["use1"])
+    assert d["name"] == nm["use1"] and d["op"] == "call_function" and d["target"].endswith("mul")
+    assert d["shape"] == [1024] and d["dtype"] == "float32" and d["bytes"] == 4096 and d["bytes_label"] == "4.0 KiB"
+    assert d["scope"] == "layers.1" and d["box"] == "layers.1" and d["version"] == "prefetch"
+    assert d["source"] == "model.py:11 in forward: x = x * self.w1"
+    assert d["latency_source"] == "estimated" and d["latency_us"] > 0 and d["latency_label"].endswith("µs")
+    assert d["moved"] is None and d["params"] == [] and d["status"] is None
+    assert set(d["inputs"]) == {nm["use0"], d["inputs"][1]} and d["users"]
+    mv = g.node_detail(nm["issue2"])
+    assert mv["status"] == "moved" and mv["params"] == [{"id": 2, "name": "layers.2.weight"}]
+    assert mv["moved"]["from"] == nm["release1"] and mv["moved"]["to"] == "s2" and mv["moved"]["earlier"] > 0
+    assert mv["moved"]["first_use"] == {2: nm["use2"]} and mv["bytes"] == 4096
+    html = g.node_detail_html(nm["issue2"])
+    assert f"{nm['release1']} → s2" in html and "layers.2.weight" in html
+    assert g.node_detail("no_such_node") is None
+    # a measured latency (the record's profile / schedule) wins over the estimate
+    g2 = GraphModel(rec, use_dot=False, timings={(0, "forward", nm["use1"]): 123.0})
+    g2.select_passes("zero3", "prefetch")
+    d2 = g2.node_detail(nm["use1"])
+    assert d2["latency_us"] == 123.0 and d2["latency_source"] == "measured" and d2["latency_label"] == "123.0 µs"
+
+
+def test_graph_view_colour_legend_min_max():
+    from deepcompile.plan import estimate as E
+    from deepcompile.widgets import GraphModel
+    from deepcompile.widgets.graph_view import key_chains
+
+    rec, nm = _prefetch_record()
+    names = [n["name"] for n in rec.versions(0, "forward")[-1].nodes]
+    timings = {(0, "forward", n): 10.0 * (i + 1) for i, n in enumerate(names)}
+    g = GraphModel(rec, use_dot=False, timings=timings)
+    assert g.legend()["mode"] == "kind" and ("compute", "#d7e8f7") in g.legend()["items"]
+    nodes = rec.versions(0, "forward")[-1].nodes
+    chains, _ = key_chains(nodes, set(), g.pscopes)
+    boxes: dict[str, list[dict]] = {}
+    for n, c in zip(nodes, chains):
+        if n["op"] not in ("placeholder", "get_attr", "output"):
+            boxes.setdefault(c[-1], []).append(n)
+    g.set_color("latency")
+    lat = {k: sum(timings[(0, "forward", n["name"])] for n in v) for k, v in boxes.items()}
+    lg = g.legend()
+    assert lg["mode"] == "latency" and lg["unit"] == "µs" and lg["source"] == "measured"
+    assert lg["min"] == min(lat.values()) and lg["max"] == max(lat.values())
+    assert lg["min_label"] == f"{min(lat.values()):.1f} µs" and lg["max_label"] == f"{max(lat.values()):.1f} µs"
+    assert lg["stops"][0] == "#ffffff" and len(lg["stops"]) == 5
+    r = g.render()
+    assert r.legend == lg and lg["min_label"] in r.html and lg["max_label"] in r.html
+    hot = max(lat, key=lat.get)   # the box at the top of the scale has the scale's last colour
+    assert re.search(rf'id="group-{re.escape(hot)}"><rect [^>]*fill="{lg["stops"][-1]}"', r.svg)
+    g.set_color("memory")
+    mem = {k: sum(E.node_bytes(n) for n in v) for k, v in boxes.items()}
+    lg = g.legend()
+    assert lg["unit"] == "bytes" and (lg["min"], lg["max"]) == (min(mem.values()), max(mem.values()))
+    assert lg["max_label"] == E.fmt_bytes(max(mem.values()))
+
+
 # --------------------------------------------------------------------------- schedule / memory
 def test_schedule_and_memory_models(demo_run, rec):
     from deepcompile.widgets import MemoryModel, ScheduleModel
@@ -230,9 +370,9 @@ def test_passes_model_controls_and_command(rec, tmp_path):
     assert pm.spec("prefetch", "backend").choices == ("auto", "nccl", "gloo")
     mf = pm.spec("prefetch", "max_fused")
     assert (mf.min, mf.max) == (1, 1024) and mf.help
-    assert pm.command(tmp_path / "r") == [
+    assert pm.command(tmp_path / "r") == [   # a re-run profiles step 1: what-if works on it too
         sys.executable, "-m", "deepcompile", "demo", "--out", str(tmp_path / "r"), "--ranks", "2", "--steps", "20",
-        "--passes", "zero3", "--compiler", "aot_eager"]
+        "--passes", "zero3", "--compiler", "aot_eager", "--profile-step", "1"]
     pm.enable("prefetch")
     pm.set_value("prefetch", "budget_mb", 64.0)
     pm.set_value("prefetch", "backend", "gloo")
@@ -252,7 +392,9 @@ def test_passes_model_controls_and_command(rec, tmp_path):
     assert any("max_fused" in e and "maximum" in e for e in pm.validate())
     pm.reset()
     assert pm.passes == ["zero3"] and pm.spec("prefetch", "max_fused").value == mf.default
-    assert "no profile in this record" in pm.predict(rec)
+    from deepcompile.plan.whatif import WhatIfError
+    with pytest.raises(WhatIfError, match="profile"):   # a record without a profile says so, no numbers
+        pm.whatif(rec.path)
 
 
 def test_make_control_widgets():
@@ -344,10 +486,10 @@ def test_inspector_widget_clicks(demo_run):
     insp.s_node.value = insp.model.schedule.nodes_at()[5]
     assert "dc-selected" in insp.g_svg.value
     insp.p_predict.click()
-    assert "no profile in this record" in insp.p_msg.value
-    out, argv = insp.model.rerun_command()
+    assert "what-if" in insp.p_whatif.value and "profile" in insp.p_whatif.value and "dc-whatif-error" in insp.p_whatif.value
+    out, argv = insp.model.rerun_command()      # the record says it is the demo: the demo, edited
     assert out.name == f"{demo_run.name}-rerun1" and argv[argv.index("--steps") + 1] == "3"
-    assert "--model" not in argv
+    assert "--model" not in argv and argv[argv.index("--profile-step") + 1] == "1"
     insp.model.launch_model = "tests.factories:tiny_gpt"  # as Inspector.launch(model=...) sets it
     _, argv = insp.model.rerun_command()
     assert argv[argv.index("--model") + 1] == "tests.factories:tiny_gpt"
@@ -396,9 +538,10 @@ def test_inspector_schedule_bar_click_selects_graph_node(demo_run):
     fw = insp.s_fig
     assert fw is not None
     names = {n["name"] for n in insp.model.graph.versions()[insp.model.graph.version].nodes}
-    ti, pi = next((t, i) for t, tr in enumerate(fw.data) if "predicted" in tr.name
-                  for i, c in enumerate(tr.customdata) if c in names and c.startswith("wait_allgather"))
-    name = fw.data[ti].customdata[pi]
+    ti, pi = next((t, i) for t, tr in enumerate(fw.data) if (tr.meta or {}).get("source") == "predicted"
+                  and tr.customdata is not None
+                  for i, c in enumerate(tr.customdata) if c[0] in names and c[0].startswith("wait_allgather"))
+    name = fw.data[ti].customdata[pi][0]
     fw._js2py_pointsCallback = {"event_type": "plotly_click", "points": {
         "trace_indexes": [ti], "point_indexes": [pi], "xs": [0.0], "ys": [fw.data[ti].y[pi]]},
         "device_state": None, "selector": None}
@@ -406,7 +549,7 @@ def test_inspector_schedule_bar_click_selects_graph_node(demo_run):
     assert g.selected_node == name and insp.model.schedule.selected_node == name and insp.s_node.value == name
     box = next(k for k, c in g.render().classes.items() if "dc-selected" in c)
     assert "dc-selected" in insp.g_svg.value and f"selected {name} (in {box})" in insp.g_summary.value
-    assert fw.data[-1].name == f"selected: {name}" and list(fw.data[-1].customdata) == [name] * len(fw.data[-1].x)
+    assert fw.data[-1].name == f"selected: {name}" and len(fw.data[-1].x) >= 1
     n_traces = len(fw.data)
     insp.s_node.value = ""                                # clearing the selection removes the outline trace
     assert len(fw.data) == n_traces - 1 and g.selected_node is None

@@ -33,9 +33,10 @@ from deepcompile.record.reader import RecordError, load_json, read_run
 
 from .canvas import have_anywidget, make_canvas
 from .graph_view import COLOR_MODES, FOLD_MARK, OPEN_MARK, GraphModel
-from .launcher import Job, demo_command, job_env, script_command
+from .launcher import Job, RelaunchError, demo_command, is_demo_command, job_env, relaunch_command, script_command
 from .passes_view import PassesModel, make_control, new_run_dir
-from .timeline_view import MemoryModel, ScheduleModel, StepsModel
+from .timeline_view import (MemoryModel, ScheduleModel, StepsModel, bar_node, memory_view, peak_label, view_figure,
+                            view_peak)
 
 esc = html.escape
 
@@ -49,6 +50,21 @@ def _timings(rec) -> dict:
         for n in g["nodes"]:
             if n.get("latency_ms") is not None:
                 out[(g["graph_id"], g["kind"], n["name"])] = n["latency_ms"] * 1e3
+    return out
+
+
+def _demo_options(argv: list[str]) -> dict:
+    """--model, --batch and --cpu of a recorded demo command line (a re-run keeps them)."""
+    out: dict[str, Any] = {}
+    for i, a in enumerate(argv):
+        if a == "--cpu":
+            out["cpu"] = True
+        elif a == "--model" and i + 1 < len(argv):
+            out["model"] = argv[i + 1]
+        elif a == "--batch" and i + 1 < len(argv) and argv[i + 1].isdigit():
+            out["batch"] = int(argv[i + 1])
+        elif a.startswith("--model="):
+            out["model"] = a.split("=", 1)[1]
     return out
 
 
@@ -68,6 +84,11 @@ class InspectorModel:
         self.steps: StepsModel | None = None
         self.passes: PassesModel | None = None
         self.jobs: dict[Path, Job] = {}
+        self.view: dict | None = None          # record.reader.memory_view: the one memory truth
+        self.view_error: str | None = None
+        self.compare_base: Path | None = None  # the run a re-run is compared with
+        self.rerun_note = ""                   # what rerun_command decided (demo or the script's command)
+        self.rerun_cwd: str | None = None
         if run_dir is not None:
             self.open(run_dir)
 
@@ -100,8 +121,23 @@ class InspectorModel:
         self.graph = GraphModel(rec, timings=_timings(rec), use_dot=self.use_dot)
         self.schedule = ScheduleModel(self.run_dir, rec)
         self.memory = MemoryModel(rec, pscopes=self.graph.pscopes)
-        self.passes = PassesModel(rec.config)
+        self.view, self.view_error = memory_view(rec, self.rank)
+        self.passes = PassesModel(rec.config, plan=self._plan(self.run_dir, self.rank))
         return True
+
+    @staticmethod
+    def _plan(run_dir: Path, rank: int) -> dict | None:
+        """plan.json (the planner's choice) of a rank, None where absent or unreadable."""
+        p = Path(run_dir) / S.rank_dir_name(rank) / getattr(S, "PLAN", "plan.json")
+        try:
+            obj = load_json(p, optional=True, root=run_dir)
+        except RecordError:
+            return None
+        return obj if isinstance(obj, dict) else None
+
+    def peak(self) -> dict | None:
+        """The run's one peak ({bytes, where, source}) from memory_view: what every view shows."""
+        return view_peak(self.view)
 
     def reload(self) -> bool:
         return self.open(self.run_dir) if self.run_dir is not None else False
@@ -143,16 +179,140 @@ class InspectorModel:
             self.memory.set_graph(*key)
 
     # ------------------------------------------------------------ re-runs
+    def recorded_command(self, run_dir: Path | None = None):
+        """How the shown run was launched: the argv of a job started here, else the record's
+        command (``record.reader.run_command``); None when neither is known."""
+        run_dir = Path(run_dir or self.run_dir)
+        job = self.jobs.get(run_dir)
+        if job is not None:
+            return {"argv": job.argv, "relaunch": job.argv, "cwd": job.cwd, "launcher": "inspector"}
+        try:
+            from deepcompile.record.reader import run_command
+        except ImportError:
+            return None
+        try:
+            return run_command(run_dir)
+        except RecordError:
+            return None
+
     def rerun_command(self, out: str | Path | None = None, *, steps: int | None = None,
                       ranks: int | None = None, cpu: bool = True) -> tuple[Path, list[str]]:
+        """(new run directory, argv) of Run. A run of the CLI demo (started here or recorded as
+        one) is re-run as the demo with the edited passes and values, profiling step 1; a run
+        recorded by a user's script re-launches that script's recorded command, writing to the
+        new directory. RelaunchError (with the reason) when the record holds no command that can
+        run again: never the built-in demo in its place. ``rerun_note`` says which it chose."""
         base = self.run_dir or Path("runs/inspector")
         out = Path(out) if out is not None else new_run_dir(base)
         if steps is None:
-            steps = max(1, self.steps.n_steps()) if self.steps and self.steps.n_steps() else 20
+            steps = max(2, self.steps.n_steps()) if self.steps and self.steps.n_steps() else 20
         if ranks is None:
             ranks = int(self.record.manifest["world_size"]) if self.record else 2
-        return out, self.passes.command(out, ranks=ranks, steps=steps, cpu=cpu,
-                                        model=getattr(self, "launch_model", None))
+        self.rerun_cwd = None
+        launched_here = self.run_dir is None
+        cmd = None if self.run_dir is None else self.recorded_command()
+        argv_rec = list((cmd or {}).get("relaunch") or (cmd or {}).get("argv") or []) if isinstance(cmd, dict) else list(cmd or [])
+        if launched_here or is_demo_command(argv_rec):
+            opt = _demo_options(argv_rec)
+            model = getattr(self, "launch_model", None) or opt.get("model")
+            self.rerun_note = "the CLI demo with the edited passes (profiling step 1)"
+            return out, self.passes.command(out, ranks=ranks, steps=steps, cpu=cpu or opt.get("cpu", False),
+                                            model=model, batch=opt.get("batch"))
+        if cmd is None:
+            raise RelaunchError(
+                f"{self.run_dir}: the record holds no launch command (written by a script before commands were "
+                "recorded, or by a deepcompile without record.reader.run_command), so Run cannot start it again; "
+                "run your script again yourself, with a new output directory")
+        argv, cwd = relaunch_command(cmd, self.run_dir, out, ranks=ranks)
+        self.rerun_cwd = cwd
+        self.rerun_note = ("your script's recorded command, writing to the new directory (the pass values edited "
+                           "here do not reach a script: it builds its own config)")
+        return out, argv
+
+    # ------------------------------------------------------------ comparison
+    def _signature(self, run_dir: Path) -> tuple:
+        """(size, mtime) of the files a run's summary reads: cached results stay until one changes."""
+        rd = Path(run_dir) / S.rank_dir_name(self.rank)
+        out = []
+        for p in (Path(run_dir) / S.MANIFEST, rd / S.MEMORY, rd / S.PLAN, rd / S.STEPS, rd / S.GRAPHS_DIR / S.GRAPH_INDEX):
+            try:
+                st = p.stat()
+                out.append((st.st_size, st.st_mtime_ns))
+            except OSError:
+                out.append(None)
+        return tuple(out)
+
+    def _cached(self, run_dir: Path, what: str, fn):
+        cache = self.__dict__.setdefault("_cache", {})
+        key = (str(run_dir), what, self.rank)
+        sig = self._signature(run_dir)
+        hit = cache.get(key)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        val = fn()
+        cache[key] = (sig, val)
+        return val
+
+    def summary_of(self, run_dir: Path) -> dict:
+        """See :meth:`_summary_of`; cached until the run's files change."""
+        return self._cached(Path(run_dir), "summary", lambda: self._summary_of(Path(run_dir)))
+
+    def _summary_of(self, run_dir: Path) -> dict:
+        """Step time (median of the steady steps), the one peak (memory_view, labelled) and the
+        graph sizes after each pass (nodes summed over the graphs' last compile) of one run."""
+        out: dict[str, Any] = {"run": Path(run_dir).name, "step_ms": None, "peak": None, "sizes": {}, "error": None}
+        sm = StepsModel(run_dir)
+        sm.poll()
+        ss = sm.steps.get(self.rank, next(iter(sm.steps.values()), []))
+        try:
+            cfg = S.check_config(str(Path(run_dir) / S.CONFIG), load_json(Path(run_dir) / S.CONFIG, root=run_dir))
+        except (RecordError, OSError):
+            cfg = {}
+        from deepcompile.report.figures import special_steps
+
+        special = special_steps(ss, cfg)   # compile, profiling, re-compile: as the report marks them
+        steady = [s["time_s"] * 1e3 for s in ss if s["step"] not in special]
+        out["step_ms"] = statistics.median(steady) if steady else None
+        out["steps"] = len(ss)
+        try:
+            rec = self.record if self.record is not None and Path(run_dir) == self.run_dir else read_run(run_dir, self.rank)
+        except RecordError as e:
+            out["error"] = str(e)
+            return out
+        view = self.view if Path(run_dir) == self.run_dir else memory_view(run_dir, self.rank)[0]
+        out["peak"] = view_peak(view)
+        last: dict[tuple, Any] = {}
+        for v in rec.graphs:
+            if v.kind != "dynamo":
+                last[(v.graph_id, v.kind, v.after)] = v  # a later compile replaces an earlier one
+        sizes: dict[str, int] = {}
+        for (_, _, after), v in last.items():
+            sizes[after] = sizes.get(after, 0) + len(v.nodes)
+        out["sizes"] = sizes
+        return out
+
+    def compare(self, a: Path | None = None, b: Path | None = None) -> dict | None:
+        """Side by side: the previous run (``compare_base``) and the shown one."""
+        a = a or self.compare_base
+        b = b or self.run_dir
+        if a is None or b is None or Path(a) == Path(b):
+            return None
+        return {"before": self.summary_of(Path(a)), "after": self.summary_of(Path(b))}
+
+    def compare_html(self) -> str:
+        c = self.compare()
+        if c is None:
+            return ""
+        A, B = c["before"], c["after"]
+        ms = lambda v: "–" if v is None else f"{v:.1f} ms"  # noqa: E731
+        rows = [("step time (median, steady steps)", ms(A["step_ms"]), ms(B["step_ms"])),
+                ("peak memory", peak_label(A["peak"]), peak_label(B["peak"]))]
+        for name in list(dict.fromkeys(list(A["sizes"]) + list(B["sizes"]))):
+            rows.append((f"nodes after {name}", str(A["sizes"].get(name, "–")), str(B["sizes"].get(name, "–"))))
+        body = "".join(f"<tr><td>{esc(k)}</td><td>{esc(x)}</td><td>{esc(y)}</td></tr>" for k, x, y in rows)
+        errs = "".join(f"<div style='color:#b00020'>{esc(r['run'])}: {esc(r['error'])}</div>" for r in (A, B) if r["error"])
+        return (f"<table class='dc-compare' style='font-size:12px'><tr><th></th><th>{esc(A['run'])} (previous)</th>"
+                f"<th>{esc(B['run'])} (new)</th></tr>{body}</table>{errs}")
 
     def run_summary(self, run_dir: Path) -> dict:
         """One row of the runs table (readable even for a broken or unfinished record)."""
@@ -164,17 +324,25 @@ class InspectorModel:
             m = S.check_manifest(str(run_dir / S.MANIFEST), load_json(run_dir / S.MANIFEST, root=run_dir))
             row["status"] = m.get("status", "")
             cfg = S.check_config(str(run_dir / S.CONFIG), load_json(run_dir / S.CONFIG, root=run_dir))
+            sched = [e for e in (cfg.get("schedule") or []) if isinstance(e, dict) and e.get("passes")]
+            listed = sched[-1]["passes"] if sched else cfg.get("passes", [])   # what trained last
             row["passes"] = ", ".join(
                 p["name"] + (f"({', '.join(f'{k}={v}' for k, v in p.get('params', {}).items())})" if p.get("params") else "")
-                if isinstance(p, dict) else str(p) for p in cfg.get("passes", []))
+                if isinstance(p, dict) else str(p) for p in listed)
             sm = StepsModel(run_dir)
             sm.poll()
-            times = [s["time_s"] for ss in sm.steps.values() for s in ss[1:]] or \
-                [s["time_s"] for ss in sm.steps.values() for s in ss]
+            from deepcompile.report.figures import special_steps
+
+            ss = sm.steps.get(self.rank, next(iter(sm.steps.values()), []))
+            special = special_steps(ss, cfg)   # the same steady steps as the comparison and the report
+            times = [s["time_s"] for s in ss if s["step"] not in special]
             row["steps"] = sm.n_steps()
             row["median_step_s"] = statistics.median(times) if times else None
-            row["peak_bytes"] = max(((s.get("mem") or {}).get("peak", 0) for ss in sm.steps.values() for s in ss),
-                                    default=None)
+            # the run's one peak (memory_view, labelled), not the allocator's maximum over steps
+            pk = self.peak() if run_dir == self.run_dir else self._cached(run_dir, "peak", lambda: view_peak(
+                memory_view(run_dir, self.rank)[0]))
+            row["peak"] = pk
+            row["peak_bytes"] = pk["bytes"] if pk else None
         except RecordError as e:
             if not row["status"]:
                 row["status"] = "no record yet" if "missing" in str(e) else "unreadable record"
@@ -193,9 +361,9 @@ class InspectorModel:
 class Inspector:
     """Browse a run record in a notebook. ``Inspector(run_dir)``; ``Inspector.launch(...)``."""
 
-    def __init__(self, run_dir: str | Path | None = None, rank: int = 0, *, poll_interval: float = 3.0,
+    def __init__(self, run_dir: str | Path | None = None, rank: int = 0, *, poll_interval: float = 1.0,
                  follow: bool = True, use_dot: bool | None = None, lazy_layout: bool = True,
-                 layout_wait_s: float = 0.5):
+                 layout_wait_s: float = 0.5, live_interval: float = 0.5, whatif_delay_s: float = 0.4):
         import ipywidgets as W
 
         # graph: graphviz's layout when it is ready within layout_wait_s, else the order-based one
@@ -207,6 +375,17 @@ class Inspector:
         self.W = W
         self.model = InspectorModel(None, rank, use_dot=use_dot)
         self.poll_interval = poll_interval
+        # while a run is live the steps file is polled this often (a step appears within it);
+        # the record (graphs, layout) is re-read at most every reload_every_s meanwhile
+        self.live_interval = min(live_interval, poll_interval)
+        self.reload_every_s = 5.0
+        self._last_reload = 0.0
+        self._mem_sig = None
+        # what-if: an edit waits whatif_delay_s for the next one (a slider drag is one prediction)
+        self.whatif_delay_s = whatif_delay_s
+        self._whatif_timer: threading.Timer | None = None
+        self._whatif_gen = 0
+        self.last_whatif = None
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         self._lock = threading.RLock()
@@ -286,7 +465,10 @@ class Inspector:
             self.s_box = W.VBox([self.s_fig])
             self.s_box.add_class("dc-schedule")
         self.s_note = W.HTML()
-        schedule_tab = W.VBox([self.s_note, self.s_node, self.s_box if self.s_fig is not None else self.s_out])
+        self.s_numbers = W.HTML()
+        self.s_numbers.add_class("dc-step-numbers")
+        schedule_tab = W.VBox([self.s_note, self.s_numbers, self.s_node,
+                               self.s_box if self.s_fig is not None else self.s_out])
         # memory tab
         self.m_sort = W.Dropdown(description="sort by", options=["index", "name", "target", "module", "latency_us",
                                                                  "out_bytes", "mem_after_bytes"])
@@ -297,20 +479,39 @@ class Inspector:
                             names="value")
         self.m_out = W.Output()
         self.m_out.add_class("dc-memory")
+        self.m_view = W.Output()              # the run's memory by category (memory_view)
+        self.m_view.add_class("dc-memory-view")
+        self.m_runpeak = W.HTML()              # the run's one peak, labelled measured/predicted
+        self.m_runpeak.add_class("dc-peak")
         self.m_peak = W.HTML()
         self.m_table = W.HTML()
-        memory_tab = W.VBox([self.m_out, self.m_peak, W.HBox([self.m_sort, self.m_desc]), self.m_table])
+        memory_tab = W.VBox([self.m_runpeak, self.m_view, self.m_out, self.m_peak,
+                             W.HBox([self.m_sort, self.m_desc]), self.m_table])
         # steps tab
         self.st_out = W.Output()
         self.st_out.add_class("dc-steps")
         self.st_note = W.HTML()
-        steps_tab = W.VBox([self.st_note, self.st_out])
+        self.st_mem = W.Output()               # the latest measured step's memory timeline, live
+        self.st_mem.add_class("dc-live-memory")
+        steps_tab = W.VBox([self.st_note, self.st_out, self.st_mem])
         # passes & runs tab
         self.p_box = W.VBox()
-        self.p_steps = W.BoundedIntText(value=5, min=1, max=100000, description="steps")
+        self.p_steps = W.BoundedIntText(value=5, min=2, max=100000, description="steps")
         self.p_ranks = W.BoundedIntText(value=2, min=1, max=64, description="ranks")
         self.p_run = W.Button(description="Run", button_style="primary", tooltip="re-run the job with these values")
-        self.p_predict = W.Button(description="Predict", tooltip="predict step time and memory from the recorded profile")
+        self.p_predict = W.Button(description="Predict", tooltip="predict step time and memory of these values "
+                                  "from the recorded graphs and profile (what-if: no re-compile)")
+        self.p_predict.add_class("dc-predict")
+        self.p_limit = W.BoundedFloatText(value=0.0, min=0.0, max=1e6, step=0.5, description="memory limit GiB",
+                                          tooltip="the planner's memory limit for the what-if (0: the record's)",
+                                          style={"description_width": "120px"})
+        self.p_limit.add_class("dc-memory-limit")
+        self.p_limit.observe(lambda ch: self.schedule_whatif(), names="value")
+        self.p_whatif = W.HTML()
+        self.p_whatif.add_class("dc-whatif")
+        self.p_wstatus = W.HTML()
+        self.p_compare = W.HTML()
+        self.p_compare.add_class("dc-compare-box")
         self.p_cancel = W.Button(description="Cancel", button_style="danger", disabled=True)
         self.p_run.add_class("dc-run")
         self.p_run.on_click(lambda _: self.run())
@@ -321,9 +522,11 @@ class Inspector:
         self.p_cmd = W.HTML()
         self.p_log = W.Output(layout=W.Layout(max_height="240px", overflow="auto", border="1px solid #ddd"))
         self.p_runs = W.HTML()
-        passes_tab = W.VBox([self.p_box, W.HBox([self.p_steps, self.p_ranks]),
+        passes_tab = W.VBox([self.p_box, W.HBox([self.p_steps, self.p_ranks, self.p_limit]),
                              W.HBox([self.p_run, self.p_predict, self.p_cancel, self.p_progress]),
-                             self.p_msg, self.p_cmd, self.p_log, W.HTML("<b>runs</b>"), self.p_runs])
+                             self.p_msg, self.p_wstatus, self.p_whatif, self.p_cmd, self.p_log,
+                             W.HTML("<b>new vs previous run</b>"), self.p_compare,
+                             W.HTML("<b>runs</b>"), self.p_runs])
         self.tabs = W.Tab(children=[graph_tab, schedule_tab, memory_tab, steps_tab, passes_tab])
         for i, t in enumerate(("Graph", "Schedule", "Memory", "Steps", "Passes & runs")):
             self.tabs.set_title(i, t)
@@ -377,7 +580,9 @@ class Inspector:
         data = trace.customdata
         if data is None or inds[0] >= len(data):
             return
-        name = str(data[inds[0]])
+        name = bar_node(data[inds[0]])
+        if not name:
+            return
         with self._lock:
             self.model.click_bar(name)
             self._set_node_box(name)
@@ -421,16 +626,19 @@ class Inspector:
                 self._s_sig = sig
                 for t in fw.data:
                     t.on_click(self._on_bar_click)
-            else:
+            else:   # same lanes: only the selection outline (one trace per source) changes
                 old_sel = [t for t in fw.data if (t.name or "").startswith("selected: ")]
-                if old_sel and not sel:
-                    fw.data = [t for t in fw.data if not (t.name or "").startswith("selected: ")]
-                elif sel and not old_sel:
-                    fw.add_traces(sel)
-                    fw.data[-1].on_click(self._on_bar_click)
-                elif sel:
-                    old_sel[0].update(base=sel[0].base, x=sel[0].x, y=sel[0].y, name=sel[0].name,
-                                      customdata=sel[0].customdata)
+                if len(old_sel) != len(sel):
+                    if old_sel:
+                        fw.data = [t for t in fw.data if not (t.name or "").startswith("selected: ")]
+                    if sel:
+                        fw.add_traces(sel)
+                        for t in fw.data[-len(sel):]:
+                            t.on_click(self._on_bar_click)
+                else:
+                    for o, n in zip(old_sel, sel):
+                        o.update(base=n.base, x=n.x, y=n.y, name=n.name, xaxis=n.xaxis, yaxis=n.yaxis,
+                                 hovertemplate=n.hovertemplate, meta=n.meta, showlegend=n.showlegend)
                 fw.layout.title = fig.layout.title
 
     def _say(self, text: str, error: bool = False) -> None:
@@ -506,8 +714,10 @@ class Inspector:
             waiting = self.job is not None and self.job.running
             self._say(("waiting for the run record… " if waiting else "cannot show this run: ") + (m.error or ""),
                       error=not waiting)
-            for w in (self.g_svg, self.g_summary, self.m_table, self.m_peak, self.g_matches):
+            for w in (self.g_svg, self.g_summary, self.m_table, self.m_peak, self.g_matches, self.m_runpeak,
+                      self.s_numbers):
                 w.value = ""
+            self.m_view.outputs = ()
             self.s_out.outputs = ()
             if self.s_fig is not None and self.s_fig.data:
                 self.s_fig.data = ()
@@ -521,14 +731,37 @@ class Inspector:
         self._render_graph_controls(full)
         self._show_graph(m.graph)
         self._render_schedule()
-        # memory
+        self._render_memory()
+
+    def _render_memory(self) -> None:
+        """The run's one peak and its memory by category (memory_view), then the selected graph's
+        own liveness estimate (labelled as such: it is not the step's peak) and its operators."""
+        m = self.model
+        pk = m.peak()
+        if pk:
+            self.m_runpeak.value = (f"<div style='font-size:13px'><b>peak of this run</b> "
+                                    f"<span class='dc-peak-value'>{esc(peak_label(pk))}</span> "
+                                    "<span style='color:#666;font-size:11px'>(the same number in the report, "
+                                    "`deepcompile inspect` and Predict)</span></div>")
+        else:
+            self.m_runpeak.value = ("<div style='font-size:12px;color:#666'>no memory timeline in this record"
+                                    + (f": {esc(m.view_error)}" if m.view_error else "") + "</div>")
+        if m.view:
+            try:
+                self._plot(self.m_view, view_figure(m.view, title="memory by category"))
+            except Exception as e:  # a figure that fails says so; the rest stays
+                self.m_view.outputs = ()
+                self.m_runpeak.value += f"<div style='color:#b00020'>memory figure failed: {esc(str(e))}</div>"
+        else:
+            self.m_view.outputs = ()
         if m.memory:
             self._plot(self.m_out, m.memory.figure())
-            pk = m.memory.peak()
-            if pk:
-                self.m_peak.value = (f"<div style='font-size:12px'><b>peak</b> {E.fmt_bytes(pk['value'])} at node "
-                                     f"{pk['index']} ({esc(pk['node'])}, {esc(pk['series'])}); largest tensors live "
-                                     "there: " + ", ".join(f"{esc(n)} {E.fmt_bytes(b)}" for n, b in pk["holders"])
+            gp = m.memory.peak()
+            if gp:
+                self.m_peak.value = (f"<div style='font-size:12px'>graph-level estimate (this graph's own tensors, "
+                                     f"not the step's peak): high point {E.fmt_bytes(gp['value'])} at node "
+                                     f"{gp['index']} ({esc(gp['node'])}, {esc(gp['series'])}); largest tensors live "
+                                     "there: " + ", ".join(f"{esc(n)} {E.fmt_bytes(b)}" for n, b in gp["holders"])
                                      + "</div>")
             self.m_table.value = m.memory.table_html()
 
@@ -543,9 +776,11 @@ class Inspector:
     def _render_schedule(self) -> None:
         m = self.model
         if m.schedule:
-            self.s_note.value = (f"<div style='font-size:12px'>{esc(m.schedule.source_note)}"
+            self.s_note.value = (f"<div style='font-size:12px'>{esc(m.schedule.source_note)}; measured and "
+                                 "predicted in separate lanes; the numbers are per step (every graph)"
                                  + ("; click a bar to select its node in the graph" if self.s_fig is not None else "")
                                  + "</div>")
+            self.s_numbers.value = m.schedule.numbers_html()
             self._plot_schedule(m.schedule.figure())
 
     def _render_graph_controls(self, full: bool) -> None:
@@ -638,7 +873,7 @@ class Inspector:
                 f"{esc(x['name'])} <i>({esc(x['target'])}, {esc(x['group'])})</i>" for x in r.matches[:60])
             + (" …" if len(r.matches) > 60 else "") + "</div>")
 
-    def _render_steps(self) -> None:
+    def _render_steps(self, note_only: bool = False) -> None:
         st = self.model.steps
         if st is None:
             return
@@ -646,9 +881,54 @@ class Inspector:
             self.st_note.value = f"<div style='font-size:12px;color:#b00020'>{esc(st.error)}</div>"
             return
         following = self._poller is not None and self._poller.is_alive() and st.live
-        self.st_note.value = (f"<div style='font-size:12px'>{st.status}; {st.n_steps()} step(s)"
-                              + (f"; following live, every {self.poll_interval:g} s" if following else "") + "</div>")
+        n = st.n_steps()
+        wait = ""
+        if st.live and n == 0:   # the first step compiles: say so instead of an empty plot
+            job = self.model.jobs.get(st.run_dir)
+            since = f" ({time.time() - job.started_at:.0f} s since start)" if job and job.started_at else ""
+            wait = (f"; step 1 is compiling the graphs{since}: {self._graphs_so_far()} graph version(s) "
+                    "recorded so far; steps appear as each one ends")
+        self.st_note.value = (f"<div class='dc-steps-note' style='font-size:12px'>{st.status}; {n} step(s)"
+                              + (f"; following live, every {self._interval():g} s" if following else "") + wait
+                              + "</div>")
+        if note_only:
+            self._render_live_memory()
+            return
         self._plot(self.st_out, st.figure())
+        self._render_live_memory()
+
+    def _graphs_so_far(self) -> int:
+        m = self.model
+        try:
+            idx = load_json(m.run_dir / S.rank_dir_name(m.rank) / S.GRAPHS_DIR / S.GRAPH_INDEX, optional=True,
+                            root=m.run_dir)
+        except RecordError:
+            return 0
+        return len(idx) if isinstance(idx, list) else 0
+
+    def _render_live_memory(self, force: bool = False) -> None:
+        """The latest measured step's memory timeline by category, re-read when its file changes
+        (the profiling step writes it while the job runs on)."""
+        m = self.model
+        st = m.steps
+        if st is None:
+            return
+        sig = st.memory_signature(m.rank)
+        if sig is None:
+            if self._mem_sig is not None:
+                self.st_mem.outputs = ()
+            self._mem_sig = None
+            return
+        if sig == self._mem_sig and not force:
+            return
+        self._mem_sig = sig
+        view = m.view if m.view is not None and not st.live else memory_view(m.run_dir, m.rank)[0]
+        if view and (view.get("measured") or {}).get("samples"):
+            try:
+                self._plot(self.st_mem, view_figure(view, title=f"latest measured step: memory by category "
+                                                                f"(peak {peak_label(view_peak(view))})"))
+            except Exception:
+                self.st_mem.outputs = ()
 
     def _render_passes_tab(self, full: bool) -> None:
         pm = self.model.passes
@@ -660,8 +940,8 @@ class Inspector:
                 cb = self.W.Checkbox(value=pm.enabled[name], description=f"pass {name}",
                                      tooltip=pm.registry[name].help, indent=False)
                 cb.add_class(f"dc-pass-enable-{name}")
-                cb.observe(lambda ch, n=name: pm.enable(n, ch["new"]), names="value")
-                ctrls = [make_control(s)[1] for s in pm.specs[name]]
+                cb.observe(lambda ch, n=name: (pm.enable(n, ch["new"]), self.schedule_whatif()), names="value")
+                ctrls = [make_control(s, on_change=lambda _s: self.schedule_whatif())[1] for s in pm.specs[name]]
                 help_ = self.W.HTML(f"<span style='font-size:11px;color:#666'>{esc(pm.registry[name].help)}</span>")
                 rows.append(self.W.VBox([self.W.HBox([cb, help_])] + ctrls,
                                         layout=self.W.Layout(border="1px solid #eee", padding="4px")))
@@ -671,6 +951,7 @@ class Inspector:
             if self.model.record:
                 self.p_ranks.value = int(self.model.record.manifest["world_size"])
         self.p_runs.value = self._runs_table()
+        self.p_compare.value = self.model.compare_html()
 
     def _runs_table(self) -> str:
         rows = [self.model.run_summary(p) for p in self.model.runs]
@@ -678,7 +959,7 @@ class Inspector:
         body = []
         for r in rows:
             med = "" if r["median_step_s"] is None else f"{r['median_step_s'] * 1e3:.1f} ms"
-            peak = "" if not r["peak_bytes"] else E.fmt_bytes(r["peak_bytes"])
+            peak = "" if not r.get("peak") else peak_label(r["peak"])
             body.append(f"<tr><td>{esc(Path(r['run']).name)}</td><td>{esc(str(r['status']))}</td>"
                         f"<td>{esc(r['passes'])}</td><td>{r['steps']}</td><td>{med}</td><td>{peak}</td></tr>")
         body = "".join(body)
@@ -698,44 +979,80 @@ class Inspector:
         """Stop following (the job, if any, keeps running; see :meth:`cancel`)."""
         self._stop.set()
 
+    def _interval(self) -> float:
+        """Seconds between polls: ``live_interval`` while a run is being written or a job runs."""
+        st = self.model.steps
+        live = (st is not None and st.live) or (self.job is not None and self.job.running)
+        return self.live_interval if live else self.poll_interval
+
     def _poll_loop(self) -> None:
-        while not self._stop.wait(self.poll_interval):
+        while not self._stop.wait(self._interval()):
             try:
                 self.poll_once()
             except Exception:  # keep polling; the message shows on the next render
                 pass
 
     def poll_once(self) -> bool:
-        """One polling round (what the thread does): re-read steps, reload the record when it
-        appears or completes. True when something changed."""
+        """One polling round (what the thread does): re-read the steps and show new ones at once;
+        then reload the record when it appears or completes, or (while it is written) when graphs
+        were added, at most every ``reload_every_s``: a reload lays out graphs, which must not
+        hold back the steps. True when something changed."""
         m = self.model
         if m.run_dir is None or m.steps is None:
             return False
         before = m.steps.status
         changed = m.steps.poll()
+        if changed or m.steps.live:
+            with self._lock:   # the steps first: each one shows as soon as its line is written
+                self._render_steps(note_only=not changed)
+                if changed:
+                    self.p_runs.value = self._runs_table()
         isig = self._index_signature()
         new_graphs = isig is not None and isig != getattr(self, "_index_sig", None)
-        finished = before != m.steps.status and m.steps.status in ("complete", "failed")
-        if (m.run_dir / "manifest.json").exists() and (m.record is None or new_graphs or finished):
+        finished = before != m.steps.status and m.steps.status in ("complete", "failed", "interrupted")
+        due = time.time() - self._last_reload >= self.reload_every_s
+        if (m.run_dir / S.MANIFEST).exists() and (finished or (isig is not None and new_graphs and due)
+                                                  or (m.record is None and isig is not None and due)):
             self._index_sig = isig
+            self._last_reload = time.time()
             self.open(m.run_dir)
             return True
-        if changed:
-            with self._lock:
-                self._render_steps()
-                self.p_runs.value = self._runs_table()
         return changed
 
     # ------------------------------------------------------------ jobs
     def run(self, out: str | Path | None = None) -> Job | None:
-        """Re-run the job with the passes tab's values; the new run appears in the run list."""
+        """Re-run the job with the passes tab's values (the demo profiles step 1, so what-if works
+        on the new run; a script's run re-launches its recorded command). The run list switches
+        to the new run at once, and the new run is compared with the one shown before."""
         pm = self.model.passes
         errs = pm.validate()
         if errs:
             self.p_msg.value = "<span style='color:#b00020'>" + esc("; ".join(errs)) + "</span>"
             return None
-        out, argv = self.model.rerun_command(out, steps=self.p_steps.value, ranks=self.p_ranks.value)
-        return self.start_job(argv, out)
+        try:
+            out, argv = self.model.rerun_command(out, steps=self.p_steps.value, ranks=self.p_ranks.value)
+        except RelaunchError as e:
+            self.p_msg.value = f"<span class='dc-run-refused' style='color:#b00020'>Run: {esc(str(e))}</span>"
+            return None
+        prev = self.model.run_dir
+        job = self.start_job(argv, out, cwd=self.model.rerun_cwd, env=job_env())
+        self.p_msg.value += f"<br><span style='font-size:11px'>running {esc(self.model.rerun_note)}</span>"
+        self.switch_to(out, compare_with=prev)
+        return job
+
+    def switch_to(self, run_dir: str | Path, *, compare_with: str | Path | None = None) -> None:
+        """Show ``run_dir`` (the run list selects it; a record still being written is followed)
+        and compare it with ``compare_with`` in the Passes tab."""
+        run_dir = Path(run_dir)
+        if compare_with is not None and Path(compare_with) != run_dir:
+            self.model.compare_base = Path(compare_with)
+        self._last_reload = 0.0
+        self._mem_sig = None
+        keep = self.model.passes     # the edited values stay while the new record is not there yet
+        self.open(run_dir)
+        if self.model.record is None and keep is not None:
+            self.model.passes = keep
+        self.follow()
 
     def start_job(self, argv: list[str], out: str | Path, *, cwd: str | Path | None = None, env: dict | None = None) -> Job:
         if self.job is not None and self.job.running:
@@ -793,14 +1110,101 @@ class Inspector:
             self.open(self.job.out_dir)
         return rc
 
+    # ------------------------------------------------------------ what-if
+    def schedule_whatif(self) -> None:
+        """An edit of a pass or planner parameter: predict again once the edits pause for
+        ``whatif_delay_s`` (debounced; a newer edit cancels the pending prediction)."""
+        if self._muted or self.model.record is None:
+            return
+        self._whatif_gen += 1
+        gen = self._whatif_gen
+        if self._whatif_timer is not None:
+            self._whatif_timer.cancel()
+        self.p_wstatus.value = "<span style='font-size:12px;color:#666'>what-if: predicting the edited values…</span>"
+        t = threading.Timer(self.whatif_delay_s, lambda: self.whatif_now(gen))
+        t.daemon = True
+        self._whatif_timer = t
+        t.start()
+
+    def whatif_now(self, gen: int | None = None):
+        """Predict the edited values at once (plan.whatif.predict_run on the record's traced graphs:
+        no re-compile) and show it beside the measured run; also in the Schedule tab's what-if
+        lanes. Returns the WhatIf, or None with the reason shown."""
+        m = self.model
+        if m.record is None or m.passes is None:
+            self.p_whatif.value = "<div class='dc-whatif-error' style='color:#b00020'>what-if: no record shown</div>"
+            return None
+        limit = float(self.p_limit.value) or None
+        t0 = time.perf_counter()
+        try:
+            from deepcompile.plan.whatif import WhatIfError  # noqa: F401  (the module is there)
+        except ImportError:
+            self.p_whatif.value = ("<div class='dc-whatif-error' style='color:#b00020'>what-if needs "
+                                   "deepcompile.plan.whatif (not in this version)</div>")
+            return None
+        try:
+            w = m.passes.whatif(m.run_dir, rank=m.rank, memory_limit_gib=limit)
+        except Exception as e:  # ConfigError / WhatIfError name the value and the reason
+            if gen is not None and gen != self._whatif_gen:
+                return None
+            self.p_wstatus.value = ""
+            self.p_whatif.value = (f"<div class='dc-whatif-error' style='font-size:12px;color:#b00020'>what-if: "
+                                   f"{esc(str(e))}</div>")
+            return None
+        took = time.perf_counter() - t0
+        if gen is not None and gen != self._whatif_gen:   # a newer edit is on its way
+            return None
+        self.p_wstatus.value = ""
+        with self._lock:
+            self.last_whatif = w
+            self.p_whatif.value = self.whatif_html(w, took)
+            if m.schedule is not None:
+                m.schedule.set_whatif(w.schedule)
+                try:
+                    self._render_schedule()
+                except Exception:
+                    pass
+        return w
+
+    def whatif_html(self, w, took: float | None = None) -> str:
+        """Measured (this run) beside predicted (the edited values): step time and the peak, both
+        labelled, memory by category, and the seconds the prediction took."""
+        from deepcompile.report.figures import fmt_bytes as fb
+
+        m = self.model
+        summ = m.summary_of(m.run_dir)
+        pk = m.peak()
+        pred_pk = {"bytes": int(w.peak_bytes), "where": w.peak_where, "source": "predicted"}
+        cats = list(dict.fromkeys(list(w.memory) + list(((m.view or {}).get("peak") or {}).get("by_category") or {})))
+        meas_cat = ((m.view or {}).get("peak") or {}).get("by_category") or {}
+        rows = [("step time", "–" if summ["step_ms"] is None else f"{summ['step_ms']:.1f} ms (measured median of "
+                 "steady steps)",
+                 f"<span class='dc-whatif-step'>{w.step_ms:.1f} ms</span> (predicted)"),
+                ("peak memory", esc(peak_label(pk)), f"<span class='dc-whatif-peak'>{esc(peak_label(pred_pk))}</span>")]
+        rows += [(f"&nbsp;&nbsp;{esc(c)}", fb(meas_cat[c]) if c in meas_cat else "–", fb(w.memory.get(c)))
+                 for c in cats]
+        body = "".join(f"<tr><td>{k}</td><td>{a}</td><td>{b}</td></tr>" for k, a, b in rows)
+        secs = w.seconds if took is None else took
+        notes = "".join(f"<li>{esc(n)}</li>" for n in (w.notes or [])[:8])
+        more = f"<li>… {len(w.notes) - 8} more</li>" if len(w.notes or []) > 8 else ""
+        return (f"<div style='font-size:12px'><b>what-if</b> (passes and planner re-run on the recorded graphs, "
+                f"no re-compile) took <span class='dc-whatif-seconds'>{secs:.2f} s</span>"
+                f"<table class='dc-whatif-table' style='font-size:12px'><tr><th></th><th>this run</th>"
+                f"<th>edited values</th></tr>{body}</table><ul style='margin:2px 0'>{notes}{more}</ul>"
+                "Run measures it.</div>")
+
     def _predict(self) -> None:
-        self.p_msg.value = f"<span>{esc(self.model.passes.predict(self.model.record))}</span>"
+        """The Predict button: the what-if of the shown values, now."""
+        if self._whatif_timer is not None:
+            self._whatif_timer.cancel()
+        self._whatif_gen += 1
+        self.whatif_now(self._whatif_gen)
 
     @classmethod
     def launch(cls, out: str | Path | None = None, *, ranks: int = 2, steps: int = 20,
                passes: Iterable[str] = ("zero3",), pass_params: dict[str, dict] | None = None,
                script: str | Path | None = None, script_args: Iterable[str] = (), compiler: str | None = None,
-               cpu: bool = False, batch: int | None = None, poll_interval: float = 2.0,
+               cpu: bool = False, batch: int | None = None, poll_interval: float = 1.0,
                cwd: str | Path | None = None, model: str | None = None, **kw) -> "Inspector":
         """Start a job in the background and return an Inspector that follows it.
 

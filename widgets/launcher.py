@@ -38,9 +38,11 @@ def fmt_value(v) -> str:
 def demo_command(out: str | os.PathLike, *, passes: Iterable[str] = ("zero3",),
                  pass_params: dict[str, dict] | None = None, ranks: int = 2, steps: int = 20,
                  compiler: str | None = None, batch: int | None = None, seed: int | None = None,
-                 cpu: bool = False, python: str | None = None, model: str | None = None) -> list[str]:
+                 cpu: bool = False, python: str | None = None, model: str | None = None,
+                 profile_step: int | None = None) -> list[str]:
     """The argv of ``python -m deepcompile demo`` with the given passes and parameter values
-    (``model``: a ``package.module:factory`` to train instead of the built-in GPT)."""
+    (``model``: a ``package.module:factory`` to train instead of the built-in GPT;
+    ``profile_step``: the step profiled node by node, so the record holds a profile)."""
     passes = list(passes)
     argv = [python or sys.executable, "-m", "deepcompile", "demo", "--out", str(out),
             "--ranks", str(int(ranks)), "--steps", str(int(steps)), "--passes", ",".join(passes)]
@@ -54,6 +56,8 @@ def demo_command(out: str | os.PathLike, *, passes: Iterable[str] = ("zero3",),
         argv.append("--cpu")
     if model:
         argv += ["--model", model]
+    if profile_step is not None:
+        argv += ["--profile-step", str(int(profile_step))]
     for name in passes:
         for k, v in (pass_params or {}).get(name, {}).items():
             argv += ["--pass-param", f"{name}.{k}={fmt_value(v)}"]
@@ -193,3 +197,82 @@ class Job:
 
     def tail(self, n: int = 20) -> str:
         return "\n".join(self.lines[-n:])
+
+
+# --------------------------------------------------------------------------- re-launching a recorded command
+class RelaunchError(ValueError):
+    """A record's command cannot be re-launched (none recorded, or it does not name its output)."""
+
+
+def _recorded_parts(recorded) -> tuple[list[str], str | None, int | None, bool]:
+    """(argv, cwd, world size, launched by torchrun) of what ``record.reader.run_command`` gives:
+    an argv list, or a dict with ``argv`` (and ``cwd``, ``world_size``, ``launcher``/``torchrun``)."""
+    if isinstance(recorded, dict) and "relaunch" in recorded:   # record.writer.launch_command's dict
+        if not recorded.get("relaunch"):
+            raise RelaunchError("this run cannot be launched again from here: "
+                                + (recorded.get("why_not") or "its record holds no command to run again"))
+        return (list(recorded["relaunch"]), recorded.get("cwd") or None, recorded.get("world_size"),
+                recorded.get("launcher") == "torchrun")
+    if isinstance(recorded, dict):
+        argv = recorded.get("argv") or recorded.get("command") or []
+        cwd = recorded.get("cwd")
+        world = recorded.get("world_size") or recorded.get("nproc_per_node")
+        launcher = str(recorded.get("launcher") or "")
+        torchrun = bool(recorded.get("torchrun")) or "torchrun" in launcher or "torch.distributed" in launcher
+    else:
+        argv, cwd, world, torchrun = recorded, None, None, False
+    if isinstance(argv, str):
+        import shlex
+
+        argv = shlex.split(argv)
+    if not isinstance(argv, (list, tuple)) or not argv or not all(isinstance(a, str) for a in argv):
+        raise RelaunchError(f"the recorded command {recorded!r:.200} is not an argument list")
+    return list(argv), (str(cwd) if cwd else None), (int(world) if isinstance(world, int) and world > 0 else None), torchrun
+
+
+def is_demo_command(argv: list[str]) -> bool:
+    """``python -m deepcompile demo ...`` (or ``deepcompile demo``)."""
+    for i, a in enumerate(argv[:-1]):
+        if a == "deepcompile" and argv[i + 1] == "demo" and (i == 0 or argv[i - 1] == "-m"):
+            return True
+        if a.endswith("/deepcompile") and argv[i + 1] == "demo":
+            return True
+    return False
+
+
+def relaunch_command(recorded, old_out: str | os.PathLike, new_out: str | os.PathLike, *,
+                     ranks: int | None = None) -> tuple[list[str], str | None]:
+    """(argv, cwd) re-running a user's recorded command with its run directory ``old_out``
+    replaced by ``new_out``. A rank's recorded ``sys.argv`` (``script.py args``) goes back under
+    ``torchrun --nproc-per-node=<world>``. RelaunchError when the command does not name
+    ``old_out`` among its arguments: re-running it would write over the record shown."""
+    argv, cwd, world, torchrun = _recorded_parts(recorded)
+    base = cwd or os.getcwd()
+    old = os.path.normpath(os.path.abspath(os.path.join(base, os.fspath(old_out))))
+    new = os.path.abspath(os.fspath(new_out))
+    out, hits = [], 0
+    for a in argv:
+        key, eq, val = a.partition("=") if a.startswith("-") else ("", "", a)
+        if val and os.path.normpath(os.path.abspath(os.path.join(base, val))) == old:
+            out.append(f"{key}={new}" if eq else new)
+            hits += 1
+        else:
+            out.append(a)
+    if not hits:
+        raise RelaunchError(
+            f"the recorded command ({' '.join(argv)[:300]}) does not name this run's directory {old_out} among its "
+            "arguments, so a re-launch would write over this record: run the script yourself with another output "
+            "directory")
+    head = os.path.basename(out[0])
+    if "torch.distributed.run" in out[:4] and not any(a.startswith(("--standalone", "--rdzv", "--master", "--nnodes"))
+                                                       for a in out):
+        # one node: a rendezvous of its own (a fixed default port may be taken by another job)
+        i = out.index("torch.distributed.run") + 1
+        out = out[:i] + ["--standalone"] + out[i:]
+    if out[0].endswith(".py"):   # a rank's sys.argv: the script and its arguments
+        n = ranks or world or 1
+        out = ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={int(n)}"] + out
+               if (torchrun or n > 1) else [sys.executable] + out)
+    elif head.startswith("python") or head == "torchrun":
+        pass
+    return out, cwd

@@ -56,18 +56,27 @@ def control_spec(pass_name: str, p) -> ControlSpec:
 class PassesModel:
     """Pass schedule + parameter values of one run; ``command()`` for a re-run."""
 
-    def __init__(self, config: dict | None, *, registry: dict | None = None):
+    def __init__(self, config: dict | None, *, registry: dict | None = None, plan: dict | None = None):
         if registry is None:
             from deepcompile.passes import PASSES as registry
         self.registry = registry
         config = config or {}
         self.compiler = config.get("compiler")
         entries = []
-        for e in config.get("passes") or ["zero3"]:
+        # the passes that trained last: a schedule's final entry (the default ZeRO-3 plan switches
+        # to zero3+prefetch+selective_unshard at step 2), else the config's pass list
+        sched = [e for e in (config.get("schedule") or []) if isinstance(e, dict) and e.get("passes")]
+        listed = sched[-1]["passes"] if sched else config.get("passes")
+        for e in listed or ["zero3"]:
             if isinstance(e, str):
                 entries.append((e, {}))
             elif isinstance(e, dict) and "name" in e:
                 entries.append((e["name"], dict(e.get("params") or {})))
+        # the planner's choice (plan.json) for what the config left to it
+        chosen = ((plan or {}).get("chosen") or {}).get("params") if isinstance(plan, dict) else None
+        for n, p in entries:
+            for k, v in ((chosen or {}).get(n) or {}).items() if isinstance(chosen, dict) else ():
+                p.setdefault(k, v)
         self.recorded = [n for n, _ in entries]
         self.recorded_values = {n: dict(p) for n, p in entries}
         # the schedule: the recorded passes, then every other registered pass (disabled)
@@ -141,33 +150,42 @@ class PassesModel:
                 errs.append(str(e))
         return errs
 
+    def whatif_passes(self) -> list[dict]:
+        """The pass list as ``plan.whatif.predict_run`` (and the config) take it: every enabled pass
+        with every shown value, so the prediction is of exactly what Run would compile."""
+        try:
+            from deepcompile.plan.planner import PLANNED
+        except ImportError:
+            PLANNED = {}
+        vals, changed = self.values(), self.values(only_changed=True)
+        out = []
+        for n in self.passes:
+            # what the planner would decide is always given (a value, never left to "auto"); any
+            # other parameter only when edited: a declared default such as prefetch.backend="auto"
+            # is not the planner's "auto" and is left to the pass
+            p = {k: v for k, v in vals.get(n, {}).items() if k in PLANNED.get(n, ()) or k in changed.get(n, {})}
+            out.append({"name": n, "params": p})
+        return out
+
     def command(self, out: str | os.PathLike, *, ranks: int = 2, steps: int = 20, cpu: bool = False,
-                batch: int | None = None, model: str | None = None) -> list[str]:
-        """``python -m deepcompile demo`` re-running with the edited passes and values."""
+                batch: int | None = None, model: str | None = None, profile_step: int | None = 1) -> list[str]:
+        """``python -m deepcompile demo`` re-running with the edited passes and values. The run
+        profiles step ``profile_step`` (default 1, the first warm step): its record holds the
+        per-operator profile and memory timeline, so what-if and Predict work on it too."""
+        if profile_step is not None and steps <= profile_step:
+            profile_step = None if steps < 2 else steps - 1
         return demo_command(out, passes=self.passes, pass_params=self.values(only_changed=True),
                             ranks=ranks, steps=steps, compiler=self.compiler, cpu=cpu, batch=batch,
-                            model=model)
+                            model=model, profile_step=profile_step)
 
-    def predict(self, record) -> str:
-        """The cost model's prediction for ``record``'s compiled graphs from its recorded
-        profile; without a profile it says so and never invents numbers."""
-        if record is None or not getattr(record, "profile", None):
-            return ("no profile in this record: a prediction needs the measured per-operator profile "
-                    "of a previous iteration (run with a profile step, e.g. demo --profile-step 1)")
-        from deepcompile.plan.cost_model import predict
-        from deepcompile.profile.profiler import Profile
+    def whatif(self, run_dir: str | os.PathLike, *, rank: int = 0, memory_limit_gib: float | None = None):
+        """Predicted step time and memory of the edited values on ``run_dir``'s traced graphs
+        (:func:`deepcompile.plan.whatif.predict_run`: the passes and planner re-run offline, no
+        re-compile). Raises ConfigError (a bad value, named) or WhatIfError (the record cannot
+        answer: no profile, no zero3 graphs), each with the reason."""
+        from deepcompile.plan.whatif import predict_run
 
-        prof = Profile.from_records(record.profile)
-        versions = []
-        for gid in record.graph_ids:
-            for kind in record.kinds(gid):
-                if kind != "dynamo":
-                    versions.extend(record.versions(gid, kind))
-        p = predict(versions, prof, fused=self.compiler == "inductor")
-        return (f"predicted from the recorded profile ({prof.hardware or 'unknown hardware'}), for the "
-                f"pass values this run compiled with: step {p['step_ms']:.2f} ms, peak "
-                f"{p['peak_bytes'] / 2**20:.1f} MiB of graph memory. Predicting other pass values "
-                "needs the graphs re-compiled: use Run.")
+        return predict_run(run_dir, self.whatif_passes(), rank=rank, memory_limit_gib=memory_limit_gib)
 
 
 def new_run_dir(base: str | os.PathLike, stem: str = "rerun") -> Path:

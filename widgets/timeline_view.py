@@ -60,6 +60,7 @@ class ScheduleModel:
                            key=lambda k: (k[0], k[1] != "forward"))
         self.key = self.keys[0] if self.keys else None
         self.selected_node: str | None = None
+        self.whatif_events: list[dict] = []
 
     def _schedule_of(self, rank: int) -> dict | None:
         p = self.run_dir / S.rank_dir_name(rank) / S.SCHEDULE
@@ -93,41 +94,124 @@ class ScheduleModel:
     def nodes_at(self, lane: str | None = None) -> list[str]:
         return list(dict.fromkeys(e["node"] for e in self.current()))
 
-    def figure(self):
-        import plotly.graph_objects as go
+    def graph_nodes(self) -> dict:
+        """{(graph_id, kind): nodes of the final version}: links each gather's wait to its issue."""
+        return {k: v.nodes for k, v in _final_versions(self.rec).items()}
 
-        ev = self.current()
-        fig = go.Figure()
-        groups: dict[tuple, list[dict]] = defaultdict(list)
-        for e in ev:
-            groups[(e["rank"], e["stream"], e["source"])].append(e)
-        lanes = self.lanes()
-        for (r, s, src), es in sorted(groups.items(), key=lambda kv: lanes.index(f"rank {kv[0][0]} · {kv[0][1]} · {kv[0][2]}")):
-            lane = f"rank {r} · {s} · {src}"
-            fig.add_trace(go.Bar(
-                orientation="h", base=[e["start_us"] for e in es], x=[max(e["end_us"] - e["start_us"], 0.05) for e in es],
-                y=[lane] * len(es), name=f"{s} ({src}, rank {r})", customdata=[e["node"] for e in es],
-                marker=dict(color=STREAM_COLORS.get(s, "#888"), opacity=1.0 if src == "measured" else 0.55,
-                            line=dict(width=0)),
-                hovertemplate="%{customdata}<br>%{base:.1f} → %{x:.1f} µs<extra>" + lane + "</extra>"))
-        if self.selected_node:
-            sel = [e for e in ev if e["node"] == self.selected_node]
-            if sel:
-                fig.add_trace(go.Bar(
-                    orientation="h", base=[e["start_us"] for e in sel],
-                    x=[max(e["end_us"] - e["start_us"], 0.05) for e in sel],
-                    y=[f"rank {e['rank']} · {e['stream']} · {e['source']}" for e in sel],
-                    name=f"selected: {self.selected_node}", customdata=[e["node"] for e in sel],
-                    marker=dict(color="rgba(0,0,0,0)", line=dict(color="#ff00aa", width=3)),
-                    hovertemplate="%{customdata}<extra>selected</extra>"))
+    def set_whatif(self, schedule: list[dict] | None, label: str = "what-if") -> None:
+        """The what-if's predicted schedule (``plan.whatif.WhatIf.schedule``), drawn in lanes of its
+        own (source ``"what-if (predicted)"``): never in the measured or the recorded predicted lanes."""
+        self.whatif_events = [dict(e, rank=self.rec.rank, source=f"{label} (predicted)") for e in (schedule or [])]
+
+    def numbers(self) -> list[dict]:
+        """The three numbers per source and rank over the whole step (every graph): exposed
+        communication, overlap and idle (host-bound) time, with step and busy times
+        (:func:`deepcompile.report.figures.step_numbers`)."""
+        from deepcompile.report import figures as F
+
+        ev = self.events + list(self.whatif_events)
+        return F.step_numbers(ev) if ev else []
+
+    def numbers_html(self) -> str:
+        from deepcompile.report.figures import fmt_ms
+
+        rows = "".join(
+            f"<tr><td>{n['source']}</td><td>{n['rank']}</td><td>{fmt_ms(n['step_ms'])}</td>"
+            f"<td><b>{fmt_ms(n['exposed_comm_ms'])}</b></td><td><b>{fmt_ms(n['overlap_ms'])}</b></td>"
+            f"<td><b>{fmt_ms(n['idle_ms'])}</b> ({100 * n['idle_fraction']:.0f}%)</td>"
+            f"<td>{fmt_ms(n['compute_ms'])}</td><td>{fmt_ms(n['comm_ms'])}</td></tr>" for n in self.numbers())
+        return ("<table class='dc-step-numbers' style='font-size:12px'><tr><th>source</th><th>rank</th>"
+                "<th>step span</th><th>exposed comm</th><th>overlap</th><th>GPU idle (host-bound)</th>"
+                "<th>compute busy</th><th>comm busy</th></tr>" + rows + "</table>")
+
+    def figure_dict(self) -> dict:
+        """The schedule of the selected graph as a plotly figure dict
+        (:func:`deepcompile.report.figures.schedule_figure`: one subplot per source, a lane per
+        rank and stream, ms, hover, each gather linked from issue to wait), the selected node's
+        bars outlined."""
+        from deepcompile.report import figures as F
+
         title = "schedule"
         if self.key:
             title = f"schedule · graph {self.key[0]} · {self.key[1]} — {self.source_note}"
-        fig.update_layout(barmode="overlay", title=dict(text=title, font=dict(size=13)),
-                          height=140 + 34 * max(1, len(lanes)), margin=dict(l=10, r=10, t=40, b=40),
-                          xaxis_title="µs from the start of the graph", legend=dict(orientation="h", y=-0.25),
-                          yaxis=dict(categoryorder="array", categoryarray=list(reversed(lanes))))
-        return fig
+        ev = self.events + list(self.whatif_events)
+        return F.schedule_figure(ev, graphs=self.graph_nodes(), graph=self.key, selected=self.selected_node,
+                                 title=title, rank=self.rec.rank)
+
+    def figure(self):
+        import plotly.graph_objects as go
+
+        return go.Figure(self.figure_dict())
+
+
+def bar_node(customdata_item) -> str | None:
+    """The node name of one bar's customdata (report.figures puts ``[node, duration, ...]``)."""
+    c = customdata_item
+    if isinstance(c, (list, tuple)) or (hasattr(c, "tolist") and not isinstance(c, str)):
+        c = list(c)
+        return str(c[0]) if c else None
+    return None if c is None else str(c)
+
+
+# --------------------------------------------------------------------------- one memory truth
+def memory_view(run, rank: int = 0) -> tuple[dict | None, str | None]:
+    """(view, None) from :func:`deepcompile.record.reader.memory_view` (the measured timeline by
+    category and the predicted peak, each labelled): the one source of every peak shown; or
+    (None, why) when the record cannot give it. ``run``: a run directory or a RunRecord."""
+    try:
+        from deepcompile.record.reader import memory_view as mv
+    except ImportError:
+        return None, ("deepcompile.record.reader.memory_view is missing in this version: no memory view (the "
+                      "peak is not shown rather than a second, different number)")
+    try:
+        return mv(run, rank), None
+    except RecordError as e:
+        return None, str(e)
+    except Exception as e:  # an untrusted record: a message, never a traceback in the widget
+        return None, f"{getattr(run, 'path', run)}: memory view cannot be read ({type(e).__name__}: {e})"
+
+
+def view_peak(view: dict | None) -> dict | None:
+    """The run's one peak ``{bytes, source, label, where, by_category}`` (memory_view's ``peak``:
+    measured where the run has a timeline, else the plan's prediction)."""
+    pk = (view or {}).get("peak")
+    if not isinstance(pk, dict) or not isinstance(pk.get("bytes"), (int, float)):
+        return None
+    return {"bytes": int(pk["bytes"]), "source": str(pk.get("source") or "measured"),
+            "label": str(pk.get("label") or pk.get("source") or ""), "where": str(pk.get("where") or ""),
+            "by_category": dict(pk.get("by_category") or {})}
+
+
+def peak_label(pk: dict | None) -> str:
+    """``"3.4 MiB (measured, at graph 0 backward, node x)"``: how every view prints the one peak."""
+    if not pk:
+        return "–"
+    where = f", at {pk['where']}" if pk.get("where") else ""
+    return f"{E.fmt_bytes(pk['bytes'])} ({pk['source']}{where})"
+
+
+def figure_view(view: dict) -> dict:
+    """memory_view in the shape report.figures.memory_figure draws: the measured samples, the
+    one peak, and the plan's predicted peak beside it (when the peak shown is the measured one)."""
+    meas = view.get("measured") or {}
+    out = {"categories": list(view.get("categories") or []), "samples": list(meas.get("samples") or view.get("samples") or [])}
+    pk = view.get("peak")
+    if isinstance(pk, dict):
+        out["peak"] = dict(pk)
+    pred = (view.get("predicted") or {}).get("peak")
+    if isinstance(pred, dict) and (not isinstance(pk, dict) or pk.get("source") != "predicted"):
+        out["predicted"] = dict(pred, source="predicted")
+    return out
+
+
+def view_figure(view: dict, title: str = "memory by category"):
+    """The memory view's timeline (report.figures.memory_figure: stacked by category, ms on x,
+    node names on hover, the peak marked and labelled) as a plotly Figure."""
+    import plotly.graph_objects as go
+
+    from deepcompile.report.figures import memory_figure
+
+    return go.Figure(memory_figure(figure_view(view), title=title))
 
 
 # --------------------------------------------------------------------------- memory
@@ -318,11 +402,14 @@ class MemoryModel:
         if pk:
             fig.add_trace(go.Scatter(x=[pk["index"]], y=[pk["value"]], mode="markers+text", name="peak",
                                      marker=dict(symbol="star", size=14, color="#e15759"),
-                                     text=[f"peak {E.fmt_bytes(pk['value'])} at {pk['node']}"],
+                                     text=[f"graph high point {E.fmt_bytes(pk['value'])} at {pk['node']}"],
                                      textposition="top center"))
-        title = "memory" if not self.key else f"memory · graph {self.key[0]} · {self.key[1]}"
-        fig.update_layout(title=dict(text=title, font=dict(size=13)), height=340, margin=dict(l=10, r=10, t=40, b=40),
-                          xaxis_title="node index", yaxis_title="bytes allocated",
+        # not the run's peak (that is memory_view's, by category): this graph's own tensors only
+        title = ("graph-level liveness estimate" if not self.key else
+                 f"graph {self.key[0]} · {self.key[1]}: liveness estimate of its own tensors (activations and "
+                 "gathered parameters; no shards, gradients or optimizer state — not the step's peak)")
+        fig.update_layout(title=dict(text=title, font=dict(size=11)), height=340, margin=dict(l=10, r=10, t=40, b=40),
+                          xaxis_title="node index", yaxis_title="bytes (graph estimate)",
                           legend=dict(orientation="h", y=-0.25))
         return fig
 
@@ -381,27 +468,85 @@ class StepsModel:
     def n_steps(self) -> int:
         return max((len(v) for v in self.steps.values()), default=0)
 
+    def by_category(self, step: dict) -> dict | None:
+        """A step line's peak by memory category, where the writer records it."""
+        m = step.get("mem") or {}
+        for k in ("by_category", "peak_by_category"):
+            d = m.get(k) if isinstance(m, dict) else None
+            if isinstance(d, dict) and d:
+                return {c: v for c, v in d.items() if isinstance(v, (int, float))}
+        return None
+
     def figure(self):
+        """Step time (ms), loss, and memory per step as it is written: each step's peak by
+        category (stacked, the shown rank) where the steps carry it, else allocated / peak per rank.
+        The y range of step time follows the steady steps; a compile step far above is annotated."""
         import plotly.graph_objects as go
         from plotly.subplots import make_subplots
 
-        fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (s)", "loss", "memory (MiB)"))
+        from deepcompile.report import figures as F
+
+        fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (ms)", "loss", "memory per step"))
+        allmax = 0
+        steady: list[float] = []
         for r, ss in sorted(self.steps.items()):
             c = RANK_COLORS[r % len(RANK_COLORS)]
             xs = [s["step"] for s in ss]
-            fig.add_trace(go.Scatter(x=xs, y=[s["time_s"] for s in ss], name=f"rank {r} time", mode="lines+markers",
-                                     line=dict(color=c), legendgroup=f"r{r}"), row=1, col=1)
+            ts = [s["time_s"] * 1e3 for s in ss]
+            steady += ts[2:] if len(ts) > 2 else ts
+            fig.add_trace(go.Scatter(x=xs, y=ts, name=f"rank {r} time", mode="lines+markers",
+                                     line=dict(color=c), legendgroup=f"r{r}",
+                                     hovertemplate="step %{x}: %{y:.1f} ms<extra>rank " + str(r) + "</extra>"), row=1, col=1)
             fig.add_trace(go.Scatter(x=xs, y=[s.get("loss") for s in ss], name=f"rank {r} loss", mode="lines+markers",
-                                     line=dict(color=c), legendgroup=f"r{r}"), row=1, col=2)
+                                     line=dict(color=c), legendgroup=f"r{r}", showlegend=False), row=1, col=2)
+            allmax = max([allmax] + [max([v for v in (s.get("mem") or {}).values() if isinstance(v, (int, float))],
+                                         default=0) for s in ss])
+        unit, div = F.byte_unit(allmax)
+        shown = self.ranks[0] if self.ranks else (min(self.steps) if self.steps else 0)
+        cat_steps = [(s["step"], self.by_category(s)) for s in self.steps.get(shown, [])]
+        cat_steps = [(k, d) for k, d in cat_steps if d]
+        if cat_steps:
+            cats = list(dict.fromkeys(c for _, d in cat_steps for c in d))
+            for cat in cats:
+                fig.add_trace(go.Bar(x=[k for k, _ in cat_steps], y=[d.get(cat, 0) / div for _, d in cat_steps],
+                                     name=cat, marker_color=F.CATEGORY_COLORS.get(cat), legendgroup="mem",
+                                     hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>" + cat + "</extra>"),
+                              row=1, col=3)
+            fig.update_layout(barmode="stack")
+        for r, ss in sorted(self.steps.items()):
+            if cat_steps and r == shown:
+                continue
+            c = RANK_COLORS[r % len(RANK_COLORS)]
+            xs = [s["step"] for s in ss]
             for key, dash in (("allocated", "solid"), ("reserved", "dot"), ("peak", "dash")):
-                ys = [((s.get("mem") or {}).get(key) or 0) / 2 ** 20 for s in ss]
+                ys = [((s.get("mem") or {}).get(key) or 0) / div for s in ss]
                 if any(ys):
-                    fig.add_trace(go.Scatter(x=xs, y=ys, name=f"rank {r} {key}", mode="lines",
-                                             line=dict(color=c, dash=dash), legendgroup=f"r{r}"), row=1, col=3)
+                    fig.add_trace(go.Scatter(x=xs, y=ys, name=f"rank {r} {key}", mode="lines+markers",
+                                             line=dict(color=c, dash=dash), legendgroup=f"r{r}",
+                                             hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>rank " + str(r)
+                                             + " " + key + "</extra>"), row=1, col=3)
+        fig.update_yaxes(title_text=unit, row=1, col=3)
+        fig.update_xaxes(title_text="step", dtick=1 if self.n_steps() <= 20 else None)
+        if steady:
+            top = max(steady) * 1.3
+            allt = [s["time_s"] * 1e3 for ss in self.steps.values() for s in ss]
+            if allt and max(allt) > 3 * top:   # a compile step: keep the steady steps readable
+                fig.update_yaxes(range=[0, top], row=1, col=1)
+                fig.add_annotation(text=f"step 1 (compile): {max(allt) / 1e3:.1f} s, above the range",
+                                   xref="x domain", yref="y domain", x=0, y=1, showarrow=False, xanchor="left",
+                                   font=dict(size=10))
         live = " (live)" if self.live else ""
         fig.update_layout(title=dict(text=f"steps · {self.status}{live} · {self.n_steps()} step(s)", font=dict(size=13)),
-                          height=320, margin=dict(l=10, r=10, t=60, b=30), legend=dict(orientation="h", y=-0.2))
+                          height=340, margin=dict(l=10, r=10, t=60, b=30), legend=dict(orientation="h", y=-0.25))
         return fig
+
+    def memory_signature(self, rank: int) -> tuple | None:
+        """(size, mtime) of the rank's memory timeline file: the live view re-reads it when it changes."""
+        try:
+            st = (self.run_dir / S.rank_dir_name(rank) / S.MEMORY).stat()
+        except OSError:
+            return None
+        return st.st_size, st.st_mtime_ns
 
 
 def read_rank(run_dir: str | Path, rank: int):
