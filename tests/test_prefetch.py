@@ -221,6 +221,11 @@ def _tiny_zero3_graph(n_params: int = 3, numel: int = 1024):
         cur = g.call_function(torch.mul, (cur, w))
         r = g.call_function(DC.release_param.default, (w, k))
         nodes.update({f"issue{k}": i, f"use{k}": cur, f"release{k}": r})
+        # what Dynamo leaves on the nodes: module scopes (the record groups by them) and the user's line
+        for n, path in ((i, f"layers.{k}.weight"), (w, f"layers.{k}.weight"), (cur, f"layers.{k}")):
+            n.meta["nn_module_stack"] = {path: (path, torch.nn.Module)}
+        cur.meta["stack_trace"] = (f'  File "/home/u/model.py", line {10 + k}, in forward\n    x = x * self.w{k}\n')
+        cur.meta["val"] = torch.empty(numel)
     g.output(cur)
     meta = {k: ops.ParamMeta(id=k, name=f"layers.{k}.weight", shape=(numel,), numel=numel, chunk=numel // 2,
                              dtype=torch.float32, gather_dtype=torch.float32, requires_grad=True)
@@ -228,17 +233,21 @@ def _tiny_zero3_graph(n_params: int = 3, numel: int = 1024):
     return fx.GraphModule(torch.nn.Module(), g), meta, nodes
 
 
-def _run_prefetch(budget_mb, fuse_mb):
+def _run_prefetch(budget_mb, fuse_mb, with_before: bool = False):
+    """The tiny graph through prefetch: (serialized nodes, notes, {role: node name}) and with
+    ``with_before`` also the serialized graph before the pass (first)."""
     from deepcompile.passes import prefetch as pf
     from deepcompile.passes.registry import PassContext
     from deepcompile.record.graph import serialize
 
     gm, meta, nodes = _tiny_zero3_graph()
+    before = serialize(gm)
     ctx = PassContext(graph_id=0, kind="forward", world_size=2, rank=0, param_meta=meta,
                       params=pf.PrefetchParams(budget_mb=budget_mb, fuse_mb=fuse_mb, backend="gloo"))
     gm = pf.prefetch(gm, ctx)
     names = {k: n.name for k, n in nodes.items()}
-    return serialize(gm), ctx.notes, names
+    out = (serialize(gm), ctx.notes, names)
+    return (before,) + out if with_before else out
 
 
 def test_prefetch_records_each_move_from_to_and_first_use():
@@ -279,4 +288,6 @@ def test_prefetch_fused_group_lists_its_params_and_their_first_uses():
     assert f["moved"]["first_use"] == {str(k): nm[f"use{k}"] for k in range(3)}
     assert f["moved"]["bytes"] == 3 * 4096
     assert notes[1].startswith("3 params fused [0, 1, 2] (layers.0.weight, layers.1.weight, layers.2.weight)")
-    check_nodes("g.json", nodes)   # the record's schema accepts "moved" and "params"
+    check_nodes("g.json", nodes)   # the record's schema accepts "moved", "params" and "source"
+    use = next(n for n in nodes if n["name"] == nm["use1"])
+    assert use["source"] == "model.py:11 in forward: x = x * self.w1" and use["scope"] == "layers.1"

@@ -24,6 +24,15 @@ picture of the HTML report). This module adds:
   the ``id="group-<key>"`` attribute every box carries (so a new colour or selection reuses the
   cached layouts).
 
+Also: **moved collectives** (:meth:`GraphModel.moves`: what the prefetch pass recorded on each
+collective it moved, ``"moved"`` on the record's node, drawn *from -> to*: the SVG root carries
+``data-dc-moves``, the canvas draws an arrow from the box the collective left to the box it is
+issued in now; a ``⇡`` chip marks the box), **diff chips** (added ``+`` green, removed ``−`` red
+and dashed, moved ``⇡`` blue: colour and symbol, badges drawn on the laid-out boxes), a **node
+detail** (:meth:`GraphModel.node_detail`: shape, dtype, bytes, latency, source line, module
+scope, parameters, move) and a **legend** (:meth:`GraphModel.legend`: the colour scale's min and
+max in units, or the colours of the op kinds); :attr:`Rendered.html` is the legend above the SVG.
+
 SVG renders are cached per (version, state), so switching back and forth is free.
 """
 from __future__ import annotations
@@ -39,6 +48,7 @@ from deepcompile.report import graph_layout as L
 
 COLOR_MODES = ("kind", "latency", "memory")
 DIFF_COLORS = {"added": "#2a9d8f", "removed": "#e63946", "moved": "#457b9d"}
+DIFF_SYMBOLS = {"added": "+", "removed": "−", "moved": "⇡"}   # chip symbol: colour and shape both differ
 MATCH_COLOR = "#d00000"
 SELECT_COLOR = "#ff00aa"
 FOLD_MARK, OPEN_MARK = "▸", "▾"   # a collapsed module box (click: expand) / an expanded one (click: collapse)
@@ -175,6 +185,88 @@ def fmt_us(us: float) -> str:
     return f"{us / 1e3:.2f} ms" if us >= 1000 else f"{us:.1f} µs"
 
 
+RAMP_STOPS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def legend_html(lg: dict) -> str:
+    """A legend dict (:meth:`GraphModel.legend`) as a one-line HTML strip."""
+    if not lg:
+        return ""
+    e = html.escape
+    sw = ('<span style="display:inline-block;width:11px;height:11px;border-radius:2px;vertical-align:-1px;'
+          'margin:0 3px 0 8px;background:{c};border:1px solid #999"></span>')
+    parts = []
+    if lg.get("mode") in ("latency", "memory"):
+        grad = ", ".join(lg["stops"])
+        parts.append(f'<b>{e(lg["title"])}</b> <span class="dc-legend-min">{e(lg["min_label"])}</span>'
+                     f'<span style="display:inline-block;width:140px;height:11px;margin:0 6px;vertical-align:-1px;'
+                     f'border:1px solid #999;background:linear-gradient(to right, {grad})"></span>'
+                     f'<span class="dc-legend-max">{e(lg["max_label"])}</span>')
+    else:
+        parts.append("<b>op kind</b>" + "".join(sw.format(c=c) + e(k) for k, c in lg.get("items", [])))
+    for it in lg.get("diff", []):
+        parts.append(f'<span class="dc-chip dc-chip-{it["status"]}" style="display:inline-block;margin-left:8px;'
+                     f'padding:0 4px;border-radius:3px;color:white;background:{it["color"]}">'
+                     f'{e(it["symbol"])} {e(it["status"])}</span>')
+    return ('<div class="dc-graph-legend" style="font:11px Helvetica,Arial,sans-serif;margin:2px 0 4px 0">'
+            + " ".join(parts) + "</div>")
+
+
+_SHAPE_TAG = re.compile(r"<(polygon|rect|path)\b([^>]*?)/?>", re.S)
+_NUM = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def _shape_bbox(tag_attrs: str, kind: str) -> tuple[float, float, float, float] | None:
+    def attr(a):
+        m = re.search(rf'\b{a}="([^"]*)"', tag_attrs)
+        return m.group(1) if m else None
+    if kind == "rect":
+        try:
+            x, y, w, h = (float(attr(a) or 0) for a in ("x", "y", "width", "height"))
+        except ValueError:
+            return None
+        return x, y, x + w, y + h
+    v = attr("points" if kind == "polygon" else "d")
+    nums = [float(t) for t in _NUM.findall(v or "")]
+    if len(nums) < 4:
+        return None
+    xs, ys = nums[0::2], nums[1::2]
+    return min(xs), min(ys), max(xs), max(ys)
+
+
+def add_chips(svg: str, chips: dict[str, dict[str, int]]) -> str:
+    """Draw each box's diff chips (``+2`` added, ``−1`` removed, ``⇡1`` moved: a coloured badge
+    each) on the top right corner of the box (over its border, clear of its title), after layout (layouts stay cached without them);
+    removed-only boxes get a dashed outline."""
+    for key, cnt in chips.items():
+        head = f'id="{html.escape("group-" + key)}"'
+        i = svg.find(head)
+        if i < 0:
+            continue
+        m = _SHAPE_TAG.search(svg, i)
+        if not m:
+            continue
+        bb = _shape_bbox(m.group(2), m.group(1))
+        if bb is None:
+            continue
+        x1, y1, x2, _ = bb
+        items = [(st, cnt[st]) for st in ("added", "removed", "moved") if cnt.get(st)]
+        widths = [6.0 * len(f"{DIFF_SYMBOLS[st]}{n}") + 6 for st, n in items]
+        x = x2 - sum(widths) - 3 * len(items) - 6
+        out = []
+        for (st, n), w in zip(items, widths):
+            dash = ' stroke-dasharray="2,1"' if st == "removed" else ""
+            out.append(f'<g class="dc-chip dc-chip-{st}"><rect x="{x:.1f}" y="{y1 - 6:.1f}" width="{w:.1f}" height="11" '
+                       f'rx="2" fill="{DIFF_COLORS[st]}" stroke="white"{dash}/><text x="{x + 3:.1f}" y="{y1 + 2.5:.1f}" '
+                       f'font-size="8.5" fill="white" font-weight="bold">{DIFF_SYMBOLS[st]}{n}</text></g>')
+            x += w + 3
+        tag = m.group(0)
+        if set(cnt) <= {"removed"}:
+            tag = tag.replace("<" + m.group(1), "<" + m.group(1) + ' stroke-dasharray="5,3"', 1)
+        svg = svg[:m.start()] + tag + "".join(out) + svg[m.end():]
+    return svg
+
+
 @dataclass
 class Rendered:
     svg: str
@@ -184,6 +276,14 @@ class Rendered:
     diff: dict | None = None
     classes: dict[str, list[str]] = field(default_factory=dict)   # group key -> dc-* classes
     layout: str = ""                                               # "dot" or "simple"
+    moves: list[dict] = field(default_factory=list)   # moved collectives, with their boxes (see GraphModel.moves)
+    chips: dict[str, dict[str, int]] = field(default_factory=dict)  # box key -> {"added"|"removed"|"moved": count}
+    legend: dict = field(default_factory=dict)         # GraphModel.legend() of this picture
+
+    @property
+    def html(self) -> str:
+        """The legend above the picture (what the inspector's canvas shows)."""
+        return legend_html(self.legend) + self.svg
 
 
 def _decorate_simple(svg: str, c: L.Collapsed, fills: dict[int, str], extra_label: dict[int, str],
@@ -230,6 +330,8 @@ class GraphModel:
         self.selected_node: str | None = None
         self._cache: dict[tuple, Rendered] = {}
         self._mf = (None, None)
+        self._scale = (0.0, 0.0)       # min, max box totals of the colour metric in the current picture
+        self._pnames = None
         self._pick_default_kind()
 
     # ------------------------------------------------------------ options
@@ -380,7 +482,167 @@ class GraphModel:
         cur = vs[self.version].nodes
         if self.compare is None or self.compare == self.version:
             return cur, {}
-        return union_diff(vs[self.compare].nodes, cur)
+        union, status = union_diff(vs[self.compare].nodes, cur)
+        before = {n["name"]: n.get("moved") for n in vs[self.compare].nodes}
+        for n in cur:   # a collective the pass moved (a fused one is new, but it moved all the same)
+            m = n.get("moved")
+            if m and m.get("earlier", 0) > 0 and before.get(n["name"]) != m:
+                status[n["name"]] = "moved"
+        return union, status
+
+    # ------------------------------------------------------------ moves, detail, legend
+    def param_names(self) -> dict[int, str]:
+        """Parameter id -> its name (from the scope the record gives its gather nodes)."""
+        if getattr(self, "_pnames", None) is None:
+            out: dict[int, str] = {}
+            for v in self.rec.graphs:
+                for n in v.nodes:
+                    if "param" in n and n.get("scope") and E.comm_kind(n) in ("allgather_param", "wait_allgather"):
+                        out.setdefault(int(n["param"]), L._PARAM_SUFFIX.sub("", n["scope"]))
+            self._pnames = out
+        return self._pnames
+
+    def moves(self) -> list[dict]:
+        """The collectives the shown version issues earlier than before (the prefetch pass's
+        ``"moved"`` record), in graph order: ``{"node", "target", "params", "param_names", "from",
+        "to", "first_use": {id: node}, "earlier", "bytes", "from_key", "to_key", "key"}``:
+        ``from_key`` / ``to_key``: the boxes of the current picture holding the node it was issued
+        after and the one it is issued after now (boxes group by module, not by position, so the
+        collective's own box, ``key``, is its parameters' module wherever it is issued)."""
+        nodes, _ = self._nodes_and_status()
+        chains, _ = key_chains(nodes, self.expanded, self.pscopes)
+        where = {n["name"]: c[-1] for n, c in zip(nodes, chains)}
+        vs = self.versions()
+        cur = {n["name"] for n in vs[self.version].nodes} if vs else set()
+        names = self.param_names()
+        out = []
+        for n in nodes:
+            m = n.get("moved")
+            if not m or n["name"] not in cur or m.get("earlier", 0) <= 0:
+                continue
+            pids = [int(p) for p in m.get("params", [])]
+            out.append({"node": n["name"], "target": n["target"], "params": pids,
+                        "param_names": [names.get(p, str(p)) for p in pids],
+                        "from": m.get("from"), "to": m.get("to"),
+                        "first_use": {int(k): v for k, v in m.get("first_use", {}).items()},
+                        "earlier": int(m.get("earlier", 0)), "bytes": int(m.get("bytes", 0)),
+                        "from_key": where.get(m.get("from") or "", "inputs"),
+                        "to_key": where.get(m.get("to") or "", "inputs"), "key": where[n["name"]]})
+        return out
+
+    def node_detail(self, name: str) -> dict | None:
+        """What the detail panel shows for node ``name`` of the current picture (None: not in it):
+        ``name, op, target, version, status`` (diff: added/removed/moved or None), ``shape,
+        dtype, bytes, bytes_label, latency_us, latency_label, latency_source`` ("measured": the
+        record's profile or schedule; "estimated": the cost model), ``scope`` (module), ``box``
+        (its box in the picture), ``source`` (user source line or None), ``params``
+        (``[{"id", "name"}]``), ``moved`` (the move record with ``first_use`` keyed by int id, or
+        None), ``inputs`` and ``users`` (node names)."""
+        nodes, status = self._nodes_and_status()
+        idx = next((i for i, n in enumerate(nodes) if n["name"] == name), None)
+        if idx is None:
+            return None
+        n = nodes[idx]
+        chains, _ = key_chains(nodes, self.expanded, self.pscopes)
+        t = self.timings.get((self.graph_id, self.kind, name))
+        source = "measured"
+        if t is None:
+            source = "estimated"
+            key = (self.graph_id, self.kind, self.version, self.compare)
+            if getattr(self, "_lat", (None,))[0] != key:
+                self._lat = (key, self.node_latency_us(nodes))
+            t = self._lat[1].get(name) if n["op"] not in ("placeholder", "get_attr", "output") else None
+        pids: list[int] = []
+        m = n.get("moved")
+        if m and m.get("params"):
+            pids = [int(p) for p in m["params"]]
+        elif n.get("params"):
+            pids = [int(p) for p in n["params"]]
+        elif "param" in n:
+            pids = [int(n["param"])]
+        names = self.param_names()
+        moved = None
+        if m:
+            moved = dict(m, first_use={int(k): v for k, v in m.get("first_use", {}).items()})
+        b = int(m["bytes"]) if m and m.get("bytes") else E.node_bytes(n)   # a collective: the bytes it gathers
+        vs = self.versions()
+        return {"name": name, "op": n["op"], "target": n["target"], "version": vs[self.version].after,
+                "status": status.get(name), "shape": n.get("shape"), "dtype": n.get("dtype"),
+                "bytes": b, "bytes_label": E.fmt_bytes(b),
+                "latency_us": t, "latency_label": fmt_us(t) if t is not None else "—",
+                "latency_source": source if t is not None else None,
+                "scope": effective_scope(n, self.pscopes), "box": chains[idx][-1], "source": n.get("source"),
+                "params": [{"id": p, "name": names.get(p, str(p))} for p in pids], "moved": moved,
+                "inputs": E.inputs_of(n), "users": [u["name"] for u in nodes if name in E.inputs_of(u)]}
+
+    def node_detail_html(self, name: str | None = None) -> str:
+        """:meth:`node_detail` of ``name`` (default: the selected node) as a small HTML table."""
+        name = self.selected_node if name is None else name
+        d = self.node_detail(name) if name else None
+        if d is None:
+            return '<div class="dc-node-detail empty">no node selected</div>' if not name else (
+                f'<div class="dc-node-detail empty">{html.escape(name)} is not in this graph version</div>')
+        e = html.escape
+        rows = [("node", f"{d['name']} · {d['target']}" + (f" · <b>{d['status']}</b>" if d["status"] else "")),
+                ("shape", f"{d['shape']} {d['dtype'] or ''}"), ("output", d["bytes_label"]),
+                ("latency", d["latency_label"] + (f" ({d['latency_source']})" if d["latency_source"] else "")),
+                ("module", d["scope"] or "—"), ("source", d["source"] or "—")]
+        if d["params"]:
+            rows.append(("params", ", ".join(f"{p['id']} {p['name']}" for p in d["params"])))
+        m = d["moved"]
+        if m:
+            fu = ", ".join(f"{p}: {u}" for p, u in m["first_use"].items())
+            rows.append(("moved", (f"{m.get('from') or 'top'} → {m.get('to') or 'top'}, {m.get('earlier', 0)} nodes earlier"
+                                   if m.get("earlier", 0) > 0 else f"not moved (issued after {m.get('to') or 'top'})")
+                         + f"; first used at {fu}"))
+        body = "".join(f'<tr><th style="text-align:left;padding-right:8px">{e(k)}</th><td>'
+                       f'{v if k == "node" else e(str(v))}</td></tr>' for k, v in rows)
+        return f'<table class="dc-node-detail" style="font:12px Helvetica,Arial,sans-serif">{body}</table>'
+
+    def _box_totals(self, nodes: list[dict], chains: list[list[str]]) -> dict[str, float]:
+        """Colour metric total per box shown (leaf boxes, not inputs/outputs), or {} for "kind"."""
+        metric, _ = self._metric(nodes)
+        if metric is None:
+            return {}
+        members: dict[str, list[int]] = {}
+        for i, c in enumerate(chains):
+            if nodes[i]["op"] not in ("placeholder", "get_attr", "output"):
+                members.setdefault(c[-1], []).append(i)
+        return {k: metric(idx) for k, idx in members.items()}
+
+    def legend(self) -> dict:
+        """The colour scale of the current picture. Latency / memory: ``{"mode", "title", "unit",
+        "min", "max", "min_label", "max_label", "stops"}`` (box totals; ``min``/``max`` in µs or
+        bytes; ``stops``: the colours from min to max; latency ``"source"``: measured or
+        estimated). Kind: ``{"mode": "kind", "items": [(label, colour)]}``. With a diff, ``"diff"``:
+        the chips, ``[{"status", "symbol", "color", "count"}]``."""
+        nodes, status = self._nodes_and_status()
+        chains, _ = key_chains(nodes, self.expanded, self.pscopes)
+        return self._legend(nodes, status, chains)
+
+    def _legend(self, nodes, status, chains) -> dict:
+        lg: dict
+        if self.color_by in ("latency", "memory"):
+            tot = self._box_totals(nodes, chains)
+            lo, hi = (min(tot.values()), max(tot.values())) if tot else (0.0, 0.0)
+            fmt = fmt_us if self.color_by == "latency" else E.fmt_bytes
+            lg = {"mode": self.color_by, "unit": "µs" if self.color_by == "latency" else "bytes",
+                  "title": "latency per box" if self.color_by == "latency" else "output bytes per box",
+                  "min": lo, "max": hi, "min_label": fmt(lo), "max_label": fmt(hi),
+                  "stops": [_ramp(x) for x in RAMP_STOPS]}
+            if self.color_by == "latency":
+                have = sum(1 for n in nodes if (self.graph_id, self.kind, n["name"]) in self.timings)
+                lg["source"] = "measured" if have >= len(nodes) // 2 and have else "estimated"
+                lg["title"] += f" ({lg['source']})"
+        else:
+            kinds = sorted({c for n in nodes if (c := E.comm_kind(n))})
+            lg = {"mode": "kind", "items": [("compute", L.COMPUTE_COLOR), ("inputs/outputs", L.IO_COLOR)]
+                  + [(k, L.comm_color(k)) for k in kinds]}
+        if status:
+            cnt = Counter(status.values())
+            lg["diff"] = [{"status": st, "symbol": DIFF_SYMBOLS[st], "color": DIFF_COLORS[st], "count": cnt[st]}
+                          for st in ("added", "removed", "moved")]
+        return lg
 
     def group_keys(self) -> list[str]:
         nodes, _ = self._nodes_and_status()
@@ -450,6 +712,11 @@ class GraphModel:
             return L.have_dot()
         return L.have_dot() if self.use_dot is None else bool(self.use_dot and L.have_dot())
 
+    def _fill(self, v: float) -> str:
+        """The colour of a box total on the picture's scale (``self._scale``: min and max box totals)."""
+        lo, hi = self._scale
+        return _ramp((v - lo) / (hi - lo) if hi > lo else 1.0)
+
     def _metric(self, nodes: list[dict]):
         """(per-group total of the colour metric, its formatter) or (None, None) for colour-by-kind."""
         if self.color_by == "latency":
@@ -468,8 +735,7 @@ class GraphModel:
             return [], "", ""
         cls = ["dc-diff"] + [f"dc-{s}" for s in ("added", "removed", "moved") if cnt[s]]
         main = next(s for s in ("added", "removed", "moved") if cnt[s])
-        marks = " ".join(f"{'+' if s == 'added' else '−' if s == 'removed' else '↕'}{cnt[s]}"
-                         for s in ("added", "removed", "moved") if cnt[s])
+        marks = " ".join(f"{DIFF_SYMBOLS[s]}{cnt[s]}" for s in ("added", "removed", "moved") if cnt[s])
         return cls, DIFF_COLORS[main], f" [{marks}]"
 
     def _render(self, layout: str | None = None) -> Rendered:
@@ -486,12 +752,30 @@ class GraphModel:
         if self.compare is not None and self.compare != self.version:
             title += f" vs {vs[self.compare].after}"
         classes: dict[str, list[str]] = {}
+        lg = self._legend(nodes, status, chains)
+        self._scale = (lg["min"], lg["max"]) if "min" in lg else (0.0, 0.0)
         if self._use_dot(layout):
             self._mf = self._metric(nodes)
             level = self._level(nodes, status, chains, inferred, list(range(len(nodes))), 0, None, hit_groups, classes)
             svg, used = L.nested_svg(level, title), "dot"
         else:
             svg, used = self._draw_flat(nodes, status, keys, inferred, title, hit_groups, classes), "simple"
+        chips: dict[str, dict[str, int]] = {}
+        for n, k in zip(nodes, keys):
+            st = status.get(n["name"])
+            if st:
+                chips.setdefault(k, Counter())[st] += 1
+        chips = {k: dict(v) for k, v in chips.items()}
+        svg = add_chips(svg, chips)
+        moves = self.moves() if status else []
+        if moves:   # the canvas draws them as arrows (old box -> new box); the list is on the root element
+            import json
+
+            data = [{"from": m["from_key"], "to": m["to_key"], "node": m["node"],
+                     "label": f"{m['node']} ({len(m['params'])} param{'s' if len(m['params']) > 1 else ''}): "
+                              f"{m['from'] or 'top'} → {m['to'] or 'top'}, {m['earlier']} nodes earlier"}
+                    for m in moves]
+            svg = svg.replace("<svg ", f'<svg data-dc-moves="{html.escape(json.dumps(data))}" ', 1)
         d = None
         n_boxes = len(set(keys))
         summary = f"{title}: {len(v.nodes)} nodes in {n_boxes} boxes"
@@ -504,12 +788,14 @@ class GraphModel:
             comm = ", ".join(f"{k} +{n}" for k, n in sorted(d["comm_added"].items()))
             summary += f"; diff: +{d['added']} added, −{d['removed']} removed, {d['moved']} moved" + (
                 f" (comm: {comm})" if comm else "")
+            if moves:
+                summary += f"; {len(moves)} collective(s) issued earlier"
         if self.search:
             summary += f"; search {self.search!r}: {len(hits)} node(s) in {len(hit_groups)} box(es)"
         if self.selected_node is not None:
             where = next((k for n, k in zip(nodes, keys) if n["name"] == self.selected_node), None)
             summary += (f"; selected {self.selected_node}" + (f" (in {where})" if where else " (not in this graph)"))
-        return Rendered(svg, summary, list(dict.fromkeys(keys)), hits, d, classes, used)
+        return Rendered(svg, summary, list(dict.fromkeys(keys)), hits, d, classes, used, moves, chips, lg)
 
     def _level(self, nodes, status, chains, inferred, idxs: list[int], depth: int, parent: str | None,
                hit_groups: set, classes: dict) -> L.Level:
@@ -518,7 +804,6 @@ class GraphModel:
         metric, fmt = self._mf
         members = {g.index: [idxs[j] for j in g.node_indices] for g in c.groups}
         totals = {g.index: metric(members[g.index]) for g in c.groups if not g.is_io} if metric else {}
-        top = max(totals.values(), default=0.0) or 1.0
         boxes = []
         for g in c.groups:
             mem = members[g.index]
@@ -550,8 +835,8 @@ class GraphModel:
                 lines = L.module_box_lines(g, rel, OPEN_MARK if is_open else FOLD_MARK, extra)
                 chips = sorted(g.comm.items())
                 tip = f"{g.key} ({g.n_ops} nodes) · click: {'collapse' if is_open else 'expand'}"
-            if g.index in totals:
-                fill = _ramp(totals[g.index] / top)
+            if g.index in totals and not is_open:
+                fill = self._fill(totals[g.index])
             child = None
             if is_open:
                 child = self._level(nodes, status, chains, inferred, mem, depth + 1, g.key, hit_groups, classes)
@@ -601,10 +886,9 @@ class GraphModel:
         metric, fmt = self._metric(nodes)
         if metric:
             tot = {g.index: metric(g.node_indices) for g in c.groups}
-            top = max(tot.values(), default=0.0) or 1.0
             for g in c.groups:
                 if not g.is_io:
-                    fills[g.index] = _ramp(tot[g.index] / top)
+                    fills[g.index] = self._fill(tot[g.index])
                     extra[g.index] = f" · {fmt(tot[g.index])}"
         for g in c.groups:
             cls, color, marks = self._diff_marks(nodes, g.node_indices, status)
