@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from deepcompile.report import graph_layout as L
+from deepcompile.report import html as H
 from deepcompile.report.html import render_report
 
 CHROMIUM = "/usr/bin/chromium"
@@ -16,14 +17,37 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
         "--disable-component-update", "--no-first-run"]
 
 
+def _without_plotly_lib(text: str) -> str:
+    """The page minus the inlined plotly.min.js (whose own text names URLs it never loads here)."""
+    js = H.plotly_js()
+    return text.replace(js, "") if js else text
+
+
 def test_report_is_self_contained(demo_run, tmp_path):
     out = render_report(demo_run, tmp_path / "report.html")
-    text = out.read_text()
+    text = out.read_bytes().decode("utf-8")   # as written: read_text would translate the library's \r
     assert text.startswith("<!DOCTYPE html>")
-    assert not re.search(r"""(src|href)=["']?(https?:)?//""", text), "report must not load anything remote"
+    assert H.plotly_js() is not None and H.plotly_js()[:200] in text, "plotly.min.js is inlined"
+    page = _without_plotly_lib(text)
+    assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "report must not load anything remote"
     assert "<script src" not in text and "<link" not in text
+    assert "cdn.plot.ly" not in page
     assert text.count('class="graph') >= 5  # every version of every graph (dynamo, fwd x2, bwd x2)
     assert "allgather_param" in text and "reduce_grad" in text
+    # the hand-drawn charts are gone: the charts are plotly figures
+    assert "svg class=\"timeline" not in text and "svg class=\"chart" not in text
+    assert {"steps", "schedule", "memory"} <= set(re.findall(r"class='plotly-fig (\w+)'", text))
+    visible = re.sub(r"data-v='[^']*'", "", page.split("<script type='application/json' id='dc-figs'>")[0])
+    assert not re.search(r"\d\.?\d*e[+-]\d", visible), "no scientific notation in the page's text"
+
+
+def test_report_without_plotly_says_so_and_keeps_the_tables(demo_run, tmp_path, monkeypatch):
+    monkeypatch.setattr(H, "plotly_js", lambda: None)
+    text = render_report(demo_run, tmp_path / "noplotly.html").read_text()
+    assert "plotly is not installed" in text and "pip install plotly" in text
+    assert "Plotly.newPlot" not in text and "id='dc-figs'" not in text
+    assert "table class='sortable ops'" in text and "table class='numbers'" in text
+    assert "table class='sortable steps'" in text
 
 
 def _levels(text: str) -> dict:
@@ -166,29 +190,65 @@ def _browser():
     return sync_playwright, exe
 
 
+def _offline_page(browser, requests: list):
+    """A page that can reach nothing but file: URLs (every other request is aborted, and the
+    context is offline): what a report opened with no network sees."""
+    ctx = browser.new_context(viewport={"width": 1300, "height": 900}, offline=True)
+
+    def route(r):
+        requests.append(r.request.url)
+        return r.continue_() if r.request.url.startswith("file:") else r.abort()
+
+    ctx.route("**/*", route)
+    return ctx.new_page()
+
+
+PLOTS_JS = """() => Array.from(document.querySelectorAll('.plotly-fig')).map(d => ({
+    cls: d.className, traces: (d.data || []).length,
+    bars: (d.data || []).filter(t => t.type === 'bar' && (t.x || []).length > 0).length,
+    drawn: d.querySelectorAll('g.trace').length}))"""
+
+
 def test_report_in_headless_chromium(demo_run, tmp_path):
     sync_playwright, exe = _browser()
     out = render_report(demo_run, tmp_path / "report.html")
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=exe, args=ARGS)
         try:
-            page = browser.new_page(viewport={"width": 1300, "height": 900})
             requests = []
-            page.on("request", lambda r: requests.append(r.url))
+            page = _offline_page(browser, requests)
             errors = []
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(out.as_uri())
+            page.wait_for_function("() => window.Plotly && document.querySelectorAll('.plotly-fig .main-svg').length >= 3",
+                                   timeout=60_000)
             page.screenshot(path=str(tmp_path / "report.png"), full_page=False)
             assert (tmp_path / "report.png").stat().st_size > 10_000
             assert not errors, errors
-            assert all(u.startswith("file:") for u in requests), requests
-            assert page.locator("svg.graph").count() >= 5
-            fw = page.locator(".version[data-kind='forward'][data-after='zero3'] svg.graph")
-            assert fw.count() == 1 and fw.first.bounding_box()["height"] > 100
-            assert page.locator("svg.timeline").count() >= 2  # forward and backward schedules
-            assert page.locator("svg.timeline rect.ev").count() > 50
-            assert page.locator("svg.chart.memory polyline.series").count() >= 2
-            assert page.locator("svg.chart.loss polyline.series").count() == 1
+            assert requests and all(u.startswith("file:") for u in requests), requests
+            # the plotly timelines rendered offline, with data traces
+            plots = page.evaluate(PLOTS_JS)
+            by = {p_["cls"].split()[1]: p_ for p_ in plots}
+            assert {"steps", "schedule", "memory"} <= set(by), plots
+            assert all(p_["traces"] > 0 and p_["drawn"] > 0 for p_ in plots), plots
+            assert by["schedule"]["bars"] >= 4
+            sched = page.locator(".plotly-fig.schedule")
+            assert sched.locator("g.trace.bars path").count() > 50
+            # measured and predicted are separate panels that zoom together
+            layout = page.evaluate("() => { const d = document.querySelector('.plotly-fig.schedule');"
+                                   "return {y: d.layout.yaxis.title.text, y2: (d.layout.yaxis2 || {}).title, "
+                                   "m: (d.layout.xaxis2 || {}).matches}; }")
+            assert layout["y"] == "measured" and layout["y2"]["text"] == "predicted" and layout["m"] == "x", layout
+            rng = page.evaluate("""async () => { const d = document.querySelector('.plotly-fig.schedule');
+                await Plotly.relayout(d, {'xaxis.range': [1, 2]});
+                return [d._fullLayout.xaxis.range, d._fullLayout.xaxis2.range]; }""")
+            assert rng[0] == [1, 2] and rng[1] == [1, 2], rng
+            # hover text names the node, its duration in µs or ms, and its graph
+            cd = page.evaluate("() => document.querySelector('.plotly-fig.schedule').data[0].customdata[0]")
+            assert re.fullmatch(r"[\d.]+ (µs|ms)", cd[1]) and cd[2].startswith("graph "), cd
+            mem_axis = page.evaluate("() => document.querySelector('.plotly-fig.memory').layout.yaxis.title.text")
+            assert mem_axis in ("MiB", "GiB")
+            assert page.locator(".plotly-fig.schedule .annotation-text", has_text="exposed comm").count() >= 1
             # sortable operator table: clicking "latency" sorts descending on the second click
             table = page.locator("table.ops").first
             th = table.locator("th", has_text="latency")
@@ -218,5 +278,166 @@ def test_report_in_headless_chromium(demo_run, tmp_path):
             assert not errors, errors
             page.locator("#schedule").scroll_into_view_if_needed()
             page.screenshot(path=str(tmp_path / "schedule.png"))
+            assert all(u.startswith("file:") for u in requests), requests
         finally:
             browser.close()
+
+
+# --------------------------------------------------------------------------- figures.py, by hand
+def _ev(node, stream, a_ms, b_ms, source="measured", kind="forward", rank=0, gid=0):
+    return {"graph_id": gid, "kind": kind, "node": node, "stream": stream, "start_us": a_ms * 1e3,
+            "end_us": b_ms * 1e3, "source": source, "rank": rank}
+
+
+HAND = [
+    _ev("mm", "compute", 0, 10), _ev("allgather_param_1", "allgather", 5, 25),
+    _ev("wait_allgather_1", "compute", 10, 20),          # blocked: not compute
+    _ev("mm_1", "compute", 20, 30), _ev("mm_2", "compute", 40, 50, kind="backward"),
+    _ev("reduce_grad_1", "reduce", 45, 48, kind="backward"),
+    # the cost model times each graph from 0: laid end to end (forward, then backward)
+    _ev("mm", "compute", 0, 0.5, "predicted"), _ev("allgather_param_1", "allgather", 0, 1, "predicted"),
+    _ev("wait_allgather_1", "compute", 0.5, 1, "predicted"), _ev("mm_1", "compute", 1, 4, "predicted"),
+    _ev("mm_2", "compute", 0, 2, "predicted", "backward"),
+]
+GRAPHS = {(0, "forward"): [{"name": "allgather_param_1", "op": "call_function", "target": "dc.allgather_param",
+                            "args": [{"node": "p"}, 1]},
+                           {"name": "wait_allgather_1", "op": "call_function", "target": "dc.wait_allgather",
+                            "args": [{"node": "allgather_param_1"}, 1]}]}
+
+
+def test_step_numbers_by_hand():
+    from deepcompile.report import figures as F
+
+    n = {x["source"]: x for x in F.step_numbers(HAND)}
+    m = n["measured"]
+    assert m["step_ms"] == pytest.approx(50)
+    assert m["compute_ms"] == pytest.approx(30)              # the wait is not compute
+    assert m["comm_ms"] == pytest.approx(23)                 # 5..25 and 45..48
+    assert m["overlap_ms"] == pytest.approx(5 + 5 + 3)       # 5..10, 20..25, 45..48
+    assert m["exposed_comm_ms"] == pytest.approx(10)         # 10..20: only the gather runs
+    assert m["idle_ms"] == pytest.approx(10)                 # 30..40: nothing runs
+    p = n["predicted"]
+    assert p["step_ms"] == pytest.approx(6)                  # forward 0..4, backward 4..6
+    assert p["exposed_comm_ms"] == pytest.approx(0.5) and p["overlap_ms"] == pytest.approx(0.5)
+    assert p["idle_ms"] == pytest.approx(0)
+
+
+def test_schedule_figure_lanes_never_mix_sources_and_are_in_ms():
+    from deepcompile.report import figures as F
+
+    evs = HAND + [dict(e, rank=1) for e in HAND]
+    fig = F.schedule_figure(evs, graphs=GRAPHS)
+    json.loads(F.figure_json(fig))
+    bars = [t for t in fig["data"] if t["type"] == "bar"]
+    axis_source: dict[str, set] = {}
+    for t in bars:
+        axis_source.setdefault(t["yaxis"], set()).add(t["meta"]["source"])
+        assert set(t["y"]) == {f"rank {t['meta']['rank']} · {t['meta']['stream']}"}
+    assert all(len(v) == 1 for v in axis_source.values()), axis_source
+    assert axis_source == {"y": {"measured"}, "y2": {"predicted"}}
+    lay = fig["layout"]
+    assert lay["yaxis"]["title"]["text"] == "measured" and lay["yaxis2"]["title"]["text"] == "predicted"
+    assert lay["xaxis2"]["matches"] == "x" and "ms" in lay["xaxis2"]["title"]["text"]
+    assert lay["yaxis"]["categoryarray"][::-1] == ["rank 0 · compute", "rank 0 · allgather", "rank 0 · reduce",
+                                                   "rank 1 · compute", "rank 1 · allgather", "rank 1 · reduce"]
+    # x in ms: the 5..25 ms gather is base 5, width 20; hover in ms
+    ag = next(t for t in bars if t["meta"] == {"source": "measured", "rank": 0, "stream": "allgather", "wait": False})
+    assert ag["base"] == [5] and ag["x"] == [20] and ag["customdata"][0][:4] == [
+        "allgather_param_1", "20.00 ms", "graph 0 · forward", "5.00 ms"]
+    wait = next(t for t in bars if t["meta"]["wait"] and t["meta"]["source"] == "measured" and t["meta"]["rank"] == 0)
+    assert wait["customdata"][0][0] == "wait_allgather_1" and wait["y"] == ["rank 0 · compute"]
+    pred_bw = next(t for t in bars if t["meta"]["source"] == "predicted" and t["meta"]["rank"] == 0
+                   and t["meta"]["stream"] == "compute" and not t["meta"]["wait"])
+    assert sorted(pred_bw["base"]) == [0, 1, 4]              # the backward after the forward
+    # every gather linked from its issue to its wait, inside its own source's panel
+    links = [t for t in fig["data"] if t["type"] == "scatter"]
+    assert [(t["yaxis"], t["meta"]["source"], t["meta"]["links"]) for t in links] == [
+        ("y", "measured", 2), ("y2", "predicted", 2)]
+    assert links[0]["x"][:2] == [5, 10] and links[0]["y"][:2] == ["rank 0 · allgather", "rank 0 · compute"]
+    # the three numbers are in the panels' titles
+    titles = [a["text"] for a in lay["annotations"]]
+    assert "exposed comm 10.00 ms" in titles[0] and "overlap 13.00 ms" in titles[0] and "idle (host-bound) 10.00 ms" \
+        in titles[0]
+    # one graph only; and the what-if schedule's ms fields
+    one = F.schedule_figure(HAND, graph=(0, "backward"))
+    assert {v for t in one["data"] if t["type"] == "bar" for v in t["customdata"][0][2:3]} == {"graph 0 · backward"}
+    wi = F.schedule_figure([{"graph_id": 0, "kind": "forward", "node": "mm", "stream": "compute",
+                             "start_ms": 1.0, "end_ms": 3.5, "source": "predicted"}])
+    assert wi["data"][0]["x"] == [2.5] and wi["data"][0]["meta"]["source"] == "predicted"
+
+
+def test_gather_links_without_graphs_pair_in_order():
+    from deepcompile.report import figures as F
+
+    evs = F.normalize([_ev("allgather_params_default", "allgather", 0, 2), _ev("allgather_param_x", "allgather", 1, 3),
+                       _ev("wait_allgather_many_default", "compute", 4, 5), _ev("wait_allgather_y", "compute", 6, 7)])
+    lk = F.gather_links(evs)
+    assert [(x["issue"], x["wait"]) for x in lk] == [("allgather_params_default", "wait_allgather_many_default"),
+                                                     ("allgather_param_x", "wait_allgather_y")]
+
+
+def test_memory_figure_stacks_categories_in_mib_or_gib_with_labelled_peaks():
+    from deepcompile.report import figures as F
+
+    G = 1 << 30
+    cats = ["parameter_shards", "gathered", "activations"]
+    samples = [{"t_ms": t, "graph_id": 0, "kind": "forward", "node": f"n{t}",
+                "by_category": {"parameter_shards": 1 * G, "gathered": g * G, "activations": a * G},
+                "allocated_bytes": (1 + g + a) * G} for t, g, a in ((0.0, 0, 0), (1.5, 2, 1), (3.0, 1, 3))]
+    view = {"categories": cats, "samples": samples,
+            "peak": {"bytes": 5 * G, "where": "n3.0", "source": "measured"},
+            "predicted": {"bytes": int(5.5 * G), "by_category": {"gathered": 2 * G}, "source": "predicted"}}
+    fig = F.memory_figure(view)
+    json.loads(F.figure_json(fig))
+    stacked = [t for t in fig["data"] if t.get("stackgroup")]
+    assert [t["meta"]["category"] for t in stacked] == cats
+    assert fig["layout"]["yaxis"]["title"]["text"] == "GiB" and fig["layout"]["yaxis"]["ticksuffix"] == " GiB"
+    assert stacked[2]["y"] == [0, 1, 3] and stacked[0]["x"] == [0.0, 1.5, 3.0]
+    assert "ms" in fig["layout"]["xaxis"]["title"]["text"]
+    peaks = {t["meta"]["peak"]: t for t in fig["data"] if "peak" in (t.get("meta") or {})}
+    assert set(peaks) == {"measured", "predicted"}
+    assert peaks["measured"]["x"] == [3.0] and peaks["measured"]["y"] == [5]
+    assert peaks["predicted"]["y"] == [5.5, 5.5] and peaks["predicted"]["line"]["dash"] == "dash"
+    texts = " ".join(a["text"] for a in fig["layout"]["annotations"])
+    assert "measured peak 5.0 GiB" in texts and "predicted peak 5.5 GiB" in texts
+    small = F.memory_figure({"samples": [{"node_index": i, "allocated_bytes": b} for i, b in enumerate((0, 3 << 20))]})
+    assert small["layout"]["yaxis"]["title"]["text"] == "MiB" and small["data"][0]["y"] == [0, 3]
+
+
+def test_steps_figure_keeps_the_compile_steps_off_the_scale():
+    from deepcompile.report import figures as F
+
+    steps = [{"step": i, "time_s": t, "loss": 5 - i * 0.1, "mem": {"peak": 3 << 30}}
+             for i, t in enumerate([4.0, 0.15, 2.6, 0.040, 0.042, 0.041], start=1)]
+    special = F.special_steps(steps, {"profile_step": 1, "schedule": []})
+    assert special == {1: "compile", 2: "profiling", 3: "re-compile"}
+    fig = F.steps_figure(steps, special=special)
+    steady = next(t for t in fig["data"] if (t.get("meta") or {}).get("steady"))
+    assert steady["x"] == [4, 5, 6] and steady["y"] == pytest.approx([40, 42, 41])
+    assert fig["layout"]["yaxis"]["range"][1] < 100           # set by the steady steps, not by 4 s
+    marks = next(t for t in fig["data"] if "special" in (t.get("meta") or {}))
+    assert marks["x"] == [1, 2, 3] and "step 1: compile · 4.000 s" in marks["text"][0]
+    assert "step 2: profiling · 150.00 ms" in marks["text"][1]
+    mem = next(t for t in fig["data"] if (t.get("meta") or {}).get("row") == "memory")
+    assert mem["meta"]["unit"] == "GiB" and mem["y"][0] == 3
+    assert F.special_steps(steps, None)[1] == "compile" and F.special_steps(steps, None).get(3) == "slow"
+
+
+def test_each_graph_once_and_the_compile_diff_only_when_it_differs():
+    from deepcompile.record.reader import GraphRecord
+
+    a = [{"name": "x", "op": "placeholder", "target": "x"}, {"name": "mm", "op": "call_function", "target": "aten.mm"}]
+    b = a + [{"name": "ag", "op": "call_function", "target": "dc.allgather_param"}]
+
+    def g(after, seq, nodes):
+        return GraphRecord(0, "forward", after, seq, nodes)
+
+    same = [g("input", 0, a), g("zero3", 1, b), g("input", 2, a), g("zero3", 3, b)]
+    chains = H.compiles(same)
+    assert [[v.after for v in c] for c in chains] == [["input", "zero3"], ["input", "zero3"]]
+    text = H._compile_diff(chains)
+    assert "compiled 2 times" in text and "gave the same graph" in text and "compile-diff" not in text
+    differ = [g("input", 0, a), g("zero3", 1, b), g("input", 2, a), g("zero3", 3, a)]
+    text = H._compile_diff(H.compiles(differ))
+    assert "compile 1 of 2 (zero3) → the latest: 3 → 2 nodes" in text
+    assert H._compile_diff(H.compiles(same[:2])) == ""

@@ -485,19 +485,26 @@ def test_report_of_a_diverged_run_renders_with_a_note(run, tmp_path):
 
 
 def test_charts_never_overflow_or_loop():
-    from deepcompile.report.html import _ticks, line_chart
+    """The report's plotly figures take NaN, inf and huge values: JSON that JSON.parse reads
+    (non-finite values become null: gaps), no overflow, no endless loop."""
+    from deepcompile.report import figures as F
 
-    for lo, hi in ((0, float("inf")), (float("nan"), 1), (-1e308, 1e308), (1e17, 1e17 + 1), (0, 1e-320),
-                   (2 ** 62, 2 ** 62 + 3), (5, 5)):
-        t0 = time.monotonic()
-        ticks = _ticks(lo, hi)
-        assert time.monotonic() - t0 < 1 and len(ticks) <= 12
-    svg = line_chart([("loss", [1, 2, 3, 4], [float("inf"), 2.0, float("nan"), -1e308], "#000")],
-                     title="t", xlabel="x", ylabel="y")
-    assert "nan" not in svg.replace("NaN/inf", "") and "inf" not in svg.replace("NaN/inf", "")
-    assert "2 point(s) NaN/inf" in svg
-    assert "no data (3 NaN/inf value(s))" in line_chart([("l", [1, 2, 3], [float("nan")] * 3, "#000")],
-                                                       title="t", xlabel="x", ylabel="y")
+    t0 = time.monotonic()
+    steps = [{"step": i, "time_s": t, "loss": v, "mem": {"peak": m}}
+             for i, (t, v, m) in enumerate([(0.1, float("inf"), 2 ** 70), (float("nan"), 2.0, 0),
+                                            (1e308, float("nan"), 5), (0.2, -1e308, -1)], start=1)]
+    fig = F.steps_figure(steps, config={})
+    mem = F.memory_figure({"samples": [{"t_ms": x, "allocated_bytes": b} for x, b in
+                                       ((0, 2 ** 62), (1e17, 0), (1e17 + 1, 5))]})
+    sched = F.schedule_figure([{"graph_id": 0, "kind": "forward", "node": "a", "stream": "compute", "source": "measured",
+                                "start_us": s, "end_us": e} for s, e in ((0, 1e300), (1e17, 1e17 + 1))])
+    for f in (fig, mem, sched):
+        text = F.figure_json(f)
+        assert "NaN" not in text and "Infinity" not in text
+        json.loads(text)
+    assert time.monotonic() - t0 < 5
+    for v in (float("nan"), float("inf"), 1e300, -1e-320, 0):
+        assert "e+" not in F.fmt_us(v) and "e-" not in F.fmt_us(v)
 
 
 def test_diverging_demo_ends_with_a_report(tmp_path):

@@ -288,8 +288,10 @@ def schedule_figure(events: Iterable[dict], *, graphs: dict | None = None, graph
                     ls.append(f"rank {r} · {s}")
         lanes_of[src] = ls
     # vertical layout: each source's subplot as tall as its lanes, a gap for its title
-    lane_px, gap_px, top_px, bottom_px = 30, 58, 40, 50
-    total = sum(len(v) for v in lanes_of.values()) * lane_px + gap_px * len(sources)
+    # a gap above each panel for its title (and, below the first, the tick labels of the one above)
+    lane_px, top_px, bottom_px = 30, 40, 50
+    gaps = [24] + [58] * (len(sources) - 1)
+    total = sum(len(v) for v in lanes_of.values()) * lane_px + sum(gaps)
     height = top_px + bottom_px + total
     data: list[dict] = []
     layout: dict[str, Any] = {
@@ -308,7 +310,7 @@ def schedule_figure(events: Iterable[dict], *, graphs: dict | None = None, graph
         xname, yname = "x" + ax, "y" + ax
         lanes = lanes_of[src]
         h = (len(lanes) * lane_px) / total
-        g = gap_px / total
+        g = gaps[i] / total
         dom = [max(0.0, y_top - g - h), y_top - g]
         y_top = dom[0]
         layout["xaxis" + ax] = {"anchor": yname, "title": {"text": "ms from the start of the step"} if i == len(sources) - 1 else None,

@@ -117,7 +117,8 @@ document.querySelectorAll('table.sortable').forEach(function(t){
 @functools.lru_cache(maxsize=2)
 def _read_js(path: str, mtime: float) -> str:
     # a script element ends at the first "</script": keep any inside the library from ending it
-    return Path(path).read_text(encoding="utf-8").replace("</script", "<\\/script")
+    # (bytes, not read_text: the library is inlined byte for byte, its "\r"s untranslated)
+    return Path(path).read_bytes().decode("utf-8").replace("</script", "<\\/script")
 
 
 def plotly_js() -> str | None:
