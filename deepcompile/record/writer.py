@@ -147,8 +147,11 @@ def _script_argv(argv: list[str], orig: list[str]) -> list[str] | None:
         return None
     if orig and "-m" in orig[1:]:   # python [opts] -m module args: keep the module form
         i = orig.index("-m", 1)
-        if i + 1 < len(orig):
-            return [sys.executable, "-m", orig[i + 1]] + argv[1:]
+        mod = orig[i + 1] if i + 1 < len(orig) else ""
+        path = mod.replace(".", os.sep)
+        # sys.argv[0] of ``-m mod`` is mod's file (argv given by the caller may be another program's)
+        if mod and (argv[0].endswith(path + ".py") or argv[0].endswith(os.path.join(path, "__main__.py"))):
+            return [sys.executable, "-m", mod] + argv[1:]
     if argv[0].endswith("__main__.py"):   # sys.argv of ``python -m pkg`` seen in a spawned child
         return [sys.executable, "-m", os.path.basename(os.path.dirname(argv[0]))] + argv[1:]
     return [sys.executable] + argv

@@ -1,0 +1,176 @@
+"""One memory truth: the profiled step's measured timeline by category, the plan's predicted
+categories, one labelled peak everywhere, the demo's default plan, and the record's command.
+
+One real run: ``python -m deepcompile demo`` with its defaults (the default ZeRO-3 plan: zero3,
+step 1 profiled, then zero3 + prefetch + selective_unshard planned) on 2 gloo ranks, the tiny GPT.
+"""
+from __future__ import annotations
+
+import gzip
+import json
+import re
+import sys
+
+import pytest
+
+from deepcompile.record import schema as S
+from deepcompile.record.reader import RecordError, memory_view, read_run, run_command
+from tests.conftest import run_cli
+
+
+@pytest.fixture(scope="module")
+def planned_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("memtruth") / "run"
+    r = run_cli("demo", "--ranks", "2", "--steps", "3", "--cpu", "--model", "tests.factories:tiny_gpt",
+                "--out", str(out), timeout=600)
+    assert r.returncode == 0, f"STDOUT:\n{r.stdout}\nSTDERR:\n{r.stderr}"
+    return out, r.stdout
+
+
+def test_demo_default_runs_every_planned_pass(planned_run):
+    run, stdout = planned_run
+    assert "step 1 profiled and planned" in stdout.splitlines()[0]
+    rec = read_run(run)
+    assert rec.profile is not None
+    for kind in ("forward", "backward"):
+        afters = [v.after for v in rec.versions(0, kind)]
+        # the warm-up compile (zero3), then the planned one: every pass of the default plan
+        assert afters[-4:] == ["input", "zero3", "prefetch", "selective_unshard"], afters
+    assert (run / "rank0" / S.PLAN).exists()
+
+
+def test_categories_sum_to_allocated_at_every_sample(planned_run):
+    run, _ = planned_run
+    for rank in (0, 1):
+        v = memory_view(run, rank)
+        m = v["measured"]
+        assert m is not None and m["source"] == "measured" and m["step"] == 1
+        samples = m["samples"]
+        assert v["categories"] == list(S.MEMORY_CATEGORIES)
+        assert {s["kind"] for s in samples} == {"forward", "backward", "optimizer"}
+        assert samples[-1]["node"] == "optimizer.step"
+        ts = [s["t_ms"] for s in samples]
+        assert ts == sorted(ts) and ts[-1] > 0
+        for s in samples:
+            assert set(s["by_category"]) == set(S.MEMORY_CATEGORIES)
+            assert sum(s["by_category"][k] for k in S.DEVICE_CATEGORIES) == s["allocated_bytes"], s
+        # the gradients appear at the end of backward, the gathered parameters come and go
+        assert any(s["by_category"]["gradients"] > 0 for s in samples if s["kind"] == "backward")
+        assert len({s["by_category"]["gathered"] for s in samples}) > 2
+        assert all(s["by_category"]["activations"] >= 0 for s in samples)
+        # the peak is the largest sample, split the same way
+        top = max(samples, key=lambda s: s["peak_bytes"])
+        assert m["peak"]["bytes"] == top["peak_bytes"] == v["peak"]["bytes"]
+        assert sum(m["peak"]["by_category"][k] for k in S.DEVICE_CATEGORIES) == m["peak"]["bytes"]
+
+
+def test_shards_category_is_the_real_shard_bytes(planned_run):
+    """Every rank's shard of every parameter, row-aligned (sharding.shard_layout), float32."""
+    from deepcompile.sharding import shard_layout
+    from tests.workloads import make_model
+
+    run, _ = planned_run
+    model = make_model()
+    # tied parameters are one parameter (named_parameters dedups them, as sharding does)
+    want = sum(shard_layout(tuple(p.shape), 2)[0] * p.element_size() for _, p in model.named_parameters())
+    for rank in (0, 1):
+        samples = memory_view(run, rank)["measured"]["samples"]
+        assert {s["by_category"]["parameter_shards"] for s in samples} == {want}
+        # the optimizer state: AdamW's two moments of every trainable shard (pos_emb is frozen), from step 0 on
+        state = 2 * sum(shard_layout(tuple(p.shape), 2)[0] * p.element_size()
+                        for _, p in model.named_parameters() if p.requires_grad)
+        assert {s["by_category"]["optimizer_state"] for s in samples} == {state}
+
+
+def test_inspect_prints_the_measured_peak_of_memory_view(planned_run):
+    run, _ = planned_run
+    v = memory_view(run, 0)
+    r = run_cli("inspect", str(run), timeout=120)
+    assert r.returncode == 0, r.stderr
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("memory peak: "))
+    assert int(re.search(r"\((\d+) bytes\)", line).group(1)) == v["peak"]["bytes"]
+    assert v["peak"]["source"] == "measured" and v["peak"]["label"] in line and v["peak"]["where"] in line
+    assert "parameter_shards" in line and "optimizer_state" in line
+    # the other numbers are there, labelled: the plan's prediction and the per-step process memory
+    assert "predicted peak of the chosen plan" in r.stdout
+    assert "process memory, steps.jsonl: the process's resident set per step (CPU" in r.stdout
+    # the report's file holds the same peak (memory.json.gz is what every view reads)
+    mem = json.loads(gzip.decompress((run / "rank0" / S.MEMORY).read_bytes()))
+    assert mem["peak"]["bytes"] == v["peak"]["bytes"]
+
+
+def test_predicted_categories_from_the_plan(planned_run):
+    run, _ = planned_run
+    p = memory_view(run, 0)["predicted"]
+    assert p is not None and p["source"] == "predicted" and p["where"] in ("forward/backward", "optimizer step")
+    assert set(p["by_category"]) == set(S.MEMORY_CATEGORIES)
+    assert sum(p["by_category"][k] for k in S.DEVICE_CATEGORIES) == p["peak"]["bytes"]
+    plan = json.loads((run / "rank0" / S.PLAN).read_text())
+    assert p["peak"]["bytes"] == plan["chosen"]["peak_bytes"]
+    assert p["by_category"]["gathered"] == plan["chosen"]["kept_bytes"] + plan["chosen"]["memory"]["gathered_prefetch"]
+    m = memory_view(run, 0)["measured"]
+    assert p["by_category"]["parameter_shards"] == m["peak"]["by_category"]["parameter_shards"]
+
+
+def test_the_record_keeps_its_command(planned_run):
+    run, _ = planned_run
+    c = run_command(run)
+    assert c is not None and c["launcher"] == "deepcompile demo" and c["world_size"] == 2
+    assert c["relaunch"][:4] == [sys.executable, "-m", "deepcompile", "demo"]
+    assert "tests.factories:tiny_gpt" in c["relaunch"] and c["cwd"]
+    assert run_command(read_run(run)) == c
+
+
+def test_launch_command_of_a_script(monkeypatch):
+    from deepcompile.record.writer import launch_command
+
+    monkeypatch.setattr(sys, "argv", ["train.py", "--lr", "1e-3"])
+    for k in ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(k, raising=False)
+    c = launch_command(1)
+    assert c["launcher"] == "none" and c["relaunch"] == [sys.executable, "train.py", "--lr", "1e-3"]
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    c = launch_command()
+    assert c["launcher"] == "torchrun" and c["env"]["LOCAL_WORLD_SIZE"] == "2"
+    assert c["relaunch"] == [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "train.py",
+                             "--lr", "1e-3"]
+    monkeypatch.setenv("WORLD_SIZE", "4")   # two nodes: cannot be started again from here
+    c = launch_command()
+    assert c["relaunch"] is None and "multi-node" in c["why_not"]
+    S.check_command("m", c, "command")
+
+
+def test_schema_refuses_bad_categories(planned_run, tmp_path):
+    import shutil
+
+    run, _ = planned_run
+    bad = tmp_path / "run"
+    shutil.copytree(run, bad)
+    f = bad / "rank0" / S.MEMORY
+    mem = json.loads(gzip.decompress(f.read_bytes()))
+    mem["samples"][3]["by_category"]["sideways"] = 1
+    f.write_bytes(gzip.compress(json.dumps(mem).encode()))
+    with pytest.raises(RecordError, match=r"samples\[3\]\.by_category.*sideways"):
+        read_run(bad)
+    del mem["samples"][3]["by_category"]["sideways"]
+    mem["peak"]["by_category"]["gathered"] = -5
+    f.write_bytes(gzip.compress(json.dumps(mem).encode()))
+    with pytest.raises(RecordError, match=r"peak\.by_category\.gathered: bytes cannot be negative"):
+        read_run(bad)
+
+
+def test_a_record_without_a_timeline_has_no_measured_peak(tmp_path):
+    """A run without a profiling step or a plan (the naive estimate's samples: activations
+    only) has no peak to show: never the estimate's number, and never the steps' process memory."""
+    from deepcompile.record.writer import RunRecorder
+
+    with RunRecorder(tmp_path / "r", 0, 1, {"compiler": "eager"}) as rec:
+        rec.step(1, 0.1, 1.0, {"allocated": 5, "reserved": 5, "peak": 7})
+        rec.memory([{"node_index": 0, "allocated_bytes": 3, "source": "predicted"}])
+    v = memory_view(tmp_path / "r", 0)
+    assert v["measured"] is None and v["predicted"] is None and v["peak"] is None
+    assert v["process"]["by_rank"] == {0: 7}
+    r = run_cli("inspect", str(tmp_path / "r"), timeout=120)
+    assert r.returncode == 0 and "memory peak: none recorded" in r.stdout, r.stderr
