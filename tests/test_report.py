@@ -400,6 +400,18 @@ def test_memory_figure_stacks_categories_in_mib_or_gib_with_labelled_peaks():
     assert peaks["predicted"]["y"] == [5.5, 5.5] and peaks["predicted"]["line"]["dash"] == "dash"
     texts = " ".join(a["text"] for a in fig["layout"]["annotations"])
     assert "measured peak 5.0 GiB" in texts and "predicted peak 5.5 GiB" in texts
+    # record.reader.memory_view's shape: the measured timeline and peak, the plan's predicted peak
+    mv = {"categories": cats, "peak": dict(view["peak"], label="measured peak (profiled step 1)"),
+          "measured": {"source": "measured", "label": "measured peak (profiled step 1)", "samples": samples,
+                       "peak": {"bytes": 5 * G, "t_ms": 2.5, "where": "graph 0 forward, node n3.0",
+                                "by_category": {"activations": 3 * G}}},
+          "predicted": {"source": "predicted", "label": "predicted peak of the chosen plan",
+                        "peak": {"bytes": int(5.5 * G), "where": "backward", "by_category": {}}}}
+    fig2 = F.memory_figure(mv)
+    assert [t["meta"]["category"] for t in fig2["data"] if t.get("stackgroup")] == cats
+    pk2 = {t["meta"]["peak"]: t for t in fig2["data"] if "peak" in (t.get("meta") or {})}
+    assert pk2["measured"]["x"] == [2.5] and pk2["predicted"]["y"] == [5.5, 5.5]
+    assert [p["source"] for p in F._peaks(mv)] == ["measured", "predicted"]    # the run's peak counted once
     small = F.memory_figure({"samples": [{"node_index": i, "allocated_bytes": b} for i, b in enumerate((0, 3 << 20))]})
     assert small["layout"]["yaxis"]["title"]["text"] == "MiB" and small["data"][0]["y"] == [0, 3]
 

@@ -396,17 +396,39 @@ def _sample_total(s: dict) -> float:
 
 
 def _peaks(view: dict) -> list[dict]:
-    """Every peak ``view`` carries, each ``{bytes, source, ...}``: ``peak`` (measured), and the
-    prediction under ``predicted`` / ``predicted_peak`` or in ``peaks``."""
-    out = []
-    for key, default in (("peak", "measured"), ("predicted", "predicted"), ("predicted_peak", "predicted")):
-        p = view.get(key)
-        if isinstance(p, dict) and isinstance(p.get("bytes"), (int, float)):
-            out.append(dict(p, source=p.get("source", default)))
+    """Every peak ``view`` carries, each ``{bytes, source, label?, where?, by_category?}``, measured
+    first: ``record.reader.memory_view``'s ``measured.peak`` and ``predicted.peak`` (its ``peak``,
+    the run's one peak, is one of those two), or a flat view's ``peak`` / ``predicted`` / ``peaks``."""
+    out: list[dict] = []
+
+    def add(p: Any, source: str, label: str | None = None) -> None:
+        if isinstance(p, dict) and _fin(p.get("bytes")):
+            d = dict(p, source=str(p.get("source") or source))
+            if label and "label" not in d:
+                d["label"] = label
+            if not any(q["source"] == d["source"] and q["bytes"] == d["bytes"] for q in out):
+                out.append(d)
+
+    for key in ("measured", "predicted"):
+        part = view.get(key)
+        if isinstance(part, dict) and isinstance(part.get("peak"), dict):
+            add(part["peak"], key, part.get("label"))
+    add(view.get("peak"), "measured")
+    if isinstance(view.get("predicted"), dict) and "peak" not in view["predicted"]:
+        add(view["predicted"], "predicted")
+    add(view.get("predicted_peak"), "predicted")
     for p in view.get("peaks") or []:
-        if isinstance(p, dict) and isinstance(p.get("bytes"), (int, float)) and p not in out:
-            out.append(dict(p, source=p.get("source", "predicted")))
+        add(p, "predicted")
+    out.sort(key=lambda p: _src_index(p["source"]))
     return out
+
+
+def memory_samples(view: dict) -> list[dict]:
+    """The timeline's samples: ``memory_view``'s measured ones, else a flat view's ``samples``."""
+    m = view.get("measured")
+    if isinstance(m, dict) and m.get("samples"):
+        return [dict(s, source=s.get("source", "measured")) for s in m["samples"] if isinstance(s, dict)]
+    return [s for s in view.get("samples") or [] if isinstance(s, dict)]
 
 
 def memory_x(samples: list[dict]) -> tuple[list[float], str]:
@@ -425,7 +447,7 @@ def memory_figure(view: dict, *, title: str | None = None) -> dict:
     samples without ``by_category`` are one ``allocated`` band. The measured peak is a labelled
     marker, a predicted peak a dashed line with its categories on hover; the y axis is in MiB or
     GiB and says which."""
-    samples = list(view.get("samples") or [])
+    samples = memory_samples(view)
     if samples and not any("t_ms" in s or "t_us" in s for s in samples):
         order = {k: i for i, k in enumerate(_exec_order(_graph_key(s) for s in samples))}
         samples.sort(key=lambda s: (order.get(_graph_key(s), 0), s.get("node_index", 0)))
@@ -469,26 +491,27 @@ def memory_figure(view: dict, *, title: str | None = None) -> dict:
         detail = "<br>".join(f"{k.replace('_', ' ')}: {fmt_bytes(v)}" for k, v in bc.items() if v)
         where = p.get("where")
         where_s = where if isinstance(where, str) else (where or {}).get("node", "") if isinstance(where, dict) else ""
+        t_peak = p.get("t_ms") if _fin(p.get("t_ms")) else (where or {}).get("t_ms") if isinstance(where, dict) else None
         if p["source"] == "measured" and samples:
             k = None
-            if isinstance(where, dict) and "t_ms" in where:
-                k = min(range(len(samples)), key=lambda j: abs(xs[j] - float(where["t_ms"])))
+            if _fin(t_peak) and xtitle.startswith("ms"):
+                k = min(range(len(samples)), key=lambda j: abs(xs[j] - float(t_peak)))
             elif where_s:
                 k = next((j for j, s in enumerate(samples) if s.get("node") == where_s), None)
             if k is None:
                 k = max(range(len(samples)), key=lambda j: _sample_total(samples[j]))
-            x = xs[k]
-            where_s = where_s or samples[k].get("node", "")
+            x = float(t_peak) if _fin(t_peak) and xtitle.startswith("ms") else xs[k]
+            where_s = where_s or str(samples[k].get("node", ""))
             data.append({"type": "scatter", "mode": "markers", "x": [x], "y": [p["bytes"] / div], "name": label,
                          "marker": {"symbol": "triangle-down", "size": 12, "color": "#d62728"},
-                         "hovertemplate": f"<b>{label}</b> at {where_s}<br>{detail}<extra></extra>",
+                         "text": [f"<b>{label}</b> at {where_s}<br>{detail}"], "hovertemplate": "%{text}<extra></extra>",
                          "meta": {"peak": p["source"], "bytes": p["bytes"]}})
             annotations.append({"x": x, "y": p["bytes"] / div, "text": f"{label} ({where_s})" if where_s else label,
                                 "showarrow": True, "arrowhead": 0, "ax": 0, "ay": -28, "font": {"size": 11, "color": "#d62728"}})
         else:
             data.append({"type": "scatter", "mode": "lines", "x": [x_lo, x_hi], "y": [p["bytes"] / div] * 2,
                          "name": label, "line": {"color": "#1f77b4", "width": 1.5, "dash": "dash"},
-                         "hovertemplate": f"<b>{label}</b><br>{detail}<extra></extra>",
+                         "text": [f"<b>{label}</b><br>{detail}"] * 2, "hovertemplate": "%{text}<extra></extra>",
                          "meta": {"peak": p["source"], "bytes": p["bytes"]}})
             annotations.append({"x": x_hi, "y": p["bytes"] / div, "xanchor": "right", "yanchor": "bottom",
                                 "text": label, "showarrow": False, "font": {"size": 11, "color": "#1f77b4"}})

@@ -236,20 +236,12 @@ def _section_steps(rec: RunRecord, all_steps: dict[int, list[dict]], figs: _Figu
     out.append("<div class='scroll'><table class='sortable steps'><thead><tr><th>step</th><th>loss</th><th>time</th>"
                "<th>allocated</th><th>reserved</th><th>allocator peak</th></tr></thead><tbody>"
                + "".join(rows) + "</tbody></table></div>")
+    proc = (view.get("process") or {}).get("label")
+    if proc:
+        out.append(f"<p class='note'>The per-step memory columns (and the chart's bottom row) are {esc(proc)}; "
+                   "not the training state's peak, which is:</p>")
     out.append(_peak_line(view) + "</section>")
     return "".join(out)
-
-
-def _peak_line(view: dict) -> str:
-    """The run's peak memory: the one number (``memory_view``), labelled measured or predicted."""
-    parts = []
-    for p in F._peaks(view):
-        where = p.get("where")
-        where = where.get("node", "") if isinstance(where, dict) else where if isinstance(where, str) else ""
-        parts.append(f"<b>{F.fmt_bytes(p['bytes'])}</b> {esc(p['source'])}" + (f" (at {esc(where)})" if where else ""))
-    if not parts:
-        return "<p class='peak'>Peak memory: no memory timeline in the record.</p>"
-    return "<p class='peak'>Peak memory (rank %s): " % esc(str(view.get("rank", 0))) + "; ".join(parts) + "</p>"
 
 
 def _js_num(v: Any) -> str:
@@ -456,32 +448,45 @@ def _section_schedule(rec: RunRecord, events: list[dict], source: str, figs: _Fi
 
 
 def memory_view_of(rec: RunRecord) -> dict:
-    """``record.reader.memory_view`` of the run where the reader has it; else the same shape
-    built from the record's memory samples (or, without them, the liveness estimate of the final
-    graphs), each labelled with its source."""
-    from deepcompile.record import reader as R
+    """``record.reader.memory_view`` of the run (its one peak, measured or predicted), plus the
+    timeline to draw where it has no measured one: the record's older samples (the naive
+    per-graph estimate) or, without any, the liveness estimate of the final graphs, labelled
+    predicted. ``note`` says which."""
+    from deepcompile.record.reader import memory_view
 
-    mv = getattr(R, "memory_view", None)
-    if mv is not None:
-        try:
-            view = mv(rec.path, rec.rank)
-        except TypeError:
-            view = mv(rec)
-        if view and view.get("samples"):
-            return dict(view, rank=rec.rank)
-    samples = list((rec.memory or {}).get("samples") or [])
-    note = "recorded"
+    try:
+        view = dict(memory_view(rec, rec.rank))
+    except RecordError as e:   # a plan.json that fails its schema: the rest of the report stands
+        view = {"categories": [], "measured": None, "predicted": None, "peak": None, "error": str(e)}
+    view["rank"] = rec.rank
+    if F.memory_samples(view):
+        view["note"] = (view.get("measured") or {}).get("label") or "the record's memory timeline"
+        return view
+    samples = [s for s in (rec.memory or {}).get("samples") or [] if isinstance(s, dict)]
+    note = "no measured timeline; the record's samples: the naive per-graph estimate (activations only)"
     if not samples:
         _, samples = E.estimate_versions([vars(v) for v in _final_versions(rec).values()])
-        samples = [dict(s, source="predicted") for s in samples]
-        note = "predicted by liveness over the final graphs (no memory timeline in the record)"
-    view = {"samples": samples, "note": note, "rank": rec.rank}
-    if samples:
-        best = max(samples, key=lambda s: s.get("allocated_bytes", 0) if _finite(s.get("allocated_bytes")) else 0)
-        src = str(best.get("source", "measured"))
-        key = "peak" if src == "measured" else "predicted"
-        view[key] = {"bytes": best.get("allocated_bytes", 0), "where": best.get("node", ""), "source": src}
+        note = "no timeline in the record: liveness over the final graphs (activations only)"
+    view["samples"] = [dict(s, source="predicted") for s in samples]
+    view["note"] = note + ", predicted"
     return view
+
+
+def _peak_line(view: dict) -> str:
+    """The run's one peak (``memory_view``'s ``peak``), labelled measured or predicted; the other
+    source's peak beside it where the run has both."""
+    p = view.get("peak")
+    if not p:
+        why = f" ({view['error']})" if view.get("error") else ""
+        return f"<p class='peak'>Peak memory: none recorded (no profiling step and no plan){esc(why)}.</p>"
+    cats = ", ".join(f"{k.replace('_', ' ')} {F.fmt_bytes(v)}" for k, v in (p.get("by_category") or {}).items() if v)
+    out = (f"<p class='peak'>The run's peak {F.fmt_bytes(p['bytes'])} — {esc(str(p.get('label') or p['source']))}"
+           + (f", at {esc(str(p['where']))}" if p.get("where") else "") + (f" [{esc(cats)}]" if cats else "") + "</p>")
+    other = [q for q in F._peaks(view) if q["source"] != p["source"]]
+    for q in other:
+        out += (f"<p class='note'>{esc(q['source'])} peak {F.fmt_bytes(q['bytes'])}"
+                + (f" ({esc(str(q['label']))})" if q.get("label") else "") + "</p>")
+    return out
 
 
 def _section_memory(view: dict, figs: _Figures) -> str:
