@@ -407,7 +407,33 @@ void Runtime::complete_oldest() {
     return ss.str();
   });
   r.inputs.clear();  // the graph's gradients (or our copies) are free to go now
-  allreduce_replicas(r.output, "gradient bucket " + std::to_string(r.bucket) + " of this step");
+  if (rep_pg_ && rep_pg_->getSize() > 1) {
+    // HSDP: the reduce-scatter left this rank the sum over its shard group; the replicas' sums
+    // (same shard, other data) complete it. The all-reduce is a second pipeline stage, not
+    // waited here: backward goes on computing (and reduce-scattering) while it crosses the
+    // slower inter-group link, and the bucket becomes .grad when the stage drains.
+    std::vector<at::Tensor> ts{r.output};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    r.work = rep_pg_->allreduce(ts, opts);
+    issued_ += 1;
+    replicating_.push_back(std::move(r));
+    while (static_cast<int64_t>(replicating_.size()) >= max_inflight_) complete_replicated();
+    return;
+  }
+  apply_grads(r);
+}
+
+void Runtime::complete_replicated() {
+  InFlightReduce r = std::move(replicating_.front());
+  replicating_.pop_front();
+  wait_work(r.work, r.output.is_cuda(), [&] {
+    return "all-reduce across replicas of gradient bucket " + std::to_string(r.bucket) + " of this step";
+  });
+  apply_grads(r);
+}
+
+void Runtime::apply_grads(InFlightReduce& r) {
   // Cast to the shards' dtype and scale once per bucket, then hand each parameter a view of its
   // slice as .grad (or add into the .grad it has). Numerics as per parameter: scale in the shard
   // dtype after the cast; a scale of 1 is skipped (exact).
@@ -443,9 +469,8 @@ void Runtime::complete_oldest() {
   if (!dsts.empty()) at::_foreach_add_(dsts, srcs, grad_scale_);
 }
 
-// HSDP: the reduce-scatter left this rank the sum over its shard group; adding the replicas'
-// sums (same shard, other data) gives the sum over every rank, which grad_scale_ (1 / all ranks)
-// turns into the mean. One all-reduce per reduce bucket, issued as the bucket completes.
+// HSDP, for a gradient reduced on its own (reduce_scatter_now): the replicas' sums complete the
+// shard group's, and grad_scale_ (1 / all ranks) turns the total into the mean.
 void Runtime::allreduce_replicas(at::Tensor& t, const std::string& what) {
   if (!rep_pg_ || rep_pg_->getSize() < 2) return;
   std::vector<at::Tensor> ts{t};
@@ -461,6 +486,7 @@ void Runtime::end_backward(int64_t /*graph_id*/) {
   for (auto& kv : buckets_) dtypes.push_back(kv.first);
   for (int d : dtypes) flush(static_cast<at::ScalarType>(d));
   while (!inflight_.empty()) complete_oldest();
+  while (!replicating_.empty()) complete_replicated();
 }
 
 at::Tensor Runtime::reduce_scatter_now(const at::Tensor& grad, int64_t id) {

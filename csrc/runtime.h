@@ -161,11 +161,13 @@ class Runtime {
   at::Tensor padded_flat(const at::Tensor& grad, const Param& p, bool copy, bool* owned);
   void flush(at::ScalarType dtype);
   void complete_oldest();
+  void complete_replicated();
+  void apply_grads(InFlightReduce& r);
+  void allreduce_replicas(at::Tensor& t, const std::string& what);
   void track_live(const at::Tensor& buffer, int64_t id);
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   c10::intrusive_ptr<c10d::ProcessGroup> rep_pg_;  // null: no replicas (plain ZeRO)
-  void allreduce_replicas(at::Tensor& t, const std::string& what);
   int64_t rank_, world_;
   int64_t bucket_elems_;
   int64_t max_inflight_;
@@ -178,7 +180,8 @@ class Runtime {
   std::unordered_map<int64_t, PendingGather> pending_;
   std::unordered_map<int64_t, at::Tensor> persistent_;
   std::unordered_map<int, Bucket> buckets_;  // by reduce dtype
-  std::deque<InFlightReduce> inflight_;
+  std::deque<InFlightReduce> inflight_;      // reduce-scatters issued, not yet waited
+  std::deque<InFlightReduce> replicating_;  // HSDP: reduced in the shard group, all-reduce across replicas in flight
   std::vector<std::pair<int64_t, c10::weak_intrusive_ptr<c10::StorageImpl>>> live_;
   Stats stats_;
   int64_t timeout_ms_;
