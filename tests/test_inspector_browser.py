@@ -1,8 +1,11 @@
 """A real browser: JupyterLab (headless, random port, no token) + Debian's Chromium through
 Playwright. Notebook 01 is run from the Run menu; then the Inspector's graph SVG and the plotly
 schedule must be in the DOM; a click on a schedule bar must select its node in the graph; a diff
-highlight must appear after choosing two passes; and a click on a module box in the SVG must
-expand it (its inner boxes appear in the DOM)."""
+highlight must appear after choosing two passes; a click on a module box in the SVG must expand
+it (its inner boxes appear in the DOM); the diff against zero3 lists prefetch's moved collectives
+from -> to; editing a parameter in the Passes tab changes the what-if's predicted numbers (no
+re-compile); the run's one peak is the same number in the Memory tab, the what-if table, the
+exported report and ``deepcompile inspect``; and a screenshot of every tab is saved (paths printed)."""
 from __future__ import annotations
 
 import os
@@ -24,17 +27,22 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--d
 
 
 # the centre (page coordinates) and node of the widest bar of rank 0's predicted compute lane
+# (report.figures' traces: meta {source, rank, stream, wait}; customdata [node, ...] per bar)
 BAR_JS = """(gd) => {
-  const ti = gd.data.findIndex(t => t.name === 'compute (predicted, rank 0)');
+  const ti = gd.data.findIndex(t => t.type === 'bar' && t.meta && t.meta.source === 'predicted'
+                                    && t.meta.stream === 'compute' && !t.meta.wait && t.meta.rank === 0);
   if (ti < 0) return null;
-  const traces = gd.querySelectorAll('.barlayer .trace');
-  const pts = traces[ti] ? traces[ti].querySelectorAll('.point') : [];
+  const el = [...gd.querySelectorAll('.barlayer .trace')].find(
+      e => e.__data__ && e.__data__[0] && e.__data__[0].trace && e.__data__[0].trace.index === ti);
+  const pts = el ? el.querySelectorAll('.point') : [];
   let best = null, bi = -1;
   pts.forEach((p, i) => { const r = p.getBoundingClientRect();
                           if (r.width > 0 && (!best || r.width > best.width)) { best = r; bi = i; } });
   if (!best) return null;
-  return {x: best.x + best.width / 2, y: best.y + best.height / 2, name: String(gd.data[ti].customdata[bi])};
+  const c = gd.data[ti].customdata[bi];
+  return {x: best.x + best.width / 2, y: best.y + best.height / 2, name: String(Array.isArray(c) ? c[0] : c)};
 }"""
+TABS = ("Graph", "Schedule", "Memory", "Steps", "Passes & runs")
 
 
 def _free_port() -> int:
@@ -93,7 +101,7 @@ def jupyterlab(tmp_path):
         log.close()
 
 
-@pytest.mark.timeout(480)
+@pytest.mark.timeout(900)
 def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
     try:
         from playwright.sync_api import sync_playwright
@@ -187,6 +195,56 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             page.locator(f"{insp} .dc-graph-view").scroll_into_view_if_needed()
             page.screenshot(path=str(tmp_path / "inspector.png"))
             assert (tmp_path / "inspector.png").stat().st_size > 20_000
+
+            # the moved-collective view: diff against zero3 lists prefetch's moves, from -> to
+            page.locator(f"{insp} .dc-diff-pass select").select_option(label="1: zero3")
+            page.wait_for_selector(f"{insp} .dc-moves .dc-moves-table", timeout=60_000)
+            moves = page.locator(f"{insp} .dc-moves").inner_text()
+            assert "collective(s) moved" in moves and "→" in moves, moves[:500]
+            page.wait_for_selector(f"{insp} .dc-graph-view svg[data-dc-moves]", state="attached", timeout=60_000)
+            assert page.locator(f"{insp} .dc-graph-view .dc-chip-moved").count() > 0
+
+            # what-if: an edit in the Passes tab changes the predicted numbers, without a run
+            page.locator(f"{insp} .lm-TabBar-tab", has_text="Passes & runs").first.click()
+            page.locator(f"{insp} .dc-predict").first.click()
+            page.wait_for_selector(f"{insp} .dc-whatif .dc-whatif-step", timeout=120_000)
+            before = page.locator(f"{insp} .dc-whatif-table").inner_text()
+            box = page.locator(f"{insp} .dc-param-selective_unshard-budget_mb input").first
+            box.fill("0")
+            box.press("Enter")
+            page.wait_for_function(
+                "([s, b]) => { const t = document.querySelector(s); return t && t.innerText !== b; }",
+                arg=[f"{insp} .dc-whatif-table", before], timeout=120_000)
+            after = page.locator(f"{insp} .dc-whatif-table").inner_text()
+            step_b = page.locator(f"{insp} .dc-whatif-step").inner_text()
+            assert after != before and step_b.endswith("ms"), (before, after)
+            secs = float(page.locator(f"{insp} .dc-whatif-seconds").inner_text().split()[0])
+            assert secs < 2.0, f"an edit's what-if took {secs} s"
+
+            # one peak across views: Memory tab == what-if's "this run" == report == deepcompile inspect
+            this_run_peak = [ln for ln in after.splitlines() if ln.startswith("peak memory")][0]
+            page.locator(f"{insp} .lm-TabBar-tab", has_text="Memory").first.click()
+            page.wait_for_selector(f"{insp} .dc-peak .dc-peak-value", timeout=60_000)
+            peak = page.locator(f"{insp} .dc-peak .dc-peak-value").inner_text().strip()
+            assert "(measured" in peak and peak in this_run_peak, (peak, this_run_peak)
+            from deepcompile.cli import summarize
+
+            run_dir = tmp_path / "work" / "quickstart"   # DC_NOTEBOOK_WORKDIR of the fixture
+            nbytes = peak.split(" (")[0]
+            assert f"memory peak: {nbytes}, measured" in summarize(run_dir)
+            assert f"peak {nbytes}" in (run_dir.parent / "quickstart.html").read_text()
+
+            # a screenshot of every tab, saved beside the test's other files
+            shots = []
+            for i, tab in enumerate(TABS):
+                page.locator(f"{insp} .lm-TabBar-tab", has_text=tab).first.click()
+                page.wait_for_timeout(1500)
+                path = tmp_path / f"tab-{i}-{tab.split()[0].lower()}.png"
+                page.screenshot(path=str(path), full_page=True)
+                assert path.stat().st_size > 20_000, path
+                shots.append(path)
+            for path in shots:
+                print(f"screenshot: {path}")
         except BaseException:
             if page is not None:  # evidence for the failure report
                 page.screenshot(path=str(tmp_path / "failure.png"), full_page=True)

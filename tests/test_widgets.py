@@ -550,9 +550,10 @@ def test_inspector_schedule_bar_click_selects_graph_node(demo_run):
     box = next(k for k, c in g.render().classes.items() if "dc-selected" in c)
     assert "dc-selected" in insp.g_svg.value and f"selected {name} (in {box})" in insp.g_summary.value
     assert fw.data[-1].name == f"selected: {name}" and len(fw.data[-1].x) >= 1
-    n_traces = len(fw.data)
-    insp.s_node.value = ""                                # clearing the selection removes the outline trace
-    assert len(fw.data) == n_traces - 1 and g.selected_node is None
+    n_traces, n_sel = len(fw.data), sum((t.name or "").startswith("selected: ") for t in fw.data)
+    assert n_sel >= 1                                     # one outline per source (measured, predicted)
+    insp.s_node.value = ""                                # clearing the selection removes the outline traces
+    assert len(fw.data) == n_traces - n_sel and g.selected_node is None
 
 
 @pytest.mark.parametrize("breakage", ["missing", "truncated", "newer"])
@@ -621,3 +622,211 @@ def test_inspector_start_job_streams_and_adds_run(demo_run, tmp_path):
     assert "step 4/4" in "".join(o.get("text", "") for o in insp.p_log.outputs)
     assert str(tmp_path / "new") in insp.run_select.options and insp.model.run_dir == demo_run
     assert "new" in insp.p_runs.value
+
+
+# --------------------------------------------------------------------------- what-if, re-runs, one peak, live memory
+@pytest.fixture(scope="module")
+def planned_run(tmp_path_factory) -> Path:
+    """A CPU demo whose record holds a profile (step 2 profiled) and a prefetch with a visible effect."""
+    from tests.conftest import run_cli
+
+    out = tmp_path_factory.mktemp("planned") / "run"
+    r = run_cli("demo", "--ranks", "2", "--steps", "4", "--cpu", "--passes", "zero3,prefetch,selective_unshard",
+                "--profile-step", "1", "--pass-param", "prefetch.budget_mb=64", "--pass-param", "prefetch.fuse_mb=0",
+                "--out", str(out), timeout=600)
+    assert r.returncode == 0, f"demo failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+    return out
+
+
+def _find(widget, cls):
+    """The widget under ``widget`` carrying the DOM class ``cls``."""
+    if cls in getattr(widget, "_dom_classes", ()):
+        return widget
+    for c in getattr(widget, "children", ()):
+        hit = _find(c, cls)
+        if hit is not None:
+            return hit
+    return None
+
+
+def _wait(cond, timeout=60.0, what="condition"):
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_whatif_on_edit_is_debounced_and_changes_the_numbers(planned_run):
+    pytest.importorskip("ipywidgets")
+    from deepcompile.widgets import Inspector
+
+    insp = Inspector(planned_run, follow=False, whatif_delay_s=0.3)
+    pm = insp.model.passes
+    assert pm.passes == ["zero3", "prefetch", "selective_unshard"]
+    base = insp.whatif_now()                        # the values the run compiled with
+    assert base is not None and base.step_ms > 0 and base.peak_bytes > 0, insp.p_whatif.value
+    calls = []
+    orig = pm.whatif
+    pm.whatif = lambda *a, **k: (calls.append(k), orig(*a, **k))[1]
+    ctrl = _find(insp.widget, "dc-param-selective_unshard-budget_mb")
+    assert ctrl is not None
+    for v in (1.0, 0.5, 0.25, 0.0):                 # a drag: four edits within the debounce delay
+        ctrl.value = v
+    assert "predicting" in insp.p_wstatus.value
+    _wait(lambda: insp.last_whatif is not base and not insp.p_wstatus.value, 60, "the what-if of the edit")
+    assert len(calls) == 1, f"{len(calls)} predictions for one burst of edits (not debounced)"
+    w = insp.last_whatif
+    assert (w.step_ms, w.peak_bytes) != (base.step_ms, base.peak_bytes)   # keeping nothing gathered: other numbers
+    html = insp.p_whatif.value
+    assert f"{w.step_ms:.1f} ms</span> (predicted)" in html and "dc-whatif-seconds" in html
+    assert w.seconds < 2.0                          # an edit re-plans the cached graphs: well under 2 s
+    # the schedule tab: the what-if's lanes are its own; no subplot mixes two sources
+    if insp.s_fig is not None:
+        by_axis = {}
+        for t in insp.s_fig.data:
+            src = (t.meta or {}).get("source")
+            if t.type == "bar" and src and not (t.name or "").startswith("selected: "):
+                by_axis.setdefault(t.yaxis, set()).add(src)
+        assert {"measured", "predicted", "what-if (predicted)"} <= set().union(*by_axis.values())
+        assert all(len(s) == 1 for s in by_axis.values()), by_axis
+        lay = insp.model.schedule.figure_dict()["layout"]
+        assert any("ms from the start" in str((v or {}).get("title") or "") for k, v in lay.items()
+                   if k.startswith("xaxis")), "the time axis is in ms"
+    nums = insp.s_numbers.value
+    assert "exposed comm" in nums and "overlap" in nums and "GPU idle" in nums
+
+
+def test_one_peak_across_views(planned_run, tmp_path):
+    pytest.importorskip("ipywidgets")
+    from deepcompile.cli import summarize
+    from deepcompile.plan.estimate import fmt_bytes
+    from deepcompile.record.reader import memory_view
+    from deepcompile.report.html import render_report
+    from deepcompile.widgets import Inspector
+    from deepcompile.widgets.timeline_view import peak_label, view_peak
+
+    pk = view_peak(memory_view(planned_run, 0))
+    assert pk and pk["source"] == "measured"
+    label, b = peak_label(pk), fmt_bytes(pk["bytes"])
+    insp = Inspector(planned_run, follow=False)
+    assert label in insp.m_runpeak.value                      # Memory tab
+    assert label in insp.p_runs.value                          # runs table
+    insp.whatif_now()
+    assert label in insp.p_whatif.value                        # Predict / what-if: "this run"
+    assert b in insp.model.passes.predict(insp.model.record)
+    assert f"memory peak: {b}, measured" in summarize(planned_run)   # deepcompile inspect
+    report = render_report(planned_run, tmp_path / "r.html").read_text()
+    assert f"peak {b}" in report                               # the report
+
+
+def test_run_switches_to_the_new_run_and_compares(planned_run, tmp_path):
+    """Run from the Passes tab: the demo again with the edit, profiling a step; the run list
+    switches to it at once; when it ends the two are compared side by side and what-if works on it."""
+    pytest.importorskip("ipywidgets")
+    from deepcompile.widgets import Inspector
+
+    base = tmp_path / "base"
+    shutil.copytree(planned_run, base)
+    insp = Inspector(base, follow=False)
+    insp.model.passes.set_value("selective_unshard", "budget_mb", 0.0)
+    insp.p_steps.value = 3
+    job = insp.run()
+    assert job is not None, insp.p_msg.value
+    new = tmp_path / "base-rerun1"
+    assert insp.model.run_dir == new and insp.run_select.value == str(new) and insp.model.compare_base == base
+    assert job.argv[job.argv.index("--profile-step") + 1] == "1" and "selective_unshard.budget_mb=0.0" in job.argv
+    assert job.wait(timeout=600) == 0, job.tail(30)
+    _wait(lambda: insp.model.record is not None and insp.model.record.path == new
+          and insp.model.record.manifest["status"] == "complete", 60, "the new record")
+    insp.stop()
+    assert insp.model.record.profile, "a run launched from the Passes tab must record a profile"
+    html = insp.p_compare.value
+    assert "base (previous)" in html and "base-rerun1 (new)" in html and "step time" in html
+    assert "nodes after selective_unshard" in html and html.count("(measured, at ") == 2
+    assert insp.whatif_now() is not None, insp.p_whatif.value
+
+
+SCRIPT = """import sys
+from deepcompile.record.writer import RunRecorder
+rec = RunRecorder(sys.argv[1], 0, 1, {"compiler": "eager", "passes": ["zero3"]})
+for s in range(1, 4):
+    rec.step(s, 0.01 * s, 1.0 / s)
+    print(f"step {s}/3", flush=True)
+rec.close()
+"""
+
+
+def test_run_relaunches_the_scripts_command_or_says_it_cannot(tmp_path):
+    pytest.importorskip("ipywidgets")
+    import subprocess
+
+    from deepcompile.widgets import Inspector
+    from deepcompile.widgets.launcher import RelaunchError, job_env
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, str(script), str(run)], env=job_env(), check=True, timeout=120, cwd=tmp_path)
+    insp = Inspector(run, follow=False)
+    out, argv = insp.model.rerun_command()
+    assert argv == [sys.executable, str(script), str(tmp_path / "run-rerun1")], argv   # the script, not the demo
+    job = insp.run()
+    assert job is not None and "demo" not in job.argv, insp.p_msg.value
+    assert insp.run_select.value == str(out)
+    assert job.wait(timeout=120) == 0, job.tail(20)
+    _wait(lambda: insp.model.steps.n_steps() == 3, 30, "the re-launched script's steps")
+    insp.stop()
+    # a record without a command: Run says so and starts nothing
+    m = json.loads((run / "manifest.json").read_text())
+    del m["command"]
+    (run / "manifest.json").write_text(json.dumps(m))
+    insp2 = Inspector(run, follow=False)
+    with pytest.raises(RelaunchError, match="no launch command"):
+        insp2.model.rerun_command()
+    assert insp2.run() is None and insp2.job is None
+    assert "no launch command" in insp2.p_msg.value and "dc-run-refused" in insp2.p_msg.value
+    # one that cannot be run again (a multi-node job): its reason
+    m["command"] = {"argv": [str(script), str(run)], "cwd": str(tmp_path), "executable": sys.executable,
+                    "launcher": "torchrun", "world_size": 4, "env": {}, "relaunch": None,
+                    "why_not": "a multi-node torchrun job (4 ranks, 2 on this node)"}
+    (run / "manifest.json").write_text(json.dumps(m))
+    insp3 = Inspector(run, follow=False)
+    assert insp3.run() is None and "multi-node torchrun job" in insp3.p_msg.value
+
+
+def test_live_steps_and_memory_appear_as_written(tmp_path):
+    """Following a live run: before step 1 the note says it compiles; each step shows on its own
+    within a poll or two of its line; the profiled step's memory timeline is plotted when written."""
+    pytest.importorskip("ipywidgets")
+    from deepcompile.plan.memory import MEMORY_CATEGORIES
+    from deepcompile.record.writer import RunRecorder
+    from deepcompile.widgets import Inspector
+
+    run = tmp_path / "live"
+    env = {"torch": "x", "python": "3", "hostname": "h", "world_size": 1, "rank": 0, "devices": []}
+    rec = RunRecorder(run, 0, 1, {"compiler": "eager", "passes": ["zero3"]}, env=env)
+    insp = Inspector(run, follow=False, live_interval=0.1)
+    insp.poll_once()
+    assert "compiling" in insp.st_note.value and insp.model.steps.n_steps() == 0
+    insp.follow()
+    try:
+        for s in range(1, 5):
+            t0 = time.time()
+            rec.step(s, 0.1, 1.0 / s, {"allocated": 1000 * s, "reserved": 4000, "peak": 2000 * s})
+            _wait(lambda: insp.model.steps.n_steps() == s and f"{s} step(s)" in insp.st_note.value, 10,
+                  f"step {s} in the view")
+            assert time.time() - t0 < 5.0
+        assert not insp.st_mem.outputs
+        cats = {"parameter_shards": 1000, "activations": 3000}
+        rec.memory_timeline({"source": "measured", "step": 1, "categories": list(MEMORY_CATEGORIES),
+                             "samples": [{"t_ms": 0.0, "graph_id": 0, "kind": "forward", "node": "mm", "node_index": 1,
+                                          "by_category": cats, "allocated_bytes": 4000}],
+                             "peak": {"bytes": 4000, "where": "graph 0 forward, node mm", "t_ms": 0.0,
+                                      "by_category": cats, "source": "measured"}})
+        _wait(lambda: bool(insp.st_mem.outputs), 10, "the live memory timeline")
+        spec = insp.st_mem.outputs[0]["data"]["application/vnd.plotly.v1+json"]
+        assert {t.get("name") for t in spec["data"]} >= {"parameter shards", "activations"}
+    finally:
+        insp.stop()
+        rec.close()

@@ -438,6 +438,10 @@ class Inspector:
                 if self.clickable else "expand or collapse a module with the dropdown (install anywidget to click "
                 "boxes)") + "</span>")
         self.g_matches = W.HTML()
+        self.g_detail = W.HTML()     # the selected node: shape, dtype, bytes, latency, source line, move
+        self.g_detail.add_class("dc-node-detail-box")
+        self.g_moves = W.HTML()      # moved collectives of the diff shown: from -> to, params, first use
+        self.g_moves.add_class("dc-moves")
         self._muted = False
         self.g_graph.observe(lambda ch: self._ui(lambda: self.model.set_graph(ch["new"]), full=True), names="value")
         self.g_kind.observe(lambda ch: self._ui(lambda: self.model.set_kind(ch["new"]), full=True), names="value")
@@ -451,7 +455,7 @@ class Inspector:
         graph_tab = W.VBox([W.HBox([self.g_graph, self.g_kind, self.g_pass, self.g_diff]),
                             W.HBox([self.g_color, self.g_search]),
                             W.HBox([self.g_module, self.g_toggle, self.g_collapse_all]),
-                            self.g_hint, self.g_summary, self.g_svg, self.g_matches])
+                            self.g_hint, self.g_summary, self.g_moves, self.g_svg, self.g_detail, self.g_matches])
         # schedule tab
         self.s_node = W.Combobox(description="select node", placeholder="node name", ensure_option=False,
                                  continuous_update=False)
@@ -867,11 +871,41 @@ class Inspector:
 
     def _graph_html(self, r) -> None:
         self.g_summary.value = f"<div class='dc-graph-summary' style='font-size:12px'>{esc(r.summary)}</div>"
-        self.g_svg.value = r.svg
+        self.g_svg.value = getattr(r, "html", r.svg)   # the colour scale's legend above the picture
+        self.g_detail.value = self._detail_html()
+        self.g_moves.value = self._moves_html(getattr(r, "moves", None) or [])
         self.g_matches.value = "" if not r.matches else (
             "<div style='font-size:11px'><b>matches</b>: " + ", ".join(
                 f"{esc(x['name'])} <i>({esc(x['target'])}, {esc(x['group'])})</i>" for x in r.matches[:60])
             + (" …" if len(r.matches) > 60 else "") + "</div>")
+
+    def _detail_html(self) -> str:
+        g = self.model.graph
+        if g is None or not hasattr(g, "node_detail_html"):
+            return ""
+        try:
+            return g.node_detail_html()
+        except Exception as e:  # a detail that fails says so; the picture stays
+            return f"<div class='dc-node-detail empty'>node detail failed: {esc(str(e))}</div>"
+
+    @staticmethod
+    def _moves_html(moves: list[dict]) -> str:
+        """The moved collectives of the diff shown, each from -> to (also inside a fused group: its
+        parameters and where each is first used)."""
+        if not moves:
+            return ""
+        rows = []
+        for mv in moves[:200]:
+            names = mv.get("param_names") or [str(p) for p in mv.get("params") or []]
+            first = ", ".join(f"{esc(str(k))}: {esc(str(v))}" for k, v in (mv.get("first_use") or {}).items())
+            rows.append(f"<tr><td>{esc(str(mv.get('node', '')))}</td><td>{esc(str(mv.get('from', '')))} → "
+                        f"{esc(str(mv.get('to', '')))}</td><td>{esc(str(mv.get('earlier', '')))}</td>"
+                        f"<td>{esc(', '.join(map(str, names))[:300])}</td><td>{first[:300]}</td></tr>")
+        more = f"<div>… {len(moves) - 200} more</div>" if len(moves) > 200 else ""
+        return (f"<details open><summary style='font-size:12px'><b>{len(moves)} collective(s) moved</b> "
+                "(issued after → issued after now)</summary><table class='dc-moves-table' style='font-size:11px'>"
+                "<tr><th>collective</th><th>from → to</th><th>nodes earlier</th><th>parameters</th>"
+                "<th>first used at</th></tr>" + "".join(rows) + f"</table>{more}</details>")
 
     def _render_steps(self, note_only: bool = False) -> None:
         st = self.model.steps
@@ -1202,20 +1236,25 @@ class Inspector:
 
     @classmethod
     def launch(cls, out: str | Path | None = None, *, ranks: int = 2, steps: int = 20,
-               passes: Iterable[str] = ("zero3",), pass_params: dict[str, dict] | None = None,
+               passes: Iterable[str] | None = None, pass_params: dict[str, dict] | None = None,
                script: str | Path | None = None, script_args: Iterable[str] = (), compiler: str | None = None,
                cpu: bool = False, batch: int | None = None, poll_interval: float = 1.0,
-               cwd: str | Path | None = None, model: str | None = None, **kw) -> "Inspector":
+               cwd: str | Path | None = None, model: str | None = None, profile_step: int | None = 1,
+               **kw) -> "Inspector":
         """Start a job in the background and return an Inspector that follows it.
 
-        Without ``script``: the CLI demo (``python -m deepcompile demo``; GPUs when present,
-        else gloo on the CPU), training ``model`` (a ``"package.module:factory"`` whose factory
-        returns ``(nn.Module, make_batch)``; see ``deepcompile demo --help``) or the built-in GPT. With ``script``: ``torchrun --nproc-per-node=ranks script
-        script_args`` (the script writes its record to ``out``, e.g. from an argument)."""
+        Without ``script``: the CLI demo (``python -m deepcompile demo``; GPUs when present, else
+        gloo on the CPU) training ``model`` (a ``"package.module:factory"`` whose factory returns
+        ``(nn.Module, make_batch)``; see ``deepcompile demo --help``) or the built-in GPT;
+        ``passes=None`` runs its default plan (zero3, step 1 profiled, then the planned passes),
+        a pass list runs those with step ``profile_step`` profiled (so what-if works on the
+        record). With ``script``: ``torchrun --nproc-per-node=ranks script script_args`` (the
+        script writes its record to ``out``, e.g. from an argument)."""
         out = Path(out) if out is not None else Path(f"runs/inspector-{time.strftime('%Y%m%d-%H%M%S')}")
         if script is None:
             argv = demo_command(out, passes=passes, pass_params=pass_params, ranks=ranks, steps=steps,
-                                compiler=compiler, cpu=cpu, batch=batch, model=model)
+                                compiler=compiler, cpu=cpu, batch=batch, model=model,
+                                profile_step=profile_step if passes is not None and steps > 1 else None)
         else:
             argv = script_command(script, ranks=ranks, args=script_args)
         self = cls(None, poll_interval=poll_interval, **kw)

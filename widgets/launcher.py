@@ -35,17 +35,20 @@ def fmt_value(v) -> str:
     return json.dumps(v)
 
 
-def demo_command(out: str | os.PathLike, *, passes: Iterable[str] = ("zero3",),
+def demo_command(out: str | os.PathLike, *, passes: Iterable[str] | None = ("zero3",),
                  pass_params: dict[str, dict] | None = None, ranks: int = 2, steps: int = 20,
                  compiler: str | None = None, batch: int | None = None, seed: int | None = None,
                  cpu: bool = False, python: str | None = None, model: str | None = None,
                  profile_step: int | None = None) -> list[str]:
     """The argv of ``python -m deepcompile demo`` with the given passes and parameter values
     (``model``: a ``package.module:factory`` to train instead of the built-in GPT;
-    ``profile_step``: the step profiled node by node, so the record holds a profile)."""
-    passes = list(passes)
+    ``profile_step``: the step profiled node by node, so the record holds a profile).
+    ``passes=None``: the demo's default plan (zero3, step 1 profiled, then the planned passes)."""
     argv = [python or sys.executable, "-m", "deepcompile", "demo", "--out", str(out),
-            "--ranks", str(int(ranks)), "--steps", str(int(steps)), "--passes", ",".join(passes)]
+            "--ranks", str(int(ranks)), "--steps", str(int(steps))]
+    passes = list(passes) if passes is not None else []
+    if passes:
+        argv += ["--passes", ",".join(passes)]
     if compiler:
         argv += ["--compiler", compiler]
     if batch is not None:

@@ -188,6 +188,29 @@ class PassesModel:
         return predict_run(run_dir, self.whatif_passes(), rank=rank, memory_limit_gib=memory_limit_gib)
 
 
+    def predict(self, record) -> str:
+        """One line: the what-if of the edited values on ``record`` (see :meth:`whatif`), beside
+        the run's one measured peak (``record.reader.memory_view``); without a recorded profile it
+        says so and never invents numbers."""
+        if record is None or not getattr(record, "profile", None):
+            return ("no profile in this record: a prediction needs the measured per-operator profile "
+                    "of a previous iteration (run with a profile step, e.g. demo --profile-step 1)")
+        from deepcompile.plan.estimate import fmt_bytes
+
+        try:
+            w = self.whatif(record.path, rank=getattr(record, "rank", 0))
+        except Exception as e:  # ConfigError / WhatIfError: the value or the reason, named
+            return f"what-if: {e}"
+        try:
+            from deepcompile.record.reader import format_peak, memory_view
+
+            measured = "; this run's " + format_peak(memory_view(record, getattr(record, "rank", 0)))
+        except Exception:
+            measured = ""
+        return (f"what-if of these values ({w.seconds:.2f} s, no re-compile): step {w.step_ms:.1f} ms predicted, "
+                f"peak {fmt_bytes(w.peak_bytes)} (predicted, at {w.peak_where}){measured}")
+
+
 def new_run_dir(base: str | os.PathLike, stem: str = "rerun") -> Path:
     """A fresh run directory beside ``base`` (``<base>-rerun1``, ``-rerun2``, ...)."""
     base = Path(base)
