@@ -490,13 +490,14 @@ def _peak_line(view: dict) -> str:
 
 
 def _section_memory(view: dict, figs: _Figures) -> str:
-    src = sorted({str(s.get("source", "measured")) for s in view.get("samples") or []})
+    samples = F.memory_samples(view)
+    src = sorted({str(s.get("source", "measured")) for s in samples})
     out = ["<section id='memory'><h2>Memory timeline</h2>",
-           f"<p class='note'>Source: {esc(view.get('note') or 'the record')} ({esc('/'.join(src) or 'none')}). "
+           f"<p class='note'>Source: {esc(view.get('note') or 'the record')}. "
            "Stacked by category; "
            "hover for the node and the bytes of each category; the peak is marked and labelled measured or "
            "predicted.</p>", _peak_line(view)]
-    if not view.get("samples"):
+    if not samples:
         out.append("<p class='empty'>no memory timeline recorded</p></section>")
         return "".join(out)
     out.append(figs.add(F.memory_figure(view, title=f"memory of one step, rank {view.get('rank', 0)}"), "memory"))
@@ -580,7 +581,7 @@ def render_report(run_dir: str | os.PathLike, out_file: str | os.PathLike | None
         _section_run(rec), _section_steps(rec, all_steps, figs, view),
         _section_graphs(rec, depth, workers or min(8, os.cpu_count() or 1)),
         _section_schedule(rec, events, ev_src, figs, ev_notes), _section_memory(view, figs),
-        _section_ops(rec, events, view.get("samples") or [], pscopes)]
+        _section_ops(rec, events, F.memory_samples(view), pscopes)]
     lib = f"<script>{js}</script>" if (js is not None and figs.items) else ""
     doc = ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
            f"<title>{esc(title)}</title><style>{CSS}</style>{lib}</head><body>"
