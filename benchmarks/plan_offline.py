@@ -25,7 +25,20 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from deepcompile.plan.memory import GIB  # noqa: E402
-from deepcompile.plan.whatif import plan_record, predict_run  # noqa: E402
+from deepcompile.plan.whatif import plan_record as _plan_record  # noqa: E402
+from deepcompile.plan.whatif import predict_run  # noqa: E402
+
+
+def plan_record(record: str, world: int | None = None, limit_gib: float | None = None,
+                capacity_gib: float | None = None, gb_per_s: float | None = None, alpha_us: float | None = None,
+                optimizer_peak_gib: float | None = None, accumulation: int | None = None,
+                compiler: str | None = None):
+    """(plan, facts, profile, [(candidate, predicted ms)]) of the planner on ``record``
+    (``deepcompile.plan.whatif.plan_record``; this signature is the one tests/test_planner.py uses)."""
+    plan, b, seen = _plan_record(record, limit_gib=limit_gib, world=world, capacity_gib=capacity_gib,
+                                 gb_per_s=gb_per_s, alpha_us=alpha_us, optimizer_peak_gib=optimizer_peak_gib,
+                                 accumulation=accumulation, compiler=compiler)
+    return plan, b.facts, b.profile, seen
 
 
 def _value(v: str):
@@ -74,7 +87,7 @@ def main(argv=None) -> None:
     if a.set:
         return whatif(a)
     t = time.perf_counter()
-    plan, b, seen = plan_record(a.record, rank=a.rank, limit_gib=a.limit_gib, world=a.world,
+    plan, b, seen = _plan_record(a.record, rank=a.rank, limit_gib=a.limit_gib, world=a.world,
                                 capacity_gib=a.capacity_gib, gb_per_s=a.gb_per_s, alpha_us=a.alpha_us,
                                 optimizer_peak_gib=a.optimizer_peak_gib, accumulation=a.accumulation,
                                 compiler=a.compiler)

@@ -32,6 +32,32 @@ VIEW_OPS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "exp
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm"}
 
 
+# The host's time to launch each op of a compiled step on a GPU (microseconds): what a host-bound
+# step's pace follows. Measured on the 2-H200 host (torch 2.11, the issue-16 runtime: one wait
+# per coalesced group, reduce_grad without a clone), 953M Llama, by the profiler per op kind
+# (benchmarks/results/host_profile_dc_default_16l_c.json: 40.2 ms of compiled graphs and 10.1
+# ms of optimizer step per step), scaled by 0.863 so that they add up to the host time the same
+# run measured without the profiler (43.4 ms, zero3_h200_2gpu_16l_nvlink_c.json). "node": the
+# generated wrapper's Python, spread over every op node (9.2 ms / 3086 nodes); "kernel": an
+# Inductor kernel, charged per fused kernel (``fused_us``'s written outputs; 3.9 ms / 717);
+# "per_param": a kept-gathered collective's per-parameter work. The gathers of parameters that
+# are not kept were not in that run (it kept everything): allgather_params/allgather_param and
+# the waits are the earlier runtime's figures (host_profile_before_h200.json, 424 us a fused
+# gather, 31 us a wait) and are the least certain.
+HOST_US = {"node": 2.6, "matmul": 18.7, "attention": 81.0, "kernel": 4.7, "reduce_grad": 70.0,
+           "gather_persistent": 13.4, "gather_persistent_many": 0.0, "per_param": 13.4,
+           "allgather_params": 424.0, "allgather_param": 60.0, "wait_allgather": 31.0,
+           "wait_allgather_many": 31.0, "release_param": 1.0, "end_backward": 141.0}
+
+
+def host_model(profile: Any) -> dict | None:
+    """``HOST_US`` where the profile was measured on a GPU (its launches are asynchronous, so the
+    host's time is a floor of its own); None on the CPU, where an op's measured latency already
+    includes its launch."""
+    hw = str(getattr(profile, "hardware", "") or "")
+    return HOST_US if hw and hw.lower() != "cpu" else None
+
+
 def op_name(target: str) -> str:
     """``aten.addmm.default`` -> ``addmm`` (the op's own name; a substring test would file
     ``convert_element_type`` under convolutions)."""
@@ -174,7 +200,8 @@ def fused_us(nodes: list[dict], rate: float, ins: dict[str, list[str]] | None = 
 
 def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | None = None,
              comm: Any = None, rate: float | None = None, fused: bool = False,
-             fused_cost: dict[str, float] | None = None) -> tuple[list[dict], list[dict]]:
+             fused_cost: dict[str, float] | None = None, host_us: dict | None = None
+             ) -> tuple[list[dict], list[dict]]:
     """(schedule events, memory samples by node index) for one graph version.
 
     ``latency_us`` (node name -> measured microseconds) and ``comm`` (a CommModel) replace the
@@ -185,6 +212,9 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
     ``fused_cost``: that dict where the caller has it (the passes after zero3 move and replace
     only collectives, so a graph's fused costs hold for every re-plan of it: the what-if
     computes them once per record); nodes it lacks are costed as without it.
+    ``host_us`` (``HOST_US``; GPU profiles): the host's launch time per op; a kernel cannot start
+    before the host has launched it, so a host-bound graph takes the host's time (an event on
+    the "host" stream spans it).
     """
     by_name = {n["name"]: n for n in nodes}
     size = {n["name"]: node_bytes(n) for n in nodes}
@@ -235,9 +265,30 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
         ev(name, "compute", t, t + d)
         return t + d
 
+    h = 0.0  # the host's clock: when it has launched everything so far
+    outs: dict[str, int] = {}
+    if host_us is not None:
+        for m in nodes:
+            if m.get("target") in GETITEM:
+                for r in ins[m["name"]]:
+                    outs[r] = outs.get(r, 0) + 1
+
     for i, n in enumerate(nodes):
         name, op = n["name"], n["op"]
         c = comm_kind(n)
+        if host_us is not None and op == "call_function" and n.get("target") not in GETITEM:
+            cls = "comm" if c else op_class(n.get("target", ""))
+            if cls != "view":
+                h += host_us["node"]
+                if c:
+                    h += host_us.get(c, 0.0)
+                    if c in ("gather_persistent", "gather_persistent_many", "allgather_params"):
+                        h += host_us["per_param"] * outs.get(name, 1)
+                elif cls in ("matmul", "attention"):
+                    h += host_us[cls]
+                elif not fused or fused_cost.get(name, 0.0) >= OP_OVERHEAD_US:
+                    h += host_us["kernel"]  # a kernel of its own (fused: the ops that write an output)
+                t = max(t, h)  # the GPU cannot run what the host has not launched
         if op in ("placeholder", "get_attr"):
             baseline += size[name]
         elif c in ("allgather_param", "allgather_params"):
@@ -316,6 +367,8 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
         samples.append({"node_index": i, "node": name, "graph_id": graph_id, "kind": kind,
                         "allocated_bytes": int(alloc), "reserved_bytes": int(peak),
                         "source": "predicted"})
+    if host_us is not None and h > 0:
+        ev("host launches", "host", 0.0, h)
     return events, samples
 
 
@@ -356,7 +409,7 @@ def estimate_versions(versions: Iterable[Any], profile: Any = None, fused: bool 
                 lat, rate = matched_latency_us(gp, every[(gid, kind)], d)
         if profile is not None:
             comm = profile.comm
-        e, s = estimate(d["nodes"], gid, kind, lat, comm, rate, fused, fcost)
+        e, s = estimate(d["nodes"], gid, kind, lat, comm, rate, fused, fcost, host_model(profile))
         events += e
         samples += s
     return events, samples
