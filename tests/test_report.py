@@ -354,6 +354,8 @@ def test_schedule_figure_lanes_never_mix_sources_and_are_in_ms():
     assert [(t["yaxis"], t["meta"]["source"], t["meta"]["links"]) for t in links] == [
         ("y", "measured", 2), ("y2", "predicted", 2)]
     assert links[0]["x"][:2] == [5, 10] and links[0]["y"][:2] == ["rank 0 · allgather", "rank 0 · compute"]
+    assert ag["customdata"][0][5] == "waited by wait_allgather_1 at 10.00 ms (blocked 10.00 ms)"   # hover cross-ref
+    assert wait["customdata"][0][5] == "waits for allgather_param_1, issued at 5.00 ms"
     # the three numbers are in the panels' titles
     titles = [a["text"] for a in lay["annotations"]]
     assert "exposed comm 10.00 ms" in titles[0] and "overlap 13.00 ms" in titles[0] and "idle (host-bound) 10.00 ms" \

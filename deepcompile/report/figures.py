@@ -330,6 +330,17 @@ def schedule_figure(events: Iterable[dict], *, graphs: dict | None = None, graph
         layout["annotations"].append({"text": text, "xref": "paper", "yref": "paper", "x": 0, "y": dom[1],
                                       "xanchor": "left", "yanchor": "bottom", "showarrow": False,
                                       "font": {"size": 11}, "align": "left"})
+        lk = gather_links([e for e in evs if e["source"] == src], graphs) if links else []
+        xref: dict[tuple, str] = {}     # the hover cross-reference of a gather's issue and its wait
+        for x in lk:
+            k = (x["rank"], x["graph_id"], x["kind"])
+            xref[k + (x["issue"],)] = (f"waited by {x['wait']} at {fmt_us(x['wait_t'])} "
+                                       f"(blocked {fmt_us(x['wait_end'] - x['wait_t'])})")
+            xref[k + (x["wait"],)] = f"waits for {x['issue']}, issued at {fmt_us(x['issue_t'])}"
+        if links and not lk and any(_is_gather_issue(e) for e in evs if e["source"] == src):
+            unlinked = "no wait in this record (on GPU a wait is a stream dependency, not a kernel)"
+        else:
+            unlinked = ""
         groups: dict[tuple, list[dict]] = defaultdict(list)
         for e in evs:
             if e["source"] == src:
@@ -346,28 +357,28 @@ def schedule_figure(events: Iterable[dict], *, graphs: dict | None = None, graph
                 "marker": {"color": WAIT_COLOR if wait else STREAM_COLORS.get(s, "#888"),
                            "opacity": 1.0 if src == "measured" else 0.75, "line": {"width": 0}},
                 "customdata": [[e["node"], fmt_us(e["t1"] - e["t0"]), f"graph {e.get('graph_id', 0)} · {e.get('kind', '')}",
-                                fmt_us(e["t0"]), (e.get("op") or e.get("kernel") or "")] for e in es],
+                                fmt_us(e["t0"]), (e.get("op") or e.get("kernel") or ""),
+                                xref.get((e["rank"], e.get("graph_id", 0), e.get("kind", ""), e["node"]))
+                                or (unlinked if _is_gather_issue(e) else "")] for e in es],
                 "hovertemplate": "<b>%{customdata[0]}</b> %{customdata[4]}<br>%{customdata[1]} at %{customdata[3]}"
-                                 "<br>%{customdata[2]}<extra>" + f"{src} · rank {r} · {s}" + "</extra>",
+                                 "<br>%{customdata[2]}<br>%{customdata[5]}<extra>" + f"{src} · rank {r} · {s}" + "</extra>",
                 "meta": {"source": src, "rank": r, "stream": s, "wait": wait}})
             seen_legend.add(label)
-        if links:
-            lk = [x for x in gather_links([e for e in evs if e["source"] == src], graphs)]
-            if lk:
-                xs, ys, txt = [], [], []
-                for x in lk:
-                    t = (f"{x['issue']} → {x['wait']}<br>issued at {fmt_us(x['issue_t'])}, waited at "
-                         f"{fmt_us(x['wait_t'])} (blocked {fmt_us(x['wait_end'] - x['wait_t'])})")
-                    xs += [x["issue_t"] / 1e3, x["wait_t"] / 1e3, None]
-                    ys += [x["issue_lane"], x["wait_lane"], None]
-                    txt += [t, t, ""]
-                data.append({"type": "scatter", "mode": "lines+markers", "xaxis": xname, "yaxis": yname,
-                             "x": xs, "y": ys, "text": txt, "hoverinfo": "text", "name": "gather: issue → wait",
-                             "legendgroup": "links", "showlegend": "links" not in seen_legend,
-                             "line": {"color": "rgba(40,40,40,0.45)", "width": 1, "dash": "dot"},
-                             "marker": {"size": 4, "color": "rgba(40,40,40,0.6)"},
-                             "meta": {"source": src, "links": len(lk)}})
-                seen_legend.add("links")
+        if lk:
+            xs, ys, txt = [], [], []
+            for x in lk:
+                t = (f"{x['issue']} → {x['wait']}<br>issued at {fmt_us(x['issue_t'])}, waited at "
+                     f"{fmt_us(x['wait_t'])} (blocked {fmt_us(x['wait_end'] - x['wait_t'])})")
+                xs += [x["issue_t"] / 1e3, x["wait_t"] / 1e3, None]
+                ys += [x["issue_lane"], x["wait_lane"], None]
+                txt += [t, t, ""]
+            data.append({"type": "scatter", "mode": "lines+markers", "xaxis": xname, "yaxis": yname,
+                         "x": xs, "y": ys, "text": txt, "hoverinfo": "text", "name": "gather: issue → wait",
+                         "legendgroup": "links", "showlegend": "links" not in seen_legend,
+                         "line": {"color": "rgba(40,40,40,0.45)", "width": 1, "dash": "dot"},
+                         "marker": {"size": 4, "color": "rgba(40,40,40,0.6)"},
+                         "meta": {"source": src, "links": len(lk)}})
+            seen_legend.add("links")
         if selected:
             sel = [e for e in evs if e["source"] == src and e["node"] == selected]
             if sel:

@@ -491,7 +491,6 @@ def _peak_line(view: dict) -> str:
 
 def _section_memory(view: dict, figs: _Figures) -> str:
     samples = F.memory_samples(view)
-    src = sorted({str(s.get("source", "measured")) for s in samples})
     out = ["<section id='memory'><h2>Memory timeline</h2>",
            f"<p class='note'>Source: {esc(view.get('note') or 'the record')}. "
            "Stacked by category; "
