@@ -52,26 +52,47 @@ class DeepCompileModel(nn.Module):
             # symbolic on others; the profiling step must profile one graph every rank shares
             fresh = self.dc_dynamic.take_changed()
             if not (profiling and passes is self._dc_passes and not fresh and self.dc_backend.profile_in_place()):
-                self._recompile(passes, profiling)
+                self._recompile(passes, profiling, dynamic_changed=bool(fresh))
+            if profiling:  # the profiling step's cost, end to end (until _finish_profile)
+                object.__setattr__(self, "_dc_profile_t0", time.perf_counter())
         self.dc_dynamic.observe(args, kwargs)
         # the runtime names the graph node of a collective timeout by phase: forward while the
         # compiled forward runs, backward after it (two pybind calls per forward)
         ops.C.set_phase(0)
+        b = self.dc_backend
+        dyn0, call0 = compat.dynamo_compile_seconds(), b.call_seconds
         try:
             return self._dc_compiled(*args, **kwargs)
         finally:
             ops.C.set_phase(1)
+            dyn1 = compat.dynamo_compile_seconds()
+            if dyn1 is not None and dyn0 is not None and dyn1 > dyn0:  # Dynamo compiled a frame
+                b.add_phase("dynamo", (dyn1 - dyn0) - (b.call_seconds - call0))
 
-    def _recompile(self, passes, profiling: bool = False) -> None:
-        # Drop every compiled graph before compiling the new pass list: the old graphs (and
-        # the memory their code objects pin) must not survive the switch.
-        compat.reset_dynamo(self.module)
+    def _recompile(self, passes, profiling: bool = False, dynamic_changed: bool = False) -> None:
         optimizer_state.MANAGER.plan(0)  # the new pass list decides again (nothing, without offload_optimizer)
         planned = passes
         if not profiling and self.dc_config.plan and self.dc_backend.profile is not None:
             from deepcompile.plan.planner import plan_model
 
             planned = plan_model(self, passes)  # budgets from the profile and the memory limit
+            self.dc_backend.add_phase("planner", (self.dc_plan or {}).get("seconds", 0.0), self.dc_step)
+        if not profiling:
+            # trace once: the new passes and the final compiler on the warm-up's partitioned graphs,
+            # swapped in under the guarded code Dynamo already has (backend.retarget)
+            why = ("dims became dynamic since the warm-up trace" if dynamic_changed
+                   else self.dc_backend.retarget(planned, self.dc_step))
+            if why is None:
+                object.__setattr__(self, "_dc_passes", passes)
+                return
+            if self.dc_backend.trace_once:
+                if dynamic_changed:
+                    self.dc_backend.trace_once_log.append({"step": self.dc_step, "reused": False, "why": why})
+                warnings.warn(f"deepcompile: step {self.dc_step} re-traces the model (Dynamo + AOTAutograd) "
+                              f"instead of reusing the warm-up trace: {why}", stacklevel=3)
+        # Drop every compiled graph before compiling the new pass list: the old graphs (and
+        # the memory their code objects pin) must not survive the switch.
+        compat.reset_dynamo(self.module)
         self.dc_backend.use_passes(planned, self.dc_step, profiling)
         object.__setattr__(self, "_dc_passes", passes)
         object.__setattr__(self, "_dc_compiled", torch.compile(self.module, backend=self.dc_backend))
@@ -118,6 +139,9 @@ class DeepCompileModel(nn.Module):
         prof.comm = benchmark_comm(self.dc_shard_group, self._dc_device())
         b.profile = agree(prof, self.dc_group)
         b.measured = {}
+        t0 = self.__dict__.pop("_dc_profile_t0", None)
+        if t0 is not None:
+            b.add_phase("profiling", time.perf_counter() - t0, self.dc_step)
 
     def _dc_device(self) -> torch.device:
         return next(iter(self.dc_sharded)).shard.device if self.dc_sharded else torch.device("cpu")
@@ -126,6 +150,20 @@ class DeepCompileModel(nn.Module):
     def dc_graphs(self):
         """Every graph version the backend produced (input and after each pass)."""
         return self.dc_backend.versions
+
+    @property
+    def dc_compile_phases(self) -> dict:
+        """Compile seconds per optimizer step and phase: ``{step: {"dynamo", "aot_autograd",
+        "passes", "inductor", "profiling", "planner", "reuse": s}}`` (phases that took no time are
+        absent). ``reuse``: copying the kept warm-up graphs for trace once; ``aot_autograd``: the
+        trace and partition, Inductor's graph-level front end included."""
+        return {s: dict(d) for s, d in sorted(self.dc_backend.phases.items())}
+
+    @property
+    def dc_trace_once(self) -> list:
+        """One entry per scheduled re-compile: ``{"step", "reused": True, "graphs", ...}`` or
+        ``{"step", "reused": False, "why"}`` (it re-traced)."""
+        return list(self.dc_backend.trace_once_log)
 
 
 class _StepTimer:

@@ -31,9 +31,50 @@ class GraphVersion:
     step: int = 0    # the optimizer step whose pass list produced this version
 
 
+class _Slot:
+    """The callable AOTAutograd's runtime wrapper holds for one compiled graph: an indirection the
+    trace-once re-compile re-points at the final compiled code (compat ``trace once`` section),
+    so that neither Dynamo's guarded code nor AOTAutograd's wrappers need to be built again."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        # AOTAutograd calls compiled graphs with one list of arguments. An instance attribute:
+        # AOTAutograd wraps the backward in torch._dynamo.disable, whose functools.wraps copies
+        # the instance's __dict__, not its class's attributes
+        self._boxed_call = True
+
+    def __call__(self, args):
+        return self.fn(args)
+
+
+@dataclass
+class _Kept:
+    """A partitioned graph kept from the warm-up compile for trace-once (before our passes)."""
+    graph_id: int
+    kind: str
+    traced: Any                  # compat.TracedGraph
+    slot: _Slot
+    signature: tuple             # (placeholders, outputs that are None) after the warm-up passes
+    dynamo_nodes: list           # the Dynamo graph's serialized nodes (re-recorded at the re-compile)
+
+
+PHASES = ("dynamo", "aot_autograd", "passes", "inductor", "profiling", "planner", "reuse")
+
+
+def _signature(gm: fx.GraphModule) -> tuple:
+    """What AOTAutograd's runtime wrapper relies on: the number of inputs and, per output, whether
+    it is a value or None (zero3 turns gradient outputs into None; the wrapper was built for that)."""
+    n_in = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    out = out if isinstance(out, (list, tuple)) else [out]
+    return n_in, tuple(o is None for o in out)
+
+
 class Backend:
     def __init__(self, config, param_meta: dict, world_size: int, rank: int,
                  observers: list[Callable[[GraphVersion], None]] | None = None):
+        import os
+
         self.config = config
         self.param_meta = param_meta
         self.world_size, self.rank = world_size, rank
@@ -46,6 +87,25 @@ class Backend:
         self.profiling = False          # compile for the profiling interpreter instead
         self.profile = None             # the agreed Profile, once a profiling step has run
         self.measured = {}              # (graph_id, kind) -> node records of the profiling step
+        # trace once (issue 18): the scheduled re-compile reuses the warm-up's partitioned graphs
+        # instead of tracing again; DEEPCOMPILE_TRACE_ONCE=0 turns it off (re-trace, as before)
+        self.trace_once = os.environ.get("DEEPCOMPILE_TRACE_ONCE", "1") != "0"
+        self.kept: list[_Kept] = []
+        self.trace_once_log: list[dict] = []   # one entry per scheduled re-compile: reused or why not
+        # compile seconds per optimizer step and phase (PHASES); see add_phase
+        self.phases: dict[int, dict[str, float]] = {}
+        self.call_seconds = 0.0         # total seconds inside __call__ (Dynamo's time excludes it)
+        self._acc = {"passes": 0.0, "inductor": 0.0, "aot_autograd": 0.0}  # for nested _timed
+
+    def add_phase(self, phase: str, seconds: float, step: int | None = None) -> None:
+        """Accumulate ``seconds`` of compile work in ``phase`` for ``step`` (default: the step the
+        current pass list was compiled at)."""
+        if seconds <= 0:
+            return
+        d = self.phases.setdefault(self.step if step is None else step, {})
+        d[phase] = d.get(phase, 0.0) + seconds
+        if phase in self._acc:
+            self._acc[phase] += seconds
 
     def use_passes(self, passes: list, step: int, profiling: bool = False) -> None:
         """Switch the pass list (a scheduled re-compile): graph ids restart so the same segment
@@ -53,6 +113,7 @@ class Backend:
         self.passes, self.step, self.profiling = passes, step, profiling
         self.next_graph_id = 0
         self.compiled.clear()
+        self.kept.clear()  # Dynamo traces again: the graphs kept from the last trace are gone with it
 
     def profile_in_place(self) -> bool:
         """Make the graphs compiled now run through the profiler, without compiling again.
@@ -71,39 +132,78 @@ class Backend:
             o(v)
 
     def run_passes(self, gm: fx.GraphModule, graph_id: int, kind: str) -> fx.GraphModule:
+        t0 = time.perf_counter()
         self._observe(GraphVersion(graph_id, kind, "input", serialize(gm), step=self.step))
         for entry in self.passes:
             pdef = PASSES[entry.name]
             ctx = PassContext(graph_id=graph_id, kind=kind, params=make_params(entry),
                               param_meta=self.param_meta, world_size=self.world_size, rank=self.rank,
                               profile=self.profile)
-            t0 = time.perf_counter()
+            t1 = time.perf_counter()
             gm = pdef.fn(gm, ctx)
             self._observe(GraphVersion(graph_id, kind, entry.name, serialize(gm), ctx.notes,
-                                       time.perf_counter() - t0, step=self.step))
+                                       time.perf_counter() - t1, step=self.step))
         self.compiled[(graph_id, kind)] = gm
         seqcheck.register_nodes(graph_id, kind, gm)  # a collective timeout names the node it is in
+        self.add_phase("passes", time.perf_counter() - t0)  # the record's serialization included
         return gm
 
+    def _inductor(self, gm: fx.GraphModule, inputs, kw: dict):
+        t0 = time.perf_counter()
+        try:
+            return compat.inductor_inner(gm, inputs, **kw)
+        finally:
+            self.add_phase("inductor", time.perf_counter() - t0)
+
+    def _timed(self, fn: Callable, *args):
+        """Run a compile step; what it spent outside our passes and Inductor is AOTAutograd's
+        (the trace, the partition, Inductor's graph-level front end)."""
+        t0, before = time.perf_counter(), sum(self._acc.values())
+        try:
+            return fn(*args)
+        finally:
+            spent = time.perf_counter() - t0
+            self.add_phase("aot_autograd", spent - (sum(self._acc.values()) - before))
+
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
+        t0 = time.perf_counter()
+        try:
+            return self._timed(self._compile, gm, example_inputs)
+        finally:
+            self.call_seconds += time.perf_counter() - t0
+
+    def _keep_traces(self, compiler: str) -> bool:
+        """Keep this compile's graphs for trace-once: a Python (warm-up) compile that a scheduled
+        re-compile will follow."""
+        return (self.trace_once and compiler != "inductor"
+                and any(e.step > self.step for e in self.config.schedule))
+
+    def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]):
         graph_id = self.next_graph_id
         self.next_graph_id += 1
-        self._observe(GraphVersion(graph_id, "dynamo", "input", serialize(gm), step=self.step))
+        dynamo_nodes = serialize(gm)
+        self._observe(GraphVersion(graph_id, "dynamo", "input", dynamo_nodes, step=self.step))
         compiler = self.config.compiler_at(self.step)
         if self.profiling:
             compiler = "profile"
         if compiler == "inductor":
-            return compat.inductor_compile(
-                gm, example_inputs, lambda g, inputs, kind: self.run_passes(g, graph_id, kind))
+            def compile_inductor(g, inputs, kind, kw):
+                return self._inductor(self.run_passes(g, graph_id, kind), inputs, kw)
+            # timed per graph: a backward is compiled at its first run, outside __call__
+            return compat.inductor_compile(gm, example_inputs,
+                                           lambda g, inputs, kind, kw: self._timed(compile_inductor, g, inputs, kind, kw))
+
+        keep = self._keep_traces(compiler)
 
         def make(kind: str):
-            def compile_one(g: fx.GraphModule, inputs):
+            def compile_one(g: fx.GraphModule, inputs, kw=None):
+                traced = compat.TracedGraph(g, inputs, kind, kw or {}) if keep else None
                 g = self.run_passes(g, graph_id, kind)
 
                 def sink(records, key=(graph_id, kind)):
                     self.measured[key] = records
                 profiled = profiled_callable(g, sink)
-                if compiler == "profile":
+                if compiler == "profile" and not keep:
                     return profiled
                 fast = compat.interpret(g) if compiler == "eager" else compat.boxed(g.forward)
 
@@ -111,7 +211,122 @@ class Backend:
                 def run(args):
                     return (profiled if self.profiling else fast)(args)
                 run._boxed_call = True
-                return run
+                if not keep:
+                    return run
+                slot = _Slot(run)
+                self.kept.append(_Kept(graph_id, kind, traced, slot, _signature(g), dynamo_nodes))
+                return slot
             return compile_one
 
-        return compat.aot_compile(gm, example_inputs, make("forward"), make("backward"), make("inference"))
+        if keep and self.config.compiler == "inductor":
+            # trace as Inductor will want the graphs (its decompositions, joint-graph passes and
+            # partition), so that the final compile can hand the same graphs to Inductor; the
+            # warm-up steps run them as Python code
+            by_kind = {k: make(k) for k in ("forward", "backward", "inference")}
+            return compat.inductor_compile(gm, example_inputs,
+                                           lambda g, inputs, kind, kw: self._timed(by_kind[kind], g, inputs, kw))
+        return compat.aot_compile(gm, example_inputs, *(
+            (lambda g, inputs, one=make(k): self._timed(one, g, inputs)) for k in ("forward", "backward", "inference")))
+
+    # --- trace once -------------------------------------------------------------------------
+
+    def retarget(self, passes: list, step: int) -> str | None:
+        """The scheduled re-compile without a trace: run ``passes`` on copies of the graphs kept
+        from the warm-up compile, compile them with the configured compiler and re-point the
+        callables AOTAutograd already holds. Returns None when done, else why it could not be
+        done (nothing changed then; the caller re-traces). Everything is compiled and checked
+        before anything is re-pointed, so a graph whose signature the passes changed leaves the
+        warm-up code running until the re-trace replaces it."""
+        why = self._cannot_retarget()
+        if why is not None:
+            self.trace_once_log.append({"step": step, "reused": False, "why": why})
+            return why
+        t_start = time.perf_counter()
+        old = (self.passes, self.step, self.profiling, dict(self.compiled))
+        self.passes, self.step, self.profiling = passes, step, False
+        self.compiled.clear()
+        compiler = self.config.compiler_at(step)
+        buffered: list[GraphVersion] = []
+        observers, self.observers = self.observers, [buffered.append]
+        versions_before = len(self.versions)
+        new: list[tuple[_Kept, Callable]] = []
+        fw_strides: dict[int, tuple] = {}  # graph_id -> (forward graph before passes, its output strides)
+        restrided = 0
+        try:
+            for k in sorted(self.kept, key=lambda k: (k.graph_id, k.kind == "backward")):
+                tg = k.traced
+                t0 = time.perf_counter()
+                g = compat.fresh_copy(tg)
+                inputs = tg.example_inputs
+                if k.kind == "backward" and k.graph_id in fw_strides:
+                    fw_pre, strides = fw_strides[k.graph_id]
+                    inputs, n = compat.restride_saved(fw_pre, strides, g, inputs)
+                    restrided += n
+                self.add_phase("reuse", time.perf_counter() - t0)
+                if k.kind in ("forward", "inference"):  # the record keeps one Dynamo graph per compile
+                    self._observe(GraphVersion(k.graph_id, "dynamo", "input", k.dynamo_nodes, [
+                        f"trace once: the step-{old[1]} trace reused (no Dynamo, no AOTAutograd)"], step=step))
+                with compat.trace_once_context(tg):
+                    g = self.run_passes(g, k.graph_id, k.kind)
+                    sig = _signature(g)
+                    if sig != k.signature:
+                        raise _Mismatch(f"graph {k.graph_id} {k.kind}: the passes {[e.name for e in passes]} "
+                                        f"give it {sig[0]} inputs / {len(sig[1])} outputs (None at "
+                                        f"{[i for i, z in enumerate(sig[1]) if z]}), the traced runtime expects "
+                                        f"{k.signature[0]} / {len(k.signature[1])} (None at "
+                                        f"{[i for i, z in enumerate(k.signature[1]) if z]})")
+                    if compiler == "inductor":
+                        if not tg.kw:
+                            raise _Mismatch("the warm-up graphs were not traced for Inductor")
+                        if k.kind == "forward":
+                            with compat.report_output_strides() as strides:
+                                fn = self._inductor(g, inputs, tg.kw)
+                            fw_strides[k.graph_id] = (tg.gm, list(strides or []))
+                        else:
+                            fn = self._inductor(g, inputs, tg.kw)
+                    elif compiler == "eager":
+                        fn = compat.interpret(g)
+                    else:
+                        fn = compat.boxed(g.forward)
+                new.append((k, fn))
+        except Exception as e:  # noqa: BLE001 - anything unexpected: re-trace, never run half-swapped
+            why = str(e) if isinstance(e, _Mismatch) else f"unexpected {type(e).__name__}: {e}"
+            self.observers = observers
+            del self.versions[versions_before:]
+            self.passes, self.step, self.profiling = old[:3]
+            self.compiled.clear()
+            self.compiled.update(old[3])
+            self.trace_once_log.append({"step": step, "reused": False, "why": why})
+            return why
+        finally:
+            self.observers = observers
+        for v in buffered:
+            for o in self.observers:
+                o(v)
+        for k, fn in new:
+            k.slot.fn = fn
+        self.trace_once_log.append({
+            "step": step, "reused": True, "graphs": len(new), "restrided_inputs": restrided,
+            "seconds": round(time.perf_counter() - t_start, 3)})
+        return None
+
+    def _cannot_retarget(self) -> str | None:
+        if not self.trace_once:
+            return "trace once is off (DEEPCOMPILE_TRACE_ONCE=0)"
+        if not self.kept:
+            return "no warm-up graphs kept (the last compile was not a warm-up compile)"
+        sym = [f"{k.graph_id} {k.kind}" for k in self.kept if k.traced.symbolic]
+        if sym:
+            return f"graphs {sym} were traced with dynamic shapes; re-tracing keeps the guards exact"
+        kinds = {}
+        for k in self.kept:
+            kinds.setdefault(k.graph_id, set()).add(k.kind)
+        lonely = [g for g, ks in kinds.items() if "forward" in ks and "backward" not in ks]
+        if lonely:
+            return (f"graphs {lonely}: the backward never ran in the warm-up steps, so it was never "
+                    "compiled and cannot be re-compiled without AOTAutograd")
+        return None
+
+
+class _Mismatch(Exception):
+    """The kept graphs cannot take the new pass list (retarget falls back to a re-trace)."""

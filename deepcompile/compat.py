@@ -85,8 +85,13 @@ def boxed(fn: Callable) -> Callable:
     return make_boxed_func(fn)
 
 
-def inductor_compile(gm: fx.GraphModule, example_inputs, run_passes: Callable[[fx.GraphModule, list, str], fx.GraphModule]):
-    """Inductor end to end, with our passes on the partitioned forward and backward graphs.
+def inductor_compile(gm: fx.GraphModule, example_inputs,
+                     compile_one: Callable[[fx.GraphModule, list, str, dict], Callable]):
+    """Inductor's front end (pre-grad passes, decompositions, joint-graph passes, the min-cut
+    partition) end to end, handing each partitioned forward/backward/inference graph to
+    ``compile_one(graph, example_inputs, kind, kw)``, which runs our passes and compiles it:
+    through ``inductor_inner(graph, inputs, **kw)`` for Inductor, or to Python code for the
+    trace-once warm-up (see the ``trace once`` section below).
 
     ``compile_fx(..., inner_compile=...)`` is Inductor's own hook for wrapping the per-graph
     compile; it is called after AOTAutograd's partition with ``is_backward`` / ``is_inference``
@@ -97,24 +102,28 @@ def inductor_compile(gm: fx.GraphModule, example_inputs, run_passes: Callable[[f
 
     def inner(g, inputs, **kw):
         kind = "backward" if kw.get("is_backward") else ("inference" if kw.get("is_inference") else "forward")
-        g = run_passes(g, inputs, kind)
-        return inductor_inner(g, inputs, **kw)
+        return compile_one(g, inputs, kind, kw)
 
-    def joint_pass(graph: fx.Graph):
-        tag_unshard_for_recompute(graph.owning_module)
-
-    # reorder_for_peak_memory (on by default in 2.11 and 2.13) moves each allgather down to
-    # just before its wait, since that lowers peak memory, which undoes the prefetch pass. Our
-    # passes own where communication happens, within their own memory budget.
     # AOTAutograd's cache (on by default in 2.11 and 2.13) keys on the Dynamo graph, which is
     # the same before and after a pass-schedule switch, and a hit skips partitioning *and*
     # inner_compile: our passes would not run (no graph versions for the record, no offload
     # plan) and a different pass list could get the old artifact. Inductor's FX graph cache
     # stays on: it keys on the graph after our passes, so it is exact and keeps warm compiles fast.
     with torch._functorch.config.patch(enable_autograd_cache=False):
-        return cfx.compile_fx(gm, example_inputs, inner_compile=inner,
-                              config_patches={"joint_custom_pre_pass": _JointPass(joint_pass),
-                                              "reorder_for_peak_memory": False})
+        return cfx.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=_inductor_patches())
+
+
+def _inductor_patches() -> dict:
+    """The Inductor config every compile of ours runs under (compile_fx's ``config_patches``; the
+    trace-once re-compile applies the same around ``inductor_inner``).
+
+    reorder_for_peak_memory (on by default in 2.11 and 2.13) moves each allgather down to just
+    before its wait, since that lowers peak memory, which undoes the prefetch pass. Our passes
+    own where communication happens, within their own memory budget."""
+    def joint_pass(graph: fx.Graph):
+        tag_unshard_for_recompute(graph.owning_module)
+
+    return {"joint_custom_pre_pass": _JointPass(joint_pass), "reorder_for_peak_memory": False}
 
 
 def inductor_inner(gm: fx.GraphModule, example_inputs, **kw):
@@ -148,7 +157,9 @@ class _JointPass(_CGP):
         # v2: dc.reduce_grad's inputs are never reused (compat.never_reuse_inputs, issue 16). The
         # FX graph cache does not key on our lowerings; an artifact compiled before them would
         # reuse a gradient's memory while the runtime's bucket still holds it.
-        return "deepcompile-tag-unshard-recompute-v2"
+        # v3: the dc ops' ids are SymInt (issue 18, blocks.py): an artifact of a block region
+        # compiled while they were int has its ids pinned by guards.
+        return "deepcompile-tag-unshard-recompute-v3"
 
 
 def never_reuse_output(op) -> None:
@@ -451,3 +462,142 @@ def op_schema(target):
     if not isinstance(target, torch._ops.OpOverload):
         return None
     return target._schema
+
+
+# --- trace once ---
+# The default plan compiles its final graphs at step 2 from the same model it traced at step 0.
+# Instead of dropping everything and tracing again (Dynamo + AOTAutograd: about a third of the
+# whole compile at 16 layers, issue 18), the backend keeps each partitioned forward/backward graph
+# of the warm-up compile as it was before our passes, with what compiling it later needs (below),
+# re-runs only the passes and Inductor on a copy, and re-points the callable that AOTAutograd's
+# runtime wrapper already holds (backend._Slot). Checked in torch 2.13 (CPU, here) and read in
+# 2.11's source: compile_fx's inner_compile hook, TracingContext.report_output_strides and the
+# backward stride fix-up in _aot_autograd (2.11: jit_compile_runtime_wrappers.py, 2.13:
+# graph_compile.py::_aot_stage2b_bw_compile) have the same shape in both.
+
+
+class TracedGraph:
+    """One partitioned graph of a warm-up compile, before our passes, with its compile state.
+
+    ``gm`` is a deep copy (the passes rewrite the original in place). ``example_inputs`` are the
+    fake tensors AOTAutograd handed the compiler; they belong to ``fake_mode``. ``tracing_context``
+    is the TracingContext the compiler ran under: Inductor reads the forward's metadata from it
+    (``fw_metadata``, also read by ``saved_outputs_start``) and reports output strides into it.
+    ``kw`` are compile_fx's keyword arguments for its inner compile (empty when the warm-up ran
+    through plain ``aot_compile``, i.e. the final compiler is not Inductor).
+    """
+
+    def __init__(self, gm: fx.GraphModule, example_inputs, kind: str, kw: dict):
+        from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():  # as AOTAutograd copies its backward (lifted constants are real)
+            self.gm = copy_graph(gm)
+        self.example_inputs = list(example_inputs)
+        self.kind = kind
+        self.kw = dict(kw)
+        self.tracing_context = torch._guards.TracingContext.try_get()
+        self.fake_mode = detect_fake_mode(self.example_inputs)
+        self.symbolic = any(isinstance(x, torch.SymInt) or (
+            isinstance(x, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*x.shape, *x.stride())))
+            for x in self.example_inputs)
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A deep copy of a partitioned graph (its nodes' meta, fake values included)."""
+    import copy
+
+    return copy.deepcopy(gm)
+
+
+def fresh_copy(tg: TracedGraph) -> fx.GraphModule:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        return copy_graph(tg.gm)
+
+
+def trace_once_context(tg: TracedGraph):
+    """The state the warm-up compiler ran in, re-entered for the final compile of ``tg``: its
+    tracing context (fw_metadata, output strides), its fake mode as Inductor's ``V.fake_mode``,
+    the python dispatcher and no_grad as compile_fx / AOTAutograd compile under (2.11, 2.13),
+    effect tokens unlifted as compile_fx asks, and our Inductor config patches."""
+    import contextlib
+
+    from torch._dispatch.python import enable_python_dispatcher
+
+    stack = contextlib.ExitStack()
+    if tg.tracing_context is not None:
+        stack.enter_context(torch._guards.tracing(tg.tracing_context))
+    if tg.kw:
+        from torch._inductor import config as iconfig
+        from torch._inductor.virtualized import V
+
+        if tg.fake_mode is not None:
+            stack.enter_context(V.set_fake_mode(tg.fake_mode))
+        stack.enter_context(iconfig.patch(_inductor_patches()))
+        if hasattr(torch._functorch.config, "unlift_effect_tokens"):
+            stack.enter_context(torch._functorch.config.patch(unlift_effect_tokens=True))
+    stack.enter_context(enable_python_dispatcher())
+    stack.enter_context(torch.no_grad())
+    return stack
+
+
+def report_output_strides():
+    """Collect the strides Inductor gives the forward's outputs (``TracingContext.
+    report_output_strides``, 2.11 and 2.13); a list filled while compiling, or None without a
+    tracing context. AOTAutograd takes the saved activations' strides from it for backward."""
+    return torch._guards.TracingContext.report_output_strides()
+
+
+def restride_saved(fw: fx.GraphModule, strides, bw: fx.GraphModule, bw_inputs: list) -> tuple[list, int]:
+    """The backward's example inputs with the strides the compiled forward really gives the saved
+    activations: what AOTAutograd does between its forward and backward compile (2.11 and 2.13:
+    ``fwd_output_strides[tensors_saved_for_backwards_slice]`` -> the backward's placeholder fake
+    tensors, ``as_strided`` where they differ). Inductor may lay out a saved activation (not a user
+    output, so not stride-constrained) differently from eager; a backward compiled for the eager
+    strides would read it wrongly (Inductor asserts its input strides at run time).
+
+    Saved activations are matched by name instead of by AOTAutograd's index arithmetic: the
+    partitioner names each backward placeholder after the forward node it saves (both versions),
+    and the names are those of the graphs before our passes (the passes keep the output arity,
+    which the backend checks). Returns (inputs, how many were restrided)."""
+    if not strides:
+        return list(bw_inputs), 0
+    out = next(n for n in fw.graph.nodes if n.op == "output")
+    fw_outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    by_name = {}
+    for n, st in zip(fw_outs, strides):
+        if isinstance(n, fx.Node) and st is not None:
+            by_name[n.name] = st
+    placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    inputs, changed = list(bw_inputs), 0
+    for i, (ph, x) in enumerate(zip(placeholders, bw_inputs)):
+        st = by_name.get(ph.name)
+        if st is None or not isinstance(x, torch.Tensor) or len(st) != x.dim():
+            continue
+        st = tuple(int(s) for s in st)
+        if tuple(x.stride()) != st:
+            inputs[i] = x.as_strided(x.shape, st)
+            changed += 1
+    return inputs, changed
+
+
+def dynamo_compile_seconds() -> float | None:
+    """Seconds Dynamo has spent compiling frames in this process, backends included:
+    ``torch._dynamo.utils.compilation_time_metrics["_compile.compile_inner"]`` (2.11 and 2.13),
+    0.0 before the first compile (the key appears with it), None where the dict is missing. The
+    backend subtracts its own time to get Dynamo's."""
+    try:
+        from torch._dynamo.utils import compilation_time_metrics
+    except ImportError:  # pragma: no cover
+        return None
+    return float(sum(compilation_time_metrics.get("_compile.compile_inner", ())))
+
+
+def dynamo_frames_compiled() -> int:
+    """Frames Dynamo compiled so far (``torch._dynamo.utils.counters["stats"]["unique_graphs"]``,
+    2.11 and 2.13): what the trace-once test counts to see that the final compile traced nothing."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
