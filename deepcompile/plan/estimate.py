@@ -50,12 +50,16 @@ HOST_US = {"node": 2.6, "matmul": 18.7, "attention": 81.0, "kernel": 4.7, "reduc
            "wait_allgather_many": 31.0, "release_param": 1.0, "end_backward": 141.0}
 
 
+GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct")
+
+
 def host_model(profile: Any) -> dict | None:
-    """``HOST_US`` where the profile was measured on a GPU (its launches are asynchronous, so the
-    host's time is a floor of its own); None on the CPU, where an op's measured latency already
-    includes its launch."""
-    hw = str(getattr(profile, "hardware", "") or "")
-    return HOST_US if hw and hw.lower() != "cpu" else None
+    """``HOST_US`` where the profile was measured on a GPU (``Profile.hardware`` is the CUDA
+    device's name; its launches are asynchronous, so the host's time is a floor of its own);
+    None on the CPU, where an op's measured latency already includes its launch, and for
+    synthetic profiles."""
+    hw = str(getattr(profile, "hardware", "") or "").lower()
+    return HOST_US if any(k in hw for k in GPU_NAMES) else None
 
 
 def op_name(target: str) -> str:

@@ -279,7 +279,9 @@ def _build_base(root: Path, rank: int) -> _Base:
 
     t0 = time.perf_counter()
     ops.ensure_registered()
-    rec = read_run(root, rank)
+    # the graphs' files are most of a record; only the zero3 versions are needed (the base and
+    # the profiled one), so the index is read first and those files alone after it
+    rec = read_run(root, rank, load_graphs=False)
     if not rec.profile or not rec.profile.get("graphs"):
         raise WhatIfError(f"{root}: the record has no profile (profile.json.gz); a what-if prices the passes with "
                           "the profiled latencies and memory: run with profile_step set (the default ZeRO-3 plan "
@@ -287,8 +289,15 @@ def _build_base(root: Path, rank: int) -> _Base:
     prof = Profile.from_records(rec.profile)
     graphs, base, profiled, scope = {}, {}, {}, {}
     by_key: dict = {}
+    gdir = root / S.rank_dir_name(rank) / S.GRAPHS_DIR
     for v in rec.graphs:
-        if v.kind != "dynamo":
+        if v.kind != "dynamo" and v.after == "zero3":
+            path = gdir / v.file
+            g = S.check_graph(str(path), load_json(path, root=root))
+            if (g["graph_id"], g["kind"], g["after"]) != (v.graph_id, v.kind, v.after):
+                raise WhatIfError(f"{path}: holds graph {g['graph_id']}/{g['kind']}/{g['after']} but the index "
+                                  f"says {v.graph_id}/{v.kind}/{v.after}")
+            v.nodes = g["nodes"]
             by_key.setdefault((v.graph_id, v.kind), []).append(v)
     for key in sorted(prof.graphs):
         vs = by_key.get(key, [])
