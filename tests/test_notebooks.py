@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -63,11 +64,16 @@ def test_01_quickstart(tmp_path):
 def test_02_prefetch_and_memory(tmp_path):
     nb = run_notebook("02_prefetch_and_memory.ipynb", tmp_path)
     text = _text(nb)
-    assert "no profile in this record" in text
-    assert "--passes zero3,prefetch" in text and "prefetch.budget_mb=0.0" in text
-    assert text.count("after prefetch vs zero3") == 2
-    assert text.count("estimated forward peak") == 2
-    for b in ("prefetch-0", "prefetch-512"):
+    assert "what-if budget 0 MiB" in text and "what-if budget 0.25 MiB" in text
+    assert "--passes zero3,prefetch" in text and "prefetch.budget_mb=0.0" in text and "prefetch.fuse_mb=0.07" in text
+    assert "prefetch.budget_mb=0.25" in text
+    assert text.count("after prefetch vs zero3") == 4          # two runs, forward and backward
+    # budget 0 moves nothing; 0.25 MiB moves collectives, each shown from -> to with its parameters
+    assert text.count("no collective moved") == 2 and "issued earlier: 0;" in text
+    moved = re.findall(r"moved allgather_params?_default\S* \[([^\]]+)\]: (\S+) -> (\S+) \((\d+) nodes earlier", text)
+    assert len(moved) >= 4 and all(int(n) > 0 for *_, n in moved), moved
+    assert text.count("most gathered bytes held at once (measured)") == 2
+    for b in ("prefetch-0", "prefetch-0.25"):
         assert (tmp_path / "work" / b / "manifest.json").exists()
 
 

@@ -502,15 +502,18 @@ class GraphModel:
             self._pnames = out
         return self._pnames
 
-    def moves(self) -> list[dict]:
+    def moves(self, _shown: tuple | None = None) -> list[dict]:
         """The collectives the shown version issues earlier than before (the prefetch pass's
         ``"moved"`` record), in graph order: ``{"node", "target", "params", "param_names", "from",
         "to", "first_use": {id: node}, "earlier", "bytes", "from_key", "to_key", "key"}``:
         ``from_key`` / ``to_key``: the boxes of the current picture holding the node it was issued
         after and the one it is issued after now (boxes group by module, not by position, so the
         collective's own box, ``key``, is its parameters' module wherever it is issued)."""
-        nodes, _ = self._nodes_and_status()
-        chains, _ = key_chains(nodes, self.expanded, self.pscopes)
+        if _shown is None:
+            nodes, _ = self._nodes_and_status()
+            chains, _ = key_chains(nodes, self.expanded, self.pscopes)
+        else:   # (nodes, chains) the render already has
+            nodes, chains = _shown
         where = {n["name"]: c[-1] for n, c in zip(nodes, chains)}
         vs = self.versions()
         cur = {n["name"] for n in vs[self.version].nodes} if vs else set()
@@ -767,7 +770,7 @@ class GraphModel:
                 chips.setdefault(k, Counter())[st] += 1
         chips = {k: dict(v) for k, v in chips.items()}
         svg = add_chips(svg, chips)
-        moves = self.moves() if status else []
+        moves = self.moves((nodes, chains)) if status else []
         if moves:   # the canvas draws them as arrows (old box -> new box); the list is on the root element
             import json
 
