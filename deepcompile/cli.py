@@ -148,6 +148,7 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
             box = {}
+            unprofiled = model.dc_profile is None
 
             def one_step():
                 out_ = model(*args)
@@ -164,7 +165,13 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
                 one_step()
             lv = float(box["loss"].item())
             dt = time.perf_counter() - t0
-            rec.step(step, dt, lv, memory_stats())
+            mem = memory_stats(reset_peak=True)
+            tl = model.dc_profile.memory if unprofiled and model.dc_profile is not None else None
+            if tl and str(tl.get("device", "")).startswith("cuda"):
+                # the profiler resets the allocator's peak at every node: this step's high-water
+                # mark is its timeline's peak (the same allocator counter, read node by node)
+                mem["peak"] = max(mem["peak"], int(tl["peak"]["bytes"]))
+            rec.step(step, dt, lv, mem)
             if rank == 0:
                 print(f"step {step:>4}/{steps}  loss {lv:.4f}  {dt * 1e3:8.1f} ms", flush=True)
         rec.model(model)   # the profile, this rank's measured memory timeline, the plan

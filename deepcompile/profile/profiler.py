@@ -209,6 +209,7 @@ class ProfilingInterpreter(fx.Interpreter):
         self.memory = _MEMORY.sources()   # None: no model to split the memory by (no timeline)
         self._mem: list[dict] = []         # per record: bytes by category after the node
         self._gathered: set[int] = set()   # storages that dc gather ops returned (CPU split)
+        self._known: dict | None = None    # the categories read only at dc ops (see _split)
 
     def _keep_gpu_behind(self) -> None:
         k = len(self._events)
@@ -269,14 +270,24 @@ class ProfilingInterpreter(fx.Interpreter):
                 seen: dict = {}
                 _storages(out, seen)
                 self._gathered.update(seen)   # classified as gathered when the env takes them
-            self._mem.append(self._split(rec))
+            self._mem.append(self._split(n, rec))
         return out
 
-    def _split(self, rec: NodeProfile) -> dict:
-        """Bytes by category after the node (device categories sum to ``allocated``)."""
+    def _split(self, n: fx.Node, rec: NodeProfile) -> dict:
+        """Bytes by category after the node (device categories sum to ``allocated``).
+
+        Shards, gradients, optimizer state and offloaded bytes change only in dc ops (a reduce
+        bucket lands, state is released or reloaded), so they are read again only there (and at
+        a graph's first node): each read walks every parameter, which per node cost a 16-layer
+        model's profiling step seconds of host time. The gathered bytes are read at every node
+        (one runtime call): a gathered buffer is freed when the graph drops its last use."""
         m = self.memory
-        cats = {"parameter_shards": m.shard_bytes(), "gathered": m.gathered_bytes(),
-                "gradients": m.grad_bytes(), "optimizer_state": m.state_bytes()}
+        if self._known is None or str(n.target).startswith("dc."):
+            self._known = {"parameter_shards": m.shard_bytes(), "gradients": m.grad_bytes(),
+                           "optimizer_state": m.state_bytes(), "offloaded": m.offloaded_bytes()}
+        k = self._known
+        cats = {"parameter_shards": k["parameter_shards"], "gathered": m.gathered_bytes(),
+                "gradients": k["gradients"], "optimizer_state": k["optimizer_state"]}
         if self.cuda:
             cats["activations"] = max(0, rec.mem_after_bytes - sum(cats.values()))
         else:
@@ -285,7 +296,7 @@ class ProfilingInterpreter(fx.Interpreter):
             # a gathered value the graph holds is alive in the runtime too: the larger of the two
             cats["gathered"] = max(cats["gathered"], held.get("gathered", 0))
             cats["activations"] = held.get("other", 0)
-        cats["offloaded"] = m.offloaded_bytes()
+        cats["offloaded"] = k["offloaded"]
         return cats
 
     def finish(self) -> list[NodeProfile]:
