@@ -26,7 +26,7 @@ if REPO not in sys.path:
 
 from deepcompile.plan.memory import GIB  # noqa: E402
 from deepcompile.plan.whatif import plan_record as _plan_record  # noqa: E402
-from deepcompile.plan.whatif import predict_run  # noqa: E402
+from deepcompile.plan.whatif import load_base, predict_base, predict_run, variant  # noqa: E402
 
 
 def plan_record(record: str, world: int | None = None, limit_gib: float | None = None,
@@ -68,6 +68,44 @@ def whatif(a) -> None:
         print(" -", n[:300])
 
 
+def compare(a) -> None:
+    """The what-if of each dc system's chosen plan (the result JSON's predicted.plan) on this
+    record, beside what that system measured: step, host time, peak."""
+    rows = []
+    for path in a.compare:
+        d = json.loads(open(path).read())
+        for name, v in (d.get("systems") or {}).items():
+            plan = ((v.get("predicted") or {}).get("plan") or {}).get("chosen") or {}
+            params = plan.get("params")
+            if not params or not v.get("median_step_s"):
+                continue
+            entries = [{"name": "zero3"}] + [{"name": n, "params": p} for n, p in params.items()]
+            # the run's own measurements where the result has them (its comm model, optimizer
+            # step, memory facts), the record's graphs and per-node latencies for the rest
+            pred = v["predicted"]
+            cm = pred.get("comm_model") or {}
+            b = variant(load_base(a.record, a.rank), gb_per_s=cm.get("allgather_gb_per_s"),
+                        alpha_us=cm.get("alpha_us"), optimizer_ms=pred.get("optimizer_ms"),
+                        facts=pred["plan"].get("facts"))
+            w = predict_base(b, entries)
+            ms, host = v["median_step_s"] * 1e3, (v.get("host_step_s") or 0) * 1e3
+            peak = v.get("peak_mem_gib") or 0
+            rows.append({"result": os.path.basename(path), "system": name, "params": params,
+                         "measured_step_ms": round(ms, 2), "measured_host_ms": round(host, 2),
+                         "predicted_step_ms": w.step_ms, "step_error": round(w.step_ms / ms - 1, 4),
+                         "run_predicted_step_ms": plan.get("step_ms"), "measured_peak_gib": round(peak, 3),
+                         "predicted_peak_gib": round(w.peak_bytes / GIB, 3),
+                         "peak_error": round(w.peak_bytes / GIB / peak - 1, 4) if peak else None,
+                         "whatif_s": w.seconds})
+            r = rows[-1]
+            print(f"{r['result']:40} {name:22} step {ms:6.1f} (host {host:5.1f}) predicted {w.step_ms:6.1f} "
+                  f"({r['step_error']:+.1%}; the run's planner said {plan.get('step_ms')}), peak {peak:6.2f} "
+                  f"predicted {r['predicted_peak_gib']:6.2f}" + (f" ({r['peak_error']:+.1%})" if peak else ""))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"record": a.record, "rows": rows}, f, indent=1)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("record")
@@ -83,7 +121,12 @@ def main(argv=None) -> None:
     ap.add_argument("--compiler", default=None, help="the final compiler (default: the record's config)")
     ap.add_argument("--set", action="append", default=[], metavar="NAME.KEY=VALUE",
                     help="what-if of zero3+prefetch+selective_unshard with these parameters ('auto': planned)")
+    ap.add_argument("--compare", action="append", default=[], metavar="RESULT_JSON",
+                    help="what-if of each dc system's chosen plan in a benchmarks/zero3.py result, beside its measurement")
+    ap.add_argument("--out", default=None, help="with --compare: write the rows as JSON")
     a = ap.parse_args(argv)
+    if a.compare:
+        return compare(a)
     if a.set:
         return whatif(a)
     t = time.perf_counter()

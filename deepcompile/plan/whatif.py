@@ -40,7 +40,7 @@ import torch.fx as fx
 from deepcompile.params import ConfigError
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes
 
-__all__ = ["WhatIf", "WhatIfError", "predict_run", "rebuild", "param_meta", "load_base", "clear_cache",
+__all__ = ["WhatIf", "WhatIfError", "predict_run", "predict_base", "variant", "plan_record", "rebuild", "param_meta", "load_base", "clear_cache",
            "MEMORY_CATEGORIES"]
 
 # the vocabulary of record/schema.py's MEMORY_CATEGORIES (one for measured and predicted memory)
@@ -601,7 +601,18 @@ def predict_run(run_dir, passes, *, rank: int = 0, memory_limit_gib: float | Non
             gc.enable()
 
 
-def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None) -> WhatIf:
+def predict_base(base: _Base, passes, *, memory_limit_gib: float | None = None) -> WhatIf:
+    """:func:`predict_run` on a base already at hand (``load_base``, or a :func:`variant` of one)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return _predict_run(base.path, passes, base.rank, memory_limit_gib, base)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, base: _Base | None = None) -> WhatIf:
     from deepcompile.plan import planner as P
 
     t0 = time.perf_counter()
@@ -613,7 +624,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None) -> 
     if "zero3" not in names:
         raise WhatIfError(f"passes: {names} has no 'zero3'; a what-if re-plans the ZeRO-3 graphs the record traced "
                           "(the passes after zero3 run on them), so the list needs zero3")
-    b = load_base(run_dir, rank)
+    b = base if base is not None else load_base(run_dir, rank)
     cfg_plan = b.config.get("plan")
     planning = bool(cfg_plan) if cfg_plan is not None else bool(b.plan)
     explicit, auto, hand = _resolve(entries, planning)
@@ -733,7 +744,8 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None) -> 
 # ------------------------------------------------------------------------------------ the planner offline
 def variant(b: _Base, *, world: int | None = None, gb_per_s: float | None = None, alpha_us: float | None = None,
             optimizer_peak_gib: float | None = None, accumulation: int | None = None,
-            compiler: str | None = None, capacity_gib: float | None = None) -> _Base:
+            compiler: str | None = None, capacity_gib: float | None = None,
+            optimizer_ms: float | None = None, facts: dict | None = None) -> _Base:
     """A copy of a record's base with the hardware or the run changed (another link speed, the
     optimizer step's peak of an older record that did not measure it, another world size), and
     fresh caches (its prices differ)."""
@@ -741,21 +753,28 @@ def variant(b: _Base, *, world: int | None = None, gb_per_s: float | None = None
     from deepcompile.plan.memory import facts_from_profile
 
     prof = b.profile
-    if gb_per_s or alpha_us is not None or optimizer_peak_gib:
+    if gb_per_s or alpha_us is not None or optimizer_peak_gib or optimizer_ms is not None:
         prof = dataclasses.replace(prof)
+        if optimizer_ms is not None:
+            prof.optimizer_ms = float(optimizer_ms)
         if gb_per_s or alpha_us is not None:
             prof.comm = dataclasses.replace(prof.comm, bytes_per_us=(gb_per_s * 1e3 if gb_per_s else prof.comm.bytes_per_us),
                                             alpha_us=(alpha_us if alpha_us is not None else prof.comm.alpha_us))
         if optimizer_peak_gib:
             prof.optimizer_peak_bytes = int(optimizer_peak_gib * GIB)
     w = world or b.world
-    facts = b.facts
+    mf = b.facts
     if prof is not b.profile or w != b.world:
-        facts = facts_from_profile(prof, b.meta, w, b.facts.state_bytes, reduce_bytes=b.facts.reduce_bytes)
+        mf = facts_from_profile(prof, b.meta, w, b.facts.state_bytes, reduce_bytes=b.facts.reduce_bytes)
+    if facts:  # another run's own figures (a plan.json's "facts")
+        mf = dataclasses.replace(mf)
+        for k in ("fb_peak", "optimizer_peak", "shard_bytes", "grad_bytes", "state_bytes", "reduce_bytes"):
+            if facts.get(k) is not None:
+                setattr(mf, k, int(facts[k]))
     fused = b.fused if compiler is None else compiler == "inductor"
     static = b.static if fused == b.fused else {
         k: static_costs(prof, [x for x in (b.profiled[k], d) if x is not None], d, fused) for k, d in b.base.items()}
-    return dataclasses.replace(b, profile=prof, world=w, facts=facts, fused=fused, static=static,
+    return dataclasses.replace(b, profile=prof, world=w, facts=mf, fused=fused, static=static,
                                accumulation=accumulation or b.accumulation,
                                capacity=int(capacity_gib * GIB) if capacity_gib else b.capacity,
                                times={}, full={})
