@@ -174,3 +174,26 @@ def test_a_record_without_a_timeline_has_no_measured_peak(tmp_path):
     assert v["process"]["by_rank"] == {0: 7}
     r = run_cli("inspect", str(tmp_path / "r"), timeout=120)
     assert r.returncode == 0 and "memory peak: none recorded" in r.stdout, r.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.device_count() >= 2, reason="needs 2 CUDA GPUs")
+def test_gpu_timeline_is_the_allocator(tmp_path):
+    """On 2 GPUs (NCCL, Inductor): the timeline's totals are the allocator's (the known categories
+    never exceed it), and the profiled step's steps.jsonl peak is the timeline's peak."""
+    run = tmp_path / "run"
+    r = run_cli("demo", "--ranks", "2", "--steps", "4", "--model", "tests.factories:tiny_gpt", "--out", str(run),
+                timeout=600)
+    assert r.returncode == 0, f"STDOUT:\n{r.stdout}\nSTDERR:\n{r.stderr}"
+    for rank in (0, 1):
+        v = memory_view(run, rank)
+        m = v["measured"]
+        assert m["device"] == "cuda allocator" and v["peak"]["source"] == "measured"
+        for s in m["samples"]:
+            assert sum(s["by_category"][k] for k in S.DEVICE_CATEGORIES) == s["allocated_bytes"]
+            assert s["peak_bytes"] >= s["allocated_bytes"]
+        assert any(s["by_category"]["activations"] > 0 for s in m["samples"])
+        steps = read_run(run, rank).steps
+        assert steps[1]["mem"]["peak"] == m["peak"]["bytes"]   # step 2 of the demo is the profiled one
+    out = run_cli("inspect", str(run), timeout=120).stdout
+    assert "allocator's high-water mark per step (GPU" in out and "cuda allocator" in out
