@@ -36,7 +36,8 @@ SOURCE_TITLES = {"measured": "measured (profiled step)", "predicted": "predicted
 KIND_ORDER = {"forward": 0, "inference": 0, "backward": 1}
 COMM_STREAMS = ("allgather", "reduce")
 
-_ISSUE = re.compile(r"^(dc::)?(allgather_params?|gather_persistent_many)(_|$|\.)")
+# an asynchronous gather and its wait (gather_persistent[_many] waits inside itself: nothing to link)
+_ISSUE = re.compile(r"^(dc::)?allgather_params?(_|$|\.)")
 _WAIT = re.compile(r"^(dc::)?wait_allgather(_many)?(_|$|\.)")
 _ANY_WAIT = re.compile(r"^(dc::)?wait_")
 
