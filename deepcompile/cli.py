@@ -400,6 +400,11 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
         pp = view["predicted"]["peak"]
         lines.append(f"  {view['predicted']['label']}: {fmt_bytes(pp['bytes'])} ("
                      + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in pp["by_category"].items() if v) + ")")
+    if view.get("trained"):
+        t = view["trained"]
+        err = (view["predicted"] or {}).get("error_vs_trained")
+        lines.append(f"  {t['label']}: {fmt_bytes(t['bytes'])}"
+                     + (f" (the plan's prediction {100 * err:+.1f}%)" if err is not None else ""))
     proc = view["process"]
     lines.append(f"{proc['label']}: "
                  + ", ".join(f"rank {r} {fmt_bytes(b)}" for r, b in sorted(proc["by_rank"].items())))

@@ -195,5 +195,6 @@ def test_gpu_timeline_is_the_allocator(tmp_path):
         assert any(s["by_category"]["activations"] > 0 for s in m["samples"])
         steps = read_run(run, rank).steps
         assert steps[1]["mem"]["peak"] == m["peak"]["bytes"]   # step 2 of the demo is the profiled one
+        assert v["trained"]["bytes"] == steps[-1]["mem"]["peak"] and "error_vs_trained" in v["predicted"]
     out = run_cli("inspect", str(run), timeout=120).stdout
     assert "allocator's high-water mark per step (GPU" in out and "cuda allocator" in out

@@ -427,7 +427,8 @@ def memory_view(run: RunRecord | str | os.PathLike, rank: int = 0) -> dict:
          "predicted": None | {"source": "predicted", "label", "by_category", "where",
                               "peak": {"bytes", "where", "by_category", "source"}},
          "peak":      None | {"bytes", "source", "label", "where", "by_category"},
-         "process":   {"label", "by_rank": {rank: bytes}}}
+         "process":   {"label", "by_rank": {rank: bytes}},
+         "trained":   None | {"bytes", "step", "label", "source": "measured"}}
 
     ``measured`` is the profiled step's timeline (``memory.json.gz``, samples with
     ``by_category``; x axis ``t_ms``: the step's compute time); ``predicted`` the chosen plan's
@@ -436,6 +437,8 @@ def memory_view(run: RunRecord | str | os.PathLike, rank: int = 0) -> dict:
     shown. ``process`` is what ``steps.jsonl`` logs per step, which is another quantity: the
     allocator's high-water mark per step on GPU (whole step, optimizer included), the process's
     resident set on CPU (the Python process, not the training state); label it as such.
+    ``trained`` (GPU only): the last step's allocator peak, the measured peak of the plan that
+    trains, which the prediction is checked against (``predicted["error_vs_trained"]``).
 
     A record from before the timeline (its memory samples carry no categories: the naive
     per-graph estimate, activations only) has no ``measured`` part."""
@@ -486,6 +489,18 @@ def memory_view(run: RunRecord | str | os.PathLike, rank: int = 0) -> dict:
             "the process's resident set on CPU")
     out["process"] = {"label": f"process memory, steps.jsonl: {what}",
                       "by_rank": by_rank}
+    # On GPU the steps' peaks are the allocator's, per step: the last step's is the measured peak of
+    # the plan that trains (the profiled step ran the profiling plan, node by node), the number the
+    # plan's prediction is checked against.
+    out["trained"] = None
+    last = next((s for s in reversed(rec.steps) if (s.get("mem") or {}).get("peak")), None)
+    if dev.startswith("cuda") and last is not None:
+        b = int(last["mem"]["peak"])
+        out["trained"] = {"bytes": b, "step": last["step"], "source": "measured",
+                          "label": f"measured allocator peak of the last step ({last['step']}, steps.jsonl): the plan "
+                                   "that trains"}
+        if out["predicted"] is not None and b > 0:
+            out["predicted"]["error_vs_trained"] = round(out["predicted"]["peak"]["bytes"] / b - 1.0, 4)
     return out
 
 
