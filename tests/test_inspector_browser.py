@@ -39,6 +39,8 @@ BAR_JS = """(gd) => {
   pts.forEach((p, i) => { const r = p.getBoundingClientRect();
                           if (r.width > 0 && (!best || r.width > best.width)) { best = r; bi = i; } });
   if (!best) return null;
+  pts[bi].scrollIntoView({block: 'center'});       // a tall figure: the predicted panel may be below the fold
+  best = pts[bi].getBoundingClientRect();
   const c = gd.data[ti].customdata[bi];
   return {x: best.x + best.width / 2, y: best.y + best.height / 2, name: String(Array.isArray(c) ? c[0] : c)};
 }"""
@@ -196,8 +198,15 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             page.screenshot(path=str(tmp_path / "inspector.png"))
             assert (tmp_path / "inspector.png").stat().st_size > 20_000
 
-            # the moved-collective view: diff against zero3 lists prefetch's moves, from -> to
-            page.locator(f"{insp} .dc-diff-pass select").select_option(label="1: zero3")
+            # the moved-collective view: the version after prefetch, diffed against zero3 (of the same,
+            # latest compile), lists prefetch's moves from -> to (selective_unshard after it keeps
+            # everything gathered in this tiny model, so the final version has no moves to show)
+            labels = page.locator(f"{insp} .dc-pass select option").all_inner_texts()
+            after_pf = [t for t in labels if t.endswith(": prefetch")][-1]
+            before_pf = [t for t in labels if t.endswith(": zero3") and int(t.split(":")[0]) < int(after_pf.split(":")[0])][-1]
+            page.locator(f"{insp} .dc-pass select").select_option(label=after_pf)
+            page.wait_for_timeout(1000)
+            page.locator(f"{insp} .dc-diff-pass select").select_option(label=before_pf)
             page.wait_for_selector(f"{insp} .dc-moves .dc-moves-table", timeout=60_000)
             moves = page.locator(f"{insp} .dc-moves").inner_text()
             assert "collective(s) moved" in moves and "→" in moves, moves[:500]

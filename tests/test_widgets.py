@@ -332,7 +332,8 @@ def test_schedule_and_memory_models(demo_run, rec):
     assert any(l.startswith("rank 0 · compute") for l in lanes) and any(l.startswith("rank 1 ·") for l in lanes)
     n_traces = len(s.figure().data)
     s.select_node(s.nodes_at()[3])
-    assert len(s.figure().data) == n_traces + 1
+    sel = [t for t in s.figure().data if (t.name or "").startswith("selected: ")]
+    assert len(s.figure().data) == n_traces + len(sel) and 1 <= len(sel) <= 2   # an outline per source that has it
     s.set_graph(0, "backward")
     assert any("reduce" in l for l in s.lanes())
 
@@ -695,6 +696,8 @@ def test_whatif_on_edit_is_debounced_and_changes_the_numbers(planned_run):
                    if k.startswith("xaxis")), "the time axis is in ms"
     nums = insp.s_numbers.value
     assert "exposed comm" in nums and "overlap" in nums and "GPU idle" in nums
+    insp.s_scope.value = "step"                     # every graph end to end: the panel numbers are the step's
+    assert "whole step" in insp.model.schedule.figure_dict()["layout"]["title"]["text"]
 
 
 def test_one_peak_across_views(planned_run, tmp_path):

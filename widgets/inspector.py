@@ -471,7 +471,12 @@ class Inspector:
         self.s_note = W.HTML()
         self.s_numbers = W.HTML()
         self.s_numbers.add_class("dc-step-numbers")
-        schedule_tab = W.VBox([self.s_note, self.s_numbers, self.s_node,
+        self.s_scope = W.ToggleButtons(options=[("this graph", "graph"), ("whole step", "step")], value="graph",
+                                       description="show")
+        self.s_scope.add_class("dc-schedule-scope")
+        self.s_scope.observe(lambda ch: self._ui(lambda: self.model.schedule.set_scope(ch["new"]),
+                                                 views=("schedule",)), names="value")
+        schedule_tab = W.VBox([self.s_note, self.s_numbers, W.HBox([self.s_scope, self.s_node]),
                                self.s_box if self.s_fig is not None else self.s_out])
         # memory tab
         self.m_sort = W.Dropdown(description="sort by", options=["index", "name", "target", "module", "latency_us",
@@ -621,7 +626,8 @@ class Inspector:
         sel = [t for t in new if (t.name or "").startswith("selected: ")]
         base = [t for t in new if not (t.name or "").startswith("selected: ")]
         sc = self.model.schedule
-        sig = (id(sc), sc.key if sc else None, len(base), tuple(t.name for t in base))
+        sig = (id(sc), sc.key if sc else None, getattr(sc, "scope", None), id(getattr(sc, "whatif_events", None)),
+               len(base), tuple(t.name for t in base))
         with fw.batch_update():
             if sig != self._s_sig:
                 fw.data = ()

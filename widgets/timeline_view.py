@@ -61,6 +61,7 @@ class ScheduleModel:
         self.key = self.keys[0] if self.keys else None
         self.selected_node: str | None = None
         self.whatif_events: list[dict] = []
+        self.scope = "graph"     # "graph": the selected graph's events; "step": every graph, end to end
 
     def _schedule_of(self, rank: int) -> dict | None:
         p = self.run_dir / S.rank_dir_name(rank) / S.SCHEDULE
@@ -132,11 +133,24 @@ class ScheduleModel:
         from deepcompile.report import figures as F
 
         title = "schedule"
-        if self.key:
+        whole = self.scope == "step" or not self.key
+        if not whole:
             title = f"schedule · graph {self.key[0]} · {self.key[1]} — {self.source_note}"
+        else:
+            title = f"schedule · the whole step (every graph) — {self.source_note}"
         ev = self.events + list(self.whatif_events)
-        return F.schedule_figure(ev, graphs=self.graph_nodes(), graph=self.key, selected=self.selected_node,
-                                 title=title, rank=self.rec.rank)
+        fig = F.schedule_figure(ev, graphs=self.graph_nodes(), graph=None if whole else self.key,
+                                selected=self.selected_node, title=title, rank=self.rec.rank)
+        if not whole:   # the panel numbers are of this graph's events, not of the step
+            for a in fig.get("layout", {}).get("annotations", []):
+                if isinstance(a.get("text"), str):
+                    a["text"] = a["text"].replace(": step ", ": this graph ")
+        return fig
+
+    def set_scope(self, scope: str) -> None:
+        if scope not in ("graph", "step"):
+            raise ValueError(f"schedule scope {scope!r}: 'graph' (the selected graph) or 'step' (every graph)")
+        self.scope = scope
 
     def figure(self):
         import plotly.graph_objects as go
