@@ -79,17 +79,20 @@ void end_backward(at::TensorList /*grads*/, int64_t graph_id) {
 
 }  // namespace
 
+// The ids that compiled graphs pass are SymInt (the kernels still take int64_t; the dispatcher
+// hands them concrete values): a decoder-block region compiled once takes each layer's ids as
+// inputs (deepcompile/blocks.py); with `int` the dispatcher would pin them to one layer's ids.
 TORCH_LIBRARY(dc, m) {
   m.def("unshard(Tensor shard, int id) -> Tensor");
   m.def("shard_grad(Tensor grad, int id) -> Tensor");
-  m.def("allgather_param(Tensor shard, int id) -> Tensor");
-  m.def("allgather_params(Tensor[] shards, int[] ids) -> Tensor");
-  m.def("wait_allgather(Tensor handle, int id) -> Tensor");
-  m.def("wait_allgather_many(Tensor handle, int[] ids) -> Tensor[]");
-  m.def("gather_persistent(Tensor shard, int id) -> Tensor");
-  m.def("gather_persistent_many(Tensor[] shards, int[] ids) -> Tensor[]");
-  m.def("release_param(Tensor(a!) gathered, int id) -> ()");
-  m.def("reduce_grad(Tensor(a!) grad, int id) -> ()");
+  m.def("allgather_param(Tensor shard, SymInt id) -> Tensor");
+  m.def("allgather_params(Tensor[] shards, SymInt[] ids) -> Tensor");
+  m.def("wait_allgather(Tensor handle, SymInt id) -> Tensor");
+  m.def("wait_allgather_many(Tensor handle, SymInt[] ids) -> Tensor[]");
+  m.def("gather_persistent(Tensor shard, SymInt id) -> Tensor");
+  m.def("gather_persistent_many(Tensor[] shards, SymInt[] ids) -> Tensor[]");
+  m.def("release_param(Tensor(a!) gathered, SymInt id) -> ()");
+  m.def("reduce_grad(Tensor(a!) grad, SymInt id) -> ()");
   m.def("end_backward(Tensor(a!)[] grads, int graph_id) -> ()");
 }
 

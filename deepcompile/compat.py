@@ -135,6 +135,13 @@ def inductor_inner(gm: fx.GraphModule, example_inputs, **kw):
     whatever compiles identical blocks once (blocks.py) changes only this body."""
     from torch._inductor import compile_fx as cfx
 
+    from deepcompile import blocks
+
+    cudagraphs = kw.get("cudagraphs")
+    if blocks.enabled() and not (cudagraphs is not None and bool(getattr(cudagraphs, "value", cudagraphs))):
+        fn = blocks.compile_graph(gm, example_inputs, cfx.compile_fx_inner, **kw)
+        if fn is not None:
+            return fn
     return cfx.compile_fx_inner(gm, example_inputs, **kw)
 
 
@@ -462,6 +469,118 @@ def op_schema(target):
     if not isinstance(target, torch._ops.OpOverload):
         return None
     return target._schema
+
+
+# --- blocks ---
+# deepcompile/blocks.py compiles identical decoder-block regions once; these are the torch
+# internals it needs (checked against torch 2.11.0 and 2.13.0).
+
+_BLOCK_ID_COUNTER = [0]
+
+
+def blocks_fake_mode(example_inputs):
+    """The fake mode of a partitioned graph's example inputs (the one AOTAutograd traced with).
+    ``torch._guards.detect_fake_mode`` (2.11, 2.13) also consults the tracing context."""
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(example_inputs)
+
+
+def blocks_symbolic_ints(fake_mode, values: list[int]) -> list:
+    """A fresh symbolic int per value, hinted with it, in the graph's own ShapeEnv, so that
+    Inductor compiles a region with its parameter ids as *inputs* (the fallback kernels of the
+    ``dc`` ops then take them from the argument list, not from literals in the code).
+
+    ``ShapeEnv.create_unspecified_symbol`` with ``DimDynamic.DYNAMIC``: no duck sizing (an id
+    equal to some size must not share its symbol), no 0/1 specialisation, no positivity
+    assumption (2.11 and 2.13, same signature). The source is a ``ConstantSource`` with a unique
+    name; nothing guards on these symbols (the ops' fake impls read the hint, runtime/ops.py),
+    so no guard refers to it (``blocks_specialized`` checks that after each compile).
+    """
+    shape_env = getattr(fake_mode, "shape_env", None)
+    if shape_env is None:
+        raise RuntimeError("deepcompile blocks: the graph's fake mode has no ShapeEnv; "
+                           "set DEEPCOMPILE_BLOCKS=0 to compile graphs whole")
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+    out = []
+    for v in values:
+        _BLOCK_ID_COUNTER[0] += 1
+        src = ConstantSource(f"__dc_block_id_{_BLOCK_ID_COUNTER[0]}")
+        sym = shape_env.create_unspecified_symbol(int(v), source=src, dynamic_dim=DimDynamic.DYNAMIC)
+        out.append(shape_env.create_symintnode(sym, hint=int(v), source=src))
+    return out
+
+
+def blocks_boxed(fn):
+    """``compile_fx_inner``'s result takes one list argument (boxed: ``OutputCode.__call__``
+    in 2.13, ``CompiledFxGraph.__call__`` in 2.11) and clears it; unboxed callables are wrapped."""
+    if getattr(fn, "_boxed_call", False) or hasattr(fn, "current_callable"):
+        return fn
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(fn)
+
+
+class blocks_region_compile:
+    """Context for compiling one region of a graph: Inductor's ``post_compile`` reports the
+    compiled graph's output strides to AOTAutograd through ``TracingContext.output_strides``
+    (``set_tracing_context_output_strides``, 2.11 and 2.13), asserting the list is empty. A region
+    is not the graph AOTAutograd asked for: it reports into a list of its own, and the outer
+    graph's strides are reported once by ``blocks_report_output_strides``."""
+
+    def __enter__(self):
+        self.ctx = torch._guards.TracingContext.try_get()
+        self.saved = getattr(self.ctx, "output_strides", None)
+        if self.saved is not None:
+            self.ctx.output_strides = []
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            self.ctx.output_strides = self.saved
+        return False
+
+
+def blocks_report_output_strides(values) -> None:
+    """Report the strides of the outer graph's outputs (their traced values: Inductor keeps
+    output strides as traced, ``keep_output_stride``) where AOTAutograd collects them."""
+    ctx = torch._guards.TracingContext.try_get()
+    out = getattr(ctx, "output_strides", None)
+    if out is None:
+        return
+    assert len(out) == 0, "deepcompile blocks: output strides were reported twice"
+    for v in values:
+        out.append(tuple(v.stride()) if isinstance(v, torch.Tensor) else None)
+
+
+def blocks_symint_args(target) -> list[int]:
+    """Positions of the ``SymInt`` / ``SymInt[]`` arguments of an op overload. Python's
+    ``Argument.type`` prints both as ``int`` (2.11, 2.13), so the schema's text decides; an
+    ``int`` argument is coerced to a concrete int by the dispatcher (a guard), so only SymInt
+    arguments can be region inputs."""
+    schema = op_schema(target)
+    if schema is None:
+        return []
+    text = str(schema)
+    inner = text[text.index("(") + 1:text.index(") ->")] if ") ->" in text else ""
+    out = []
+    for i, arg in enumerate(a.strip() for a in inner.split(",") if a.strip()):
+        if arg.startswith("SymInt ") or arg.startswith("SymInt[] "):
+            out.append(i)
+    return out
+
+
+def blocks_specialized(ids) -> bool:
+    """Whether compiling a region pinned any of its symbolic ids to a value (a guard or a
+    replacement in the ShapeEnv: an FX-graph-cache hit evaluates the cached artifact's guards,
+    ``FxGraphCache._lookup_graph``). ``SymNode.expr`` applies the ShapeEnv's replacements
+    (2.11, 2.13); a pinned id has no free symbol left. Such a region is not shared."""
+    for v in ids:
+        if isinstance(v, torch.SymInt) and not v.node.expr.free_symbols:
+            return True
+    return False
 
 
 # --- trace once ---

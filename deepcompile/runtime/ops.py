@@ -42,6 +42,13 @@ C = None  # the compiled extension module, once loaded
 
 
 def _meta(pid: int) -> ParamMeta:
+    if isinstance(pid, torch.SymInt):
+        # a block region's id is a symbolic input (deepcompile/blocks.py): its shapes are those of
+        # the id it was compiled with (the hint), read without a guard so Inductor never
+        # specialises the shared region on one layer's id
+        from deepcompile import compat
+
+        pid = compat.size_hint(pid, -1)
     try:
         return PARAMS[pid]
     except KeyError:
