@@ -159,6 +159,20 @@ def test_schema_refuses_bad_categories(planned_run, tmp_path):
     f.write_bytes(gzip.compress(json.dumps(mem).encode()))
     with pytest.raises(RecordError, match=r"peak\.by_category\.gathered: bytes cannot be negative"):
         read_run(bad)
+    mem["peak"]["by_category"]["gathered"] = 10 ** 30   # past int64: the report's arithmetic overflows
+    f.write_bytes(gzip.compress(json.dumps(mem).encode()))
+    with pytest.raises(RecordError, match=r"peak\.by_category\.gathered: .*out of range"):
+        read_run(bad)
+    mem["peak"]["by_category"]["gathered"] = 0
+    mem["samples"][0]["t_ms"] = float("nan")   # an axis of NaN ticks
+    f.write_bytes(gzip.compress(json.dumps(mem).encode()))
+    with pytest.raises(RecordError, match=r"samples\[0\]\.t_ms: expected a finite number"):
+        read_run(bad)
+    m = json.loads((bad / "manifest.json").read_text())
+    m["command"]["relaunch"] = ["python", 3]
+    (bad / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(RecordError, match=r"command\.relaunch\[1\]: expected a string"):
+        run_command(bad)
 
 
 def test_a_record_without_a_timeline_has_no_measured_peak(tmp_path):
