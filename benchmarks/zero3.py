@@ -430,6 +430,12 @@ def dc_prediction(model, opt, res) -> None:
         res["compile_times"] = torch._dynamo.utils.compile_times(repr="str", aggregate=True)
     except Exception as e:  # noqa: BLE001
         res["compile_times"] = f"unavailable: {type(e).__name__}: {e}"
+    # deepcompile's own breakdown, per optimizer step that compiled and per phase (seconds): dynamo,
+    # aot_autograd (trace + partition, Inductor's front end included), passes, inductor, profiling,
+    # planner, reuse (trace once); and whether each scheduled re-compile reused the warm-up trace
+    res["compile_phases"] = {str(k): {p: round(v, 3) for p, v in d.items()}
+                             for k, d in getattr(model, "dc_compile_phases", {}).items()}
+    res["trace_once"] = getattr(model, "dc_trace_once", None)
     prof = model.dc_profile
     # the final graphs are Inductor's unless the run chose another compiler: fused pointwise ops
     p = predict(model.dc_graphs, prof, fused=model.dc_config.compiler == "inductor")
@@ -845,6 +851,13 @@ def summarise(name, per_rank, args, world) -> dict:
             entry["predicted_step_error"] = pr["step_ms"] / (med * 1e3) - 1.0
         if args.device == "cuda" and "peak_gib" in pr:
             entry["predicted_peak_error"] = pr["peak_gib"] / r0["peak_alloc_gib"] - 1.0
+    if "compile_phases" in r0:  # per rank: compile seconds by step and phase (the slowest rank gates)
+        entry["compile_phases_by_rank"] = {str(r["rank"]): r.get("compile_phases") for r in ran}
+        steps = [list((r.get("compile_phases") or {}).values()) for r in ran]
+        phases = sorted({ph for per_rank in steps for d in per_rank for ph in d})
+        entry["compile_phases_total_s"] = {  # per phase: summed over steps, max over ranks
+            ph: round(max(sum(d.get(ph, 0.0) for d in per_rank) for per_rank in steps), 3) for ph in phases}
+        entry["trace_once"] = r0.get("trace_once")
     if args.device == "cuda":
         entry["peak_mem_gib_by_rank"] = {str(r["rank"]): r["peak_alloc_gib"] for r in ran}
         entry["peak_mem_gib"] = max(r["peak_alloc_gib"] for r in ran)
