@@ -48,7 +48,9 @@ function render({ model, el }) {
   };
   const zoomLabel = document.createElement("span");
   zoomLabel.className = "dc-zoom-label";
-  const maxH = () => Math.max(240, Math.round(window.innerHeight * 0.75));
+  // at most 640 px (and 75% of the window) high: with the toolbar and legend it stays inside the
+  // inspector's 720 px box, so that box never scrolls around the viewport
+  const maxH = () => Math.max(240, Math.min(640, Math.round(window.innerHeight * 0.75)));
   const apply = (s, keepCenter) => {
     if (!svg || !natW) return;
     const cx = view.scrollLeft + view.clientWidth / 2, cy = view.scrollTop + view.clientHeight / 2;
@@ -241,7 +243,7 @@ CSS = """
 .dc-graph-canvas g.dc-box:hover > rect:first-of-type { stroke-width: 2.5; }
 .dc-graph-canvas.dc-busy { opacity: 0.6; transition: opacity 0.2s; }
 .dc-graph-canvas .dc-viewport { overflow: hidden; position: relative; border: 1px solid #ddd; cursor: grab;
-  max-width: 100%; }
+  max-width: 100%; user-select: none; -webkit-user-select: none; }
 .dc-graph-canvas .dc-viewport.dc-dragging { cursor: grabbing; }
 .dc-graph-canvas .dc-zoom-bar { display: flex; gap: 4px; align-items: center; margin: 2px 0; font: 11px sans-serif; }
 .dc-graph-canvas .dc-zoom-btn { min-width: 26px; padding: 0 6px; height: 20px; font-size: 11px; cursor: pointer; }
