@@ -249,6 +249,40 @@ def record_from_model(layers: int, out: Path):
     return read_run(out, 0)
 
 
+def profiled_record_from_model(layers: int, out: Path) -> Path:
+    """A record a what-if can answer: the embedded GPT with ``layers`` blocks under the default
+    ZeRO-3 plan (zero3 at step 0, step 1 profiled, step 2 planned and re-compiled) on one gloo
+    rank (aot_eager), with its profile and plan (``RunRecorder.model``)."""
+    import torch
+    import torch.distributed as dist
+
+    import deepcompile
+    from deepcompile.models import GPT, GPTConfig
+    from deepcompile.record.writer import RunRecorder
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        cfg = GPTConfig(n_layer=layers)
+        model, opt = deepcompile.initialize(GPT(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                            {"compiler": "aot_eager"})
+        with RunRecorder(out, 0, 1, model.dc_config) as rec:
+            model.dc_backend.observers.append(rec.graph_version)
+            for step in range(3):
+                t0 = time.perf_counter()
+                x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+                loss = model(x, x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                rec.step(step, time.perf_counter() - t0, loss.item())
+            rec.model(model)
+    finally:
+        dist.destroy_process_group()
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -434,6 +468,9 @@ def main() -> int:
                     help="with --model: reuse this run directory (written by an earlier --model run) instead of "
                          "building a new record (~20-90 s)")
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "results" / "inspector_cpu.json"))
+    ap.add_argument("--whatif-model", default=None, metavar="DIR",
+                    help="also time the what-if on a profiled record of the embedded GPT with --layers blocks "
+                         "(the default ZeRO-3 plan, 3 steps), built in DIR unless DIR already holds one")
     ap.add_argument("--whatif", action="append", default=None, metavar="RECORD",
                     help="time plan.whatif.predict_run on this record (repeatable; default: every "
                          "benchmarks/results/*dc_default_record); 'none' skips it")
@@ -474,8 +511,13 @@ def main() -> int:
     wi = a.whatif if a.whatif is not None else sorted(
         str(p) for p in (REPO / "benchmarks" / "results").glob("*dc_default_record"))
     wi = [w for w in wi if w != "none"]
-    if a.model and result.get("model_record") and "none" not in (a.whatif or []):
-        wi.append(result["model_record"])
+    if a.whatif_model:
+        d = Path(a.whatif_model)
+        if not (d / "manifest.json").exists():
+            t0 = time.perf_counter()
+            profiled_record_from_model(a.layers, d)
+            result["whatif_model_build_s"] = round(time.perf_counter() - t0, 1)
+        wi.append(str(d))
     result["whatif"] = [whatif_bench(w, a.repeat) for w in wi]
     result["targets"]["whatif_edit_s"] = 2.0
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

@@ -720,3 +720,41 @@ def dynamo_frames_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])
+
+
+# --- whatif ---
+def fast_graph_copy(src: fx.Graph) -> fx.Graph:
+    """A copy of ``src`` (nodes, names, meta shallow-copied) for the what-if's re-plans
+    (``plan.whatif``), which copy a record's rebuilt graphs once per candidate plan.
+
+    ``Graph.graph_copy`` goes through ``create_node``, which since torch 2.13 walks every
+    argument with pytree to warn about raw SymInts: two thirds of a copy's time, for graphs
+    rebuilt from JSON that hold none. This builds each ``Node`` and does what ``create_node``
+    does after its checks (name, ``_insert``, the ``find_nodes`` table, ``_len``), checked on
+    torch 2.13 (the same steps are in 2.11's ``create_node``). Any other layout of those
+    internals falls back to ``graph_copy``."""
+    try:
+        out = fx.Graph()
+        ns, table = out._graph_namespace, out._find_nodes_lookup_table
+        env: dict = {}
+        get = env.__getitem__
+        for n in src.nodes:
+            if n.op == "output":
+                out.output(fx.node.map_arg(n.args[0], get), n.type)
+                continue
+            name = ns.create_name(n.name, None)
+            m = fx.Node(out, name, n.op, n.target, fx.node.map_arg(n.args, get), fx.node.map_arg(n.kwargs, get),
+                        n.type)
+            ns.associate_name_with_obj(name, m)
+            out._insert(m)
+            table.insert(m)
+            out._len += 1
+            m.meta = dict(n.meta)
+            env[n] = m
+        if len(out.nodes) != len(src.nodes):
+            raise AttributeError("node count")
+        return out
+    except (AttributeError, TypeError):
+        out = fx.Graph()
+        out.output(out.graph_copy(src, {}))
+        return out

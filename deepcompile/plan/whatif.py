@@ -450,9 +450,9 @@ class _GraphOnly:
 
 
 def _copy(g: fx.Graph) -> fx.Graph:
-    out = fx.Graph()
-    out.output(out.graph_copy(g, {}))
-    return out
+    from deepcompile import compat
+
+    return compat.fast_graph_copy(g)
 
 
 class _Runner:
