@@ -322,6 +322,68 @@ def test_graph_view_colour_legend_min_max():
     assert lg["max_label"] == E.fmt_bytes(max(mem.values()))
 
 
+def test_graph_canvas_front_end_fits_zooms_and_draws_moves(tmp_path):
+    """The canvas's ES module in Chromium on a static page (a stand-in for anywidget's model:
+    get / on / off / send): the picture opens fitted in a viewport without scroll bars, the zoom
+    buttons and ctrl+wheel zoom, a drag moves it without clicking a box, the legend sits above it,
+    and every move between two boxes is a dashed arrow."""
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    chromium = Path("/usr/bin/chromium")
+    if not chromium.exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install -y chromium)")
+    from deepcompile.widgets import GraphModel
+    from deepcompile.widgets import canvas as C
+
+    rec, nm = _prefetch_record()
+    g = GraphModel(rec, use_dot=False)
+    g.select_passes("zero3", "prefetch")
+    r = g.render()
+    page = tmp_path / "canvas.html"
+    page.write_text(
+        f"<html><head><style>{C.CSS}</style></head><body style='width:900px'><div id='root'></div>"
+        f"<script type='module'>{C.ESM.replace('export default {{ render }};', '')}\n"
+        "const h = {}; window.sent = [];\n"
+        "const model = {get: () => window.VALUE, on: (e, f) => { h[e] = f; }, off: () => {}, "
+        "send: (m) => window.sent.push(m)};\n"
+        f"window.VALUE = {json.dumps(r.html)};\n"
+        "render({model, el: document.getElementById('root')}); window.ready = true;</script></body></html>")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(chromium), args=["--no-sandbox"], timeout=60_000)
+        try:
+            pg = b.new_page(viewport={"width": 1000, "height": 900})
+            errors = []
+            pg.on("pageerror", lambda e: errors.append(str(e)))
+            pg.goto(page.as_uri())
+            pg.wait_for_function("window.ready === true", timeout=30_000)
+            arrows = pg.eval_on_selector_all(".dc-move-arrow", "es => es.map(e => e.getAttribute('data-node'))")
+            assert arrows == [nm["issue1"], nm["issue2"]]
+            assert "moved" in pg.inner_text(".dc-legend-holder") and pg.query_selector(".dc-viewport .dc-graph-legend") is None
+            view = pg.eval_on_selector(".dc-viewport", "v => [getComputedStyle(v).overflow, v.clientHeight]")
+            assert view[0] == "hidden" and 0 < view[1] <= 642
+            fit = pg.inner_text(".dc-zoom-label")
+            pg.click("button[title^='zoom in']")
+            zoomed = pg.inner_text(".dc-zoom-label")
+            assert int(zoomed[:-1]) > int(fit[:-1])
+            pg.click("button[title^='fit the whole']")
+            assert pg.inner_text(".dc-zoom-label") == fit
+            box = pg.eval_on_selector(".dc-viewport", "v => { const r = v.getBoundingClientRect(); return [r.x, r.y]; }")
+            pg.mouse.move(box[0] + 100, box[1] + 100)
+            pg.keyboard.down("Control")
+            pg.mouse.wheel(0, -200)
+            pg.keyboard.up("Control")
+            pg.wait_for_timeout(100)
+            assert int(pg.inner_text(".dc-zoom-label")[:-1]) > int(fit[:-1])
+            pg.mouse.down()
+            pg.mouse.move(box[0] + 60, box[1] + 40, steps=5)
+            pg.mouse.up()
+            assert pg.evaluate("window.sent") == []            # a drag is no click
+            pg.click('[id="group-layers.1"] rect')
+            assert pg.evaluate("window.sent") == [{"event": "click", "key": "layers.1", "shift": False}]
+            assert not errors, errors
+        finally:
+            b.close()
+
+
 # --------------------------------------------------------------------------- schedule / memory
 def test_schedule_and_memory_models(demo_run, rec):
     from deepcompile.widgets import MemoryModel, ScheduleModel
