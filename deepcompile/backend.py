@@ -260,7 +260,10 @@ class Backend:
                 inputs = tg.example_inputs
                 if k.kind == "backward" and k.graph_id in fw_strides:
                     fw_pre, strides = fw_strides[k.graph_id]
-                    inputs, n = compat.restride_saved(fw_pre, strides, g, inputs)
+                    inputs, n, unmatched = compat.restride_saved(fw_pre, strides, g, inputs)
+                    if unmatched:
+                        raise _Mismatch(f"graph {k.graph_id} backward: placeholders {unmatched[:5]} name no "
+                                        "forward output, so the forward's real strides cannot be carried over")
                     restrided += n
                 self.add_phase("reuse", time.perf_counter() - t0)
                 if k.kind in ("forward", "inference"):  # the record keeps one Dynamo graph per compile

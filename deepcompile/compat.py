@@ -669,7 +669,7 @@ def report_output_strides():
     return torch._guards.TracingContext.report_output_strides()
 
 
-def restride_saved(fw: fx.GraphModule, strides, bw: fx.GraphModule, bw_inputs: list) -> tuple[list, int]:
+def restride_saved(fw: fx.GraphModule, strides, bw: fx.GraphModule, bw_inputs: list) -> tuple[list, int, list]:
     """The backward's example inputs with the strides the compiled forward really gives the saved
     activations: what AOTAutograd does between its forward and backward compile (2.11 and 2.13:
     ``fwd_output_strides[tensors_saved_for_backwards_slice]`` -> the backward's placeholder fake
@@ -680,9 +680,9 @@ def restride_saved(fw: fx.GraphModule, strides, bw: fx.GraphModule, bw_inputs: l
     Saved activations are matched by name instead of by AOTAutograd's index arithmetic: the
     partitioner names each backward placeholder after the forward node it saves (both versions),
     and the names are those of the graphs before our passes (the passes keep the output arity,
-    which the backend checks). Returns (inputs, how many were restrided)."""
-    if not strides:
-        return list(bw_inputs), 0
+    which the backend checks). Returns (inputs, how many were restrided, the backward placeholders
+    other than tangents that name no forward output: non-empty means the naming assumption does
+    not hold in this torch, and the caller must not trust the match)."""
     out = next(n for n in fw.graph.nodes if n.op == "output")
     fw_outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     by_name = {}
@@ -690,6 +690,8 @@ def restride_saved(fw: fx.GraphModule, strides, bw: fx.GraphModule, bw_inputs: l
         if isinstance(n, fx.Node) and st is not None:
             by_name[n.name] = st
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    names = {n.name for n in fw_outs if isinstance(n, fx.Node)}
+    unmatched = [p.name for p in placeholders if not p.name.startswith("tangents") and p.name not in names]
     inputs, changed = list(bw_inputs), 0
     for i, (ph, x) in enumerate(zip(placeholders, bw_inputs)):
         st = by_name.get(ph.name)
@@ -699,7 +701,7 @@ def restride_saved(fw: fx.GraphModule, strides, bw: fx.GraphModule, bw_inputs: l
         if tuple(x.stride()) != st:
             inputs[i] = x.as_strided(x.shape, st)
             changed += 1
-    return inputs, changed
+    return inputs, changed, unmatched
 
 
 def dynamo_compile_seconds() -> float | None:

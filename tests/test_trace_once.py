@@ -124,3 +124,34 @@ def test_aot_eager_final_compile_also_reuses():
     for r in results:
         assert r["frames"][2] == 0 and r["trace_once"][0]["reused"], (r["frames"], r["trace_once"])
     _check_parity(results, 2, SMALL)
+
+
+def test_backward_inputs_take_the_forward_strides():
+    """The stride fix-up between the final forward and backward compile: a saved activation that
+    Inductor lays out differently (here transposed) reaches the backward's example inputs with the
+    forward's real strides; tangents and unsaved inputs are left alone; a backward placeholder
+    that names no forward output is reported (the caller then re-traces)."""
+    import torch.fx as fx
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from deepcompile import compat
+
+    fw = fx.Graph()
+    x = fw.placeholder("primals_1")
+    a = fw.call_function(torch.ops.aten.relu.default, (x,))
+    a.name = "relu"
+    fw.output((a, a))  # user output, then the same node saved for backward
+    bw = fx.Graph()
+    saved, tangent = bw.placeholder("relu"), bw.placeholder("tangents_1")
+    bw.output((bw.call_function(torch.ops.aten.mul.Tensor, (saved, tangent)),))
+    mode = FakeTensorMode()
+    with mode:
+        inputs = [torch.empty(4, 8), torch.empty(4, 8)]
+    fw_gm, bw_gm = fx.GraphModule({}, fw), fx.GraphModule({}, bw)
+    out, changed, unmatched = compat.restride_saved(fw_gm, [(1, 4), (1, 4)], bw_gm, inputs)
+    assert changed == 1 and not unmatched
+    assert out[0].stride() == (1, 4) and out[0].shape == (4, 8)
+    assert out[1].stride() == (8, 1)  # the tangent: not a forward output
+    bw2 = fx.Graph()
+    bw2.output((bw2.placeholder("renamed"),))
+    assert compat.restride_saved(fw_gm, [(1, 4), (1, 4)], fx.GraphModule({}, bw2), inputs[:1])[2] == ["renamed"]
