@@ -774,10 +774,13 @@ class GraphModel:
         if moves:   # the canvas draws them as arrows (old box -> new box); the list is on the root element
             import json
 
-            data = [{"from": m["from_key"], "to": m["to_key"], "node": m["node"],
-                     "label": f"{m['node']} ({len(m['params'])} param{'s' if len(m['params']) > 1 else ''}): "
-                              f"{m['from'] or 'top'} → {m['to'] or 'top'}, {m['earlier']} nodes earlier"}
-                    for m in moves]
+            def label(m):   # the arrow's tooltip: which parameters, issued where, first used where
+                names = ", ".join(m["param_names"][:6]) + (f" +{len(m['params']) - 6}" if len(m["params"]) > 6 else "")
+                uses = ", ".join(list(dict.fromkeys(m["first_use"].values()))[:6])
+                return (f"{m['node']} [{names}]: {m['from'] or 'top'} → {m['to'] or 'top'}, "
+                        f"{m['earlier']} nodes earlier; first used at {uses}")
+
+            data = [{"from": m["from_key"], "to": m["to_key"], "node": m["node"], "label": label(m)} for m in moves]
             svg = svg.replace("<svg ", f'<svg data-dc-moves="{html.escape(json.dumps(data))}" ', 1)
         d = None
         n_boxes = len(set(keys))
