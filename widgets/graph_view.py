@@ -212,7 +212,7 @@ def legend_html(lg: dict) -> str:
             + " ".join(parts) + "</div>")
 
 
-_SHAPE_TAG = re.compile(r"<(polygon|rect|path)\b([^>]*?)/?>", re.S)
+_SHAPE_TAG = re.compile(r"<(polygon|rect|path)\b([^>]*?)/?>", re.DOTALL)
 _NUM = re.compile(r"-?\d+(?:\.\d+)?")
 
 
@@ -249,7 +249,7 @@ def add_chips(svg: str, chips: dict[str, dict[str, int]]) -> str:
         bb = _shape_bbox(m.group(2), m.group(1))
         if bb is None:
             continue
-        x1, y1, x2, _ = bb
+        _, y1, x2, _ = bb
         items = [(st, cnt[st]) for st in ("added", "removed", "moved") if cnt.get(st)]
         widths = [6.0 * len(f"{DIFF_SYMBOLS[st]}{n}") + 6 for st, n in items]
         x = x2 - sum(widths) - 3 * len(items) - 6

@@ -268,7 +268,8 @@ def _group_note(info: dict, ctx: PassContext) -> str:
     names = [ctx.param_meta[p].name if p in ctx.param_meta else str(p) for p in pids]
     what = (f"param {pids[0]} ({names[0]})" if len(pids) == 1 else
             f"{len(pids)} params fused {pids} ({', '.join(names)})")
-    where = lambda n: n if n is not None else "the top"  # noqa: E731
+    def where(n):
+        return n if n is not None else "the top"
     if info["earlier"] > 0:
         moved = f"moved {where(info['from'])} -> {where(info['to'])}, {info['earlier']} nodes earlier"
     else:
