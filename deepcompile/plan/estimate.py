@@ -11,6 +11,7 @@ parameter at its ``release_param``; graph inputs stay allocated throughout.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable
 
@@ -69,6 +70,7 @@ def op_name(target: str) -> str:
     return parts[1] if len(parts) >= 2 else parts[0]
 
 
+@functools.lru_cache(maxsize=8192)  # a few hundred distinct targets, asked once per node per estimate
 def op_class(target: str) -> str:
     """matmul, attention, communication, view or other (pointwise, reductions, copies)."""
     target = str(target)

@@ -229,6 +229,7 @@ class _Base:
     static: dict = field(default_factory=dict)   # (gid, kind) -> estimate.static_costs of the base
     times: dict = field(default_factory=dict)    # run key -> priced scalars (planner candidates, re-used)
     full: dict = field(default_factory=dict)     # run key -> (model versions, shown versions, prediction)
+    shapes: dict = field(default_factory=dict)   # model_nodes' cache (values' shapes, targets' names)
 
 
 _CACHE: dict = {}
@@ -449,6 +450,52 @@ class _GraphOnly:
         pass
 
 
+def _plain(a):
+    if isinstance(a, fx.Node):
+        return {"node": a.name}
+    if isinstance(a, (list, tuple)):
+        return [_plain(x) for x in a]
+    if isinstance(a, dict):
+        return {str(k): _plain(v) for k, v in a.items()}
+    if isinstance(a, (int, float, bool, str)) or a is None:
+        return a
+    return repr(a)
+
+
+def _shape_of(v) -> tuple:
+    def one(t):
+        return [int(x) if not isinstance(x, torch.SymInt) else str(x) for x in t.shape]
+    if isinstance(v, torch.Tensor):
+        return one(v), str(v.dtype).replace("torch.", "")
+    if isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
+        return [one(x) for x in v], "tuple"
+    return None, None
+
+
+def model_nodes(g: fx.Graph, cache: dict) -> list[dict]:
+    """What the cost model reads of a graph (``record.graph.serialize``'s name, op, target,
+    args, kwargs, shape and dtype; not its scope, moves or source lines), for the planner's
+    candidates, which are priced, never shown. A candidate's nodes share their values with the
+    base graph's (a copy's meta is shallow), so each value's shape and each target's name is
+    worked out once per record (``cache``)."""
+    from deepcompile.record.graph import target_name
+
+    out = []
+    for n in g.nodes:
+        v = n.meta.get("val")
+        hit = cache.get(id(v))
+        if hit is None or hit[0] is not v:
+            hit = cache[id(v)] = (v, *_shape_of(v))  # the value is held, so its id is not reused
+        t = cache.get(("t", n.target))
+        if t is None:
+            t = cache[("t", n.target)] = target_name(n)
+        d = {"name": n.name, "op": n.op, "target": t, "args": _plain(n.args), "shape": hit[1], "dtype": hit[2]}
+        if n.kwargs:
+            d["kwargs"] = _plain(n.kwargs)
+        out.append(d)
+    return out
+
+
 def _copy(g: fx.Graph) -> fx.Graph:
     from deepcompile import compat
 
@@ -518,7 +565,7 @@ class _Runner:
                                   "notes": list(c.notes), "seconds": round(time.perf_counter() - t0, 4),
                                   "source": "predicted"})
             final = shown[-1]["nodes"] if (keep_versions and self.names) else (
-                serialize(cp) if self.names else b.base[key]["nodes"])
+                model_nodes(cp.graph, b.shapes) if self.names else b.base[key]["nodes"])
             model.append({"graph_id": gid, "kind": kind, "after": "whatif", "nodes": final})
         return model, shown
 
