@@ -262,6 +262,11 @@ def environment(args, world: int) -> dict:
         # --slow-links (or the caller's environment): NCCL without NVLink/PCIe peer-to-peer
         "nccl_p2p_disable": os.environ.get("NCCL_P2P_DISABLE"),
         "slow_links": bool(getattr(args, "slow_links", False)),
+        # what decides the compile breakdown: trace once / blocks switches, Inductor's cache dir
+        # (a fresh one = cold caches), and the command itself
+        "compile_env": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith(("DEEPCOMPILE_", "TORCHINDUCTOR_"))},
+        "command": " ".join([os.path.basename(sys.executable), *sys.argv]),
     }
     if args.device == "cuda":
         try:
