@@ -201,7 +201,8 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             # the moved-collective view: the version after prefetch, diffed against zero3 (of the same,
             # latest compile), lists prefetch's moves from -> to (selective_unshard after it keeps
             # everything gathered in this tiny model, so the final version has no moves to show)
-            labels = page.locator(f"{insp} .dc-pass select option").all_inner_texts()
+            labels = [t.strip() for t in page.locator(f"{insp} .dc-pass select option").evaluate_all(
+                "els => els.map(e => e.textContent)")]
             after_pf = [t for t in labels if t.endswith(": prefetch")][-1]
             before_pf = [t for t in labels if t.endswith(": zero3") and int(t.split(":")[0]) < int(after_pf.split(":")[0])][-1]
             page.locator(f"{insp} .dc-pass select").select_option(label=after_pf)

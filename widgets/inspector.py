@@ -386,6 +386,10 @@ class Inspector:
         self._whatif_timer: threading.Timer | None = None
         self._whatif_gen = 0
         self.last_whatif = None
+        self.whatif_error: str | None = None   # why the last what-if gave no numbers
+        # one what-if at a time: an edit's timer and a direct call (Predict, a notebook cell) would
+        # otherwise re-plan the same cached graphs in two threads
+        self._whatif_lock = threading.Lock()
         self._stop = threading.Event()
         self._poller: threading.Thread | None = None
         self._lock = threading.RLock()
@@ -1171,8 +1175,10 @@ class Inspector:
         no re-compile) and show it beside the measured run; also in the Schedule tab's what-if
         lanes. Returns the WhatIf, or None with the reason shown."""
         m = self.model
+        self.whatif_error = None
         if m.record is None or m.passes is None:
-            self.p_whatif.value = "<div class='dc-whatif-error' style='color:#b00020'>what-if: no record shown</div>"
+            self.whatif_error = "no record shown" + (f" ({m.error})" if m.error else "")
+            self.p_whatif.value = f"<div class='dc-whatif-error' style='color:#b00020'>what-if: {esc(self.whatif_error)}</div>"
             return None
         limit = float(self.p_limit.value) or None
         t0 = time.perf_counter()
@@ -1183,8 +1189,13 @@ class Inspector:
                                    "deepcompile.plan.whatif (not in this version)</div>")
             return None
         try:
-            w = m.passes.whatif(m.run_dir, rank=m.rank, memory_limit_gib=limit)
+            with self._whatif_lock:
+                if gen is not None and gen != self._whatif_gen:   # superseded while waiting
+                    return None
+                t0 = time.perf_counter()
+                w = m.passes.whatif(m.run_dir, rank=m.rank, memory_limit_gib=limit)
         except Exception as e:  # ConfigError / WhatIfError name the value and the reason
+            self.whatif_error = f"{type(e).__name__}: {e}"
             if gen is not None and gen != self._whatif_gen:
                 return None
             self.p_wstatus.value = ""

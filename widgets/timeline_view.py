@@ -500,7 +500,9 @@ class StepsModel:
 
         from deepcompile.report import figures as F
 
-        fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (ms)", "loss", "memory per step"))
+        # per step the writer logs process memory (the allocator's high-water mark on GPU, the resident
+        # set on CPU): another quantity than the run's peak (memory_view), so titled as such
+        fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (ms)", "loss", "process memory per step"))
         allmax = 0
         steady: list[float] = []
         for r, ss in sorted(self.steps.items()):
