@@ -81,6 +81,8 @@ class WhatIf:
     peak_where: str = ""           # "forward/backward" or "optimizer step"
     plan: dict | None = None       # the planner's choice when something was "auto"
     measured: dict = field(default_factory=dict)       # the record's own step/peak, to show beside it
+    model_step_ms: float = 0.0     # the cost model's step before calibration (== step_ms when none)
+    calibration: float | None = None   # measured / predicted step of the record's own plan, where applied
 
     @property
     def peak_gib(self) -> float:
@@ -230,6 +232,7 @@ class _Base:
     times: dict = field(default_factory=dict)    # run key -> priced scalars (planner candidates, re-used)
     full: dict = field(default_factory=dict)     # run key -> (model versions, shown versions, prediction)
     shapes: dict = field(default_factory=dict)   # model_nodes' cache (values' shapes, targets' names)
+    calibration: Any = False                     # _calibration's answer, once worked out (False: not yet)
 
 
 _CACHE: dict = {}
@@ -357,17 +360,28 @@ def _capacity(env: dict) -> int | None:
 
 
 def _measured(rec) -> tuple[float | None, dict]:
-    """(host ms per step, {step_ms, peak_bytes}) of the record's steady steps (after the profiled
-    one and any re-compile: the median of the last half)."""
+    """(host ms per step, {step_ms, peak_bytes}) of the record's steady steps: those after the
+    profiled step and the scheduled re-compiles (else the last half)."""
     st = [s for s in rec.steps if isinstance(s.get("time_s"), (int, float))]
     if not st:
         return None, {}
-    tail = st[len(st) // 2:] if len(st) > 2 else st[-1:]
+    cfg = rec.config or {}
+    # compiles happen at the step after the profiled one and at each scheduled step (numbered
+    # from 0 in the config; the CLI's step lines count from 1, hence the +1 below: a step too
+    # many left out is harmless, a compiling step kept in is not)
+    ps = cfg.get("profile_step")
+    marks = ([ps + 1] if isinstance(ps, int) else []) + [
+        e.get("step") for e in cfg.get("schedule") or [] if isinstance(e, dict) and isinstance(e.get("step"), int)]
+    tail = [s for s in st if s.get("step", -1) > max(marks or [-1]) + 1]
+    steady = bool(tail)
+    if not tail:
+        tail = st[len(st) // 2:] if len(st) > 2 else st[-1:]
 
     def med(xs):
         xs = sorted(xs)
         return xs[len(xs) // 2] if xs else None
-    out = {"step_ms": med([s["time_s"] * 1e3 for s in tail]), "steps": len(tail), "source": "measured"}
+    out = {"step_ms": med([s["time_s"] * 1e3 for s in tail]), "steps": len(tail), "steady": steady,
+           "source": "measured"}
     peaks = [int((s.get("mem") or {}).get("peak") or 0) for s in tail]
     if any(peaks):
         out["peak_bytes"] = max(peaks)
@@ -659,7 +673,39 @@ def predict_base(base: _Base, passes, *, memory_limit_gib: float | None = None) 
             gc.enable()
 
 
-def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, base: _Base | None = None) -> WhatIf:
+def _own_passes(b: _Base) -> list | None:
+    """The pass list the record's last compile used: the plan's (plan.json), else the config's
+    last scheduled list, else its passes."""
+    if b.plan and b.plan.get("passes"):
+        return b.plan["passes"]
+    sched = [e for e in b.config.get("schedule") or [] if isinstance(e, dict) and e.get("passes")]
+    return sched[-1]["passes"] if sched else (b.config.get("passes") or None)
+
+
+def _calibration(b: _Base) -> float | None:
+    """On a CPU record: the record's measured steady step over the model's prediction of the
+    record's own plan. The CPU profile times each node alone under the profiler, which costs
+    several times the node itself on a small model (the 2-rank tiny-GPT demo: 3.1 s predicted
+    against 0.27 s measured), and the same for every plan, so the ratio carries over to the
+    plans the what-if compares. On a GPU the profile's CUDA-event latencies and the host model
+    stand as they are (within 2-10% of the 2-H200 runs): None."""
+    if b.calibration is not False:
+        return b.calibration
+    b.calibration = None
+    own = _own_passes(b)
+    hw = str(getattr(b.profile, "hardware", "") or "").lower()
+    if hw == "cpu" and own and b.measured.get("step_ms") and b.measured.get("steady"):
+        try:
+            w = _predict_run(b.path, own, b.rank, None, b, calibrate=False)
+        except (ConfigError, WhatIfError):
+            return None
+        if w.model_step_ms > 0:
+            b.calibration = float(b.measured["step_ms"]) / w.model_step_ms
+    return b.calibration
+
+
+def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, base: _Base | None = None,
+                 calibrate: bool = True) -> WhatIf:
     from deepcompile.plan import planner as P
 
     t0 = time.perf_counter()
@@ -774,6 +820,13 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         step = b.host_ms
         notes.append(f"host-bound: the recorded host time per step ({b.host_ms:.1f} ms) exceeds the GPU timeline's "
                      f"{gpu_ms:.1f} ms, so the step is predicted at the host's pace")
+    model_step = step
+    cal = _calibration(b) if calibrate else None
+    if cal is not None:
+        step = model_step * cal
+        notes.append(f"calibrated to this run: its own plan measured {b.measured['step_ms']:.1f} ms a step where the "
+                     f"model says {model_step / cal:.1f} ms (CPU profile: each node timed alone under the profiler), so "
+                     f"the model's {model_step:.1f} ms is scaled by {cal:.3g}")
     if b.accumulation > 1:
         notes.append(f"gradient accumulation {b.accumulation}: graphs x{b.accumulation}, kept parameters gathered once")
     notes.append(f"memory: {pm.summary()}; kept {len(kept_ids)} parameter(s) gathered ({kept / MIB:.0f} MiB), "
@@ -785,7 +838,8 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
                   auto={k: list(v) for k, v in auto.items()}, gpu_ms=round(gpu_ms, 3), host_ms=b.host_ms,
                   optimizer_ms=round(p["optimizer_ms"], 3),
                   per_graph_ms={k: round(v, 3) for k, v in p["per_graph_ms"].items()},
-                  memory_model=pm.to_dict(), peak_where=where, plan=plan_d, measured=dict(b.measured))
+                  memory_model=pm.to_dict(), peak_where=where, plan=plan_d, measured=dict(b.measured),
+                  model_step_ms=round(model_step, 3), calibration=cal)
 
 
 # ------------------------------------------------------------------------------------ the planner offline
