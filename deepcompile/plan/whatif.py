@@ -15,6 +15,17 @@ may be given as ``"auto"``: the planner (:func:`deepcompile.plan.planner.choose`
 the same graphs, as the run would; with the record's config planning (``plan: true``, the
 default ZeRO-3 plan) a parameter left out is ``"auto"`` too, else it takes its declared default.
 
+The step: the cost model's GPU timeline (which on a GPU profile includes the host's launch
+time per op, ``plan.estimate.HOST_US``: a host-bound step takes the host's pace), at least the
+record's measured host time per step where its steps carry one (``host_s``). On a CPU record the
+step is calibrated to the record's own measured steady step (``WhatIf.calibration``): the CPU
+profile times each node alone under the profiler, off by the same factor for every plan. The
+peak: :func:`deepcompile.plan.memory.plan_memory`, split into the record's categories.
+
+Compared with what 2 H200s measured (``benchmarks/plan_offline.py --compare``, results in
+``benchmarks/results/whatif_vs_measured_h200_2gpu.json``): the default plan's step -2.0%
+(NVLink) and +9.9% (slow links), peaks within 1%.
+
     from deepcompile.plan.whatif import predict_run
     w = predict_run("runs/demo", [{"name": "zero3"}, {"name": "prefetch", "params": {"budget_mb": 0}},
                                   {"name": "selective_unshard", "params": {"budget_mb": "auto"}}])
