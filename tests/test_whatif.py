@@ -82,6 +82,13 @@ def test_auto_parameters_are_planned_and_cached(record):
     # a hand-set value stays; only the rest is planned
     h = predict_run(record, plan({"budget_mb": 0, "fuse_mb": 0}, {"budget_mb": "auto"}))
     assert h.params["prefetch"]["budget_mb"] == 0.0 and h.auto == {"selective_unshard": ["budget_mb"]}
+    # the config's own forms of a pass list: names and PassEntry (not planned: the record's
+    # config does not plan, so a left-out value is the declared default)
+    from deepcompile.config import PassEntry
+
+    e = predict_run(record, ["zero3", PassEntry(name="prefetch", params={"budget_mb": 0.0}), "selective_unshard"])
+    assert e.auto == {} and e.params["prefetch"]["budget_mb"] == 0.0
+    assert e.params["selective_unshard"]["budget_mb"] == 64.0  # SelectiveUnshardParams' default
 
 
 @pytest.mark.parametrize("passes, path", [
