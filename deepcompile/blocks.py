@@ -28,8 +28,15 @@ How
 4. **Compile.** The first region of each key goes through ``compile_fx_inner`` (inside the same
    ``compile_fx`` context, so our config patches hold); later ones call the same compiled
    artifact with their own tensors and ids. The ids reach the runtime ops as plain ints at run
-   time; the ops' fake impls read a symbolic id's hint (the first block's id: same shapes, by
-   the key) without adding a guard, so Inductor never specialises on it.
+   time. Three things make that hold: the ops declare their ids ``SymInt`` (csrc/zero3.cpp; with
+   ``int`` the dispatcher pins a symbolic id to its value and Inductor writes the literal into
+   the code); their fake impls read a symbolic id's hint (the first block's id: same shapes, by
+   the key) without a guard (runtime/ops.py ``_meta``); and after each compile
+   ``compat.blocks_specialized`` checks that no guard pinned an id anyway (an FX-graph-cache hit
+   evaluates the cached artifact's guards): such an artifact is used for its own region only.
+   Every region output is marked user-visible, so Inductor keeps its traced strides: the next
+   region was compiled for them, and they are the strides reported to AOTAutograd for the
+   graph's own outputs (the saved activations' strides for backward).
 5. **Driver.** A small boxed callable runs the regions in order, keeps each value alive only
    until its last reader has run (the outer argument list is cleared at once, as Inductor's own
    compiled graphs do: saved activations die during backward), and builds the graph's outputs.
@@ -243,7 +250,11 @@ def canonicalize(r: Region) -> None:
         env[n] = new
         if _is_dc(n):
             sig.append(f"n{k}:{_meta_str(n.meta.get('val'))}")
-    g.output(tuple(env[o] for o in r.outputs))
+    out = g.output(tuple(env[o] for o in r.outputs))
+    # Inductor keeps the traced stride of every region output (as it does for invoke_subgraph's
+    # outputs): the next region was compiled for those strides, and the outer graph's output
+    # strides are reported from them (compile_graph)
+    out.meta["user_visible_output_idxs"] = list(range(len(r.outputs)))
     r.gm = fx.GraphModule(torch.nn.Module(), g)
     ins = ";".join(_meta_str(a.meta.get("val")) for a in r.inputs)
     r.key = r.gm.code + "\n#in " + ins + "\n#dc " + ";".join(sig)
@@ -312,9 +323,14 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
     example = {p: v for p, v in zip(placeholders, example_inputs)}
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
     seg_kw = {k: v for k, v in kw.items() if k in ("is_backward", "is_inference")}
+    static = set(kw.get("static_input_idxs") or ())
     fake_mode = compat.blocks_fake_mode(example_inputs)
+    if getattr(fake_mode, "shape_env", None) is None:
+        return None  # no ShapeEnv for the id symbols (not a traced graph): compile it whole
+    slot = {p: i for i, p in enumerate(placeholders)}
     cache: dict[str, Callable] = {}
     n_compiled = n_reused = n_pinned = 0
+    nodes_compiled = 0  # FX nodes Inductor lowered (the whole graph would lower every node once)
     for r in regions:
         if r.key in cache:
             r.compiled = cache[r.key]
@@ -326,8 +342,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
             p.meta["val"] = v
         r.gm.recompile()
         with compat.blocks_region_compile():
-            r.compiled = compat.blocks_boxed(compile_one(r.gm, ins + ids, **seg_kw))
+            r.compiled = compat.blocks_boxed(compile_one(
+                r.gm, ins + ids, static_input_idxs=[i for i, a in enumerate(r.inputs) if slot.get(a) in static],
+                **seg_kw))
         n_compiled += 1
+        nodes_compiled += len(r.nodes)
         if compat.blocks_specialized(ids):
             # the artifact has this region's ids baked in (a guard pinned them): never share it
             n_pinned += 1
@@ -338,6 +357,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
         [o.meta.get("val") if isinstance(o, fx.Node) else o for o in (outs if isinstance(outs, (list, tuple)) else [outs])])
     STATS.append({"kind": "backward" if kw.get("is_backward") else "forward", "regions": len(regions),
                   "compiled": n_compiled, "reused": n_reused, "pinned": n_pinned,
+                  "nodes": sum(len(r.nodes) for r in regions), "nodes_compiled": nodes_compiled,
                   "labels": [r.label[1] if r.label is not _OUTSIDE else None for r in regions],
                   "seconds": time.perf_counter() - t0})
     return _runner(regions, placeholders, out_node.args[0], len(placeholders))

@@ -497,10 +497,7 @@ def blocks_symbolic_ints(fake_mode, values: list[int]) -> list:
     name; nothing guards on these symbols (the ops' fake impls read the hint, runtime/ops.py),
     so no guard refers to it (``blocks_specialized`` checks that after each compile).
     """
-    shape_env = getattr(fake_mode, "shape_env", None)
-    if shape_env is None:
-        raise RuntimeError("deepcompile blocks: the graph's fake mode has no ShapeEnv; "
-                           "set DEEPCOMPILE_BLOCKS=0 to compile graphs whole")
+    shape_env = fake_mode.shape_env  # the caller checked it exists
     from torch._dynamo.source import ConstantSource
     from torch.fx.experimental.symbolic_shapes import DimDynamic
 
