@@ -636,7 +636,7 @@ def fresh_copy(tg: TracedGraph) -> fx.GraphModule:
 def trace_once_context(tg: TracedGraph):
     """The state the warm-up compiler ran in, re-entered for the final compile of ``tg``: its
     tracing context (fw_metadata, output strides), its fake mode as Inductor's ``V.fake_mode``,
-    the python dispatcher and no_grad as compile_fx / AOTAutograd compile under (2.11, 2.13),
+    the python dispatcher, no_grad and no autocast as compile_fx / AOTAutograd compile under (2.11, 2.13),
     effect tokens unlifted as compile_fx asks, and our Inductor config patches."""
     import contextlib
 
@@ -656,6 +656,9 @@ def trace_once_context(tg: TracedGraph):
             stack.enter_context(torch._functorch.config.patch(unlift_effect_tokens=True))
     stack.enter_context(enable_python_dispatcher())
     stack.enter_context(torch.no_grad())
+    # AOTAutograd compiles its graphs with autocast off (a training loop under autocast re-compiles
+    # at its first step): the graphs already carry their casts
+    stack.enter_context(torch._C._DisableAutocast())
     return stack
 
 
