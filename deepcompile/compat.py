@@ -751,7 +751,7 @@ def fast_graph_copy(src: fx.Graph) -> fx.Graph:
             out._insert(m)
             table.insert(m)
             out._len += 1
-            m.meta = dict(n.meta)
+            m.meta.update(n.meta)  # (Node.__init__ made it; assigning goes through Node.__setattr__)
             env[n] = m
         if len(out.nodes) != len(src.nodes):
             raise AttributeError("node count")

@@ -119,10 +119,13 @@ def inputs_of(n: dict) -> list[str]:
     return _refs([n.get("args"), n.get("kwargs")], [])
 
 
+INPUTS = "_inputs"  # a node dict's inputs_of, where its maker has them at hand (plan.whatif.model_nodes)
+
+
 def inputs_by_name(nodes: list[dict]) -> dict[str, list[str]]:
     """``inputs_of`` of every node, by name: computed once per graph (the estimate asks it of
     each node several times, and the what-if prices the same graphs many times over)."""
-    return {n["name"]: _refs([n.get("args"), n.get("kwargs")], []) for n in nodes}
+    return {n["name"]: n[INPUTS] if INPUTS in n else _refs([n.get("args"), n.get("kwargs")], []) for n in nodes}
 
 
 def comm_kind(n: dict) -> str | None:

@@ -475,13 +475,16 @@ class _GraphOnly:
         pass
 
 
-def _plain(a):
+def _plain(a, refs: list):
+    """``a`` as the record writes it; the names of the nodes it refers to appended to ``refs``
+    (in ``estimate.inputs_of``'s order)."""
     if isinstance(a, fx.Node):
+        refs.append(a.name)
         return {"node": a.name}
     if isinstance(a, (list, tuple)):
-        return [_plain(x) for x in a]
+        return [_plain(x, refs) for x in a]
     if isinstance(a, dict):
-        return {str(k): _plain(v) for k, v in a.items()}
+        return {str(k): _plain(v, refs) for k, v in a.items()}
     if isinstance(a, (int, float, bool, str)) or a is None:
         return a
     return repr(a)
@@ -503,6 +506,7 @@ def model_nodes(g: fx.Graph, cache: dict) -> list[dict]:
     candidates, which are priced, never shown. A candidate's nodes share their values with the
     base graph's (a copy's meta is shallow), so each value's shape and each target's name is
     worked out once per record (``cache``)."""
+    from deepcompile.plan.estimate import INPUTS
     from deepcompile.record.graph import target_name
 
     out = []
@@ -514,9 +518,11 @@ def model_nodes(g: fx.Graph, cache: dict) -> list[dict]:
         t = cache.get(("t", n.target))
         if t is None:
             t = cache[("t", n.target)] = target_name(n)
-        d = {"name": n.name, "op": n.op, "target": t, "args": _plain(n.args), "shape": hit[1], "dtype": hit[2]}
+        refs: list = []
+        d = {"name": n.name, "op": n.op, "target": t, "args": _plain(n.args, refs), "shape": hit[1], "dtype": hit[2]}
         if n.kwargs:
-            d["kwargs"] = _plain(n.kwargs)
+            d["kwargs"] = _plain(n.kwargs, refs)
+        d[INPUTS] = refs  # what estimate.inputs_by_name would work out again
         out.append(d)
     return out
 
