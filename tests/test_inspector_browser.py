@@ -202,12 +202,12 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             # latest compile), lists prefetch's moves from -> to (selective_unshard after it keeps
             # everything gathered in this tiny model, so the final version has no moves to show)
             labels = [t.strip() for t in page.locator(f"{insp} .dc-pass select option").evaluate_all(
-                "els => els.map(e => e.textContent)")]
+                "els => els.map(e => e.value)")]   # the text has &nbsp; where the value has a space
             after_pf = [t for t in labels if t.endswith(": prefetch")][-1]
             before_pf = [t for t in labels if t.endswith(": zero3") and int(t.split(":")[0]) < int(after_pf.split(":")[0])][-1]
-            page.locator(f"{insp} .dc-pass select").select_option(label=after_pf)
+            page.locator(f"{insp} .dc-pass select").select_option(value=after_pf)
             page.wait_for_timeout(1000)
-            page.locator(f"{insp} .dc-diff-pass select").select_option(label=before_pf)
+            page.locator(f"{insp} .dc-diff-pass select").select_option(value=before_pf)
             page.wait_for_selector(f"{insp} .dc-moves .dc-moves-table", timeout=60_000)
             moves = page.locator(f"{insp} .dc-moves").inner_text()
             assert "collective(s) moved" in moves and "→" in moves, moves[:500]
@@ -249,6 +249,9 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             for i, tab in enumerate(TABS):
                 page.locator(f"{insp} .lm-TabBar-tab", has_text=tab).first.click()
                 page.wait_for_timeout(1500)
+                # the tab bar at the top of the notebook's viewport: the picture shows the tab itself
+                page.locator(f"{insp} .lm-TabBar").first.evaluate("e => e.scrollIntoView({block: 'start'})")
+                page.wait_for_timeout(300)
                 path = tmp_path / f"tab-{i}-{tab.split()[0].lower()}.png"
                 page.screenshot(path=str(path), full_page=True)
                 assert path.stat().st_size > 20_000, path
