@@ -172,6 +172,8 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
                 # mark is its timeline's peak (the same allocator counter, read node by node)
                 mem["peak"] = max(mem["peak"], int(tl["peak"]["bytes"]))
             rec.step(step, dt, lv, mem)
+            if tl:  # the profiled step's timeline now (rewritten at the end): a live view plots it while training goes on
+                rec.memory_timeline(tl)
             if rank == 0:
                 print(f"step {step:>4}/{steps}  loss {lv:.4f}  {dt * 1e3:8.1f} ms", flush=True)
         rec.model(model)   # the profile, this rank's measured memory timeline, the plan
