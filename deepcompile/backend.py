@@ -182,7 +182,10 @@ class Backend:
         graph_id = self.next_graph_id
         self.next_graph_id += 1
         dynamo_nodes = serialize(gm)
-        self._observe(GraphVersion(graph_id, "dynamo", "input", dynamo_nodes, step=self.step))
+        # a scheduled re-compile that could not reuse the warm-up trace says so in the record
+        why = next((e["why"] for e in self.trace_once_log if e["step"] == self.step and not e["reused"]), None)
+        notes = [f"trace once: not reused, re-traced: {why}"] if why else []
+        self._observe(GraphVersion(graph_id, "dynamo", "input", dynamo_nodes, notes, step=self.step))
         compiler = self.config.compiler_at(self.step)
         if self.profiling:
             compiler = "profile"
