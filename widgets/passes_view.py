@@ -196,18 +196,21 @@ class PassesModel:
             return ("no profile in this record: a prediction needs the measured per-operator profile "
                     "of a previous iteration (run with a profile step, e.g. demo --profile-step 1)")
         from deepcompile.plan.estimate import fmt_bytes
+        from deepcompile.profile.profiler import Profile
 
+        hw = Profile.from_records(record.profile).hardware or "unknown hardware"   # validates it, comm included
         try:
             w = self.whatif(record.path, rank=getattr(record, "rank", 0))
         except Exception as e:  # ConfigError / WhatIfError: the value or the reason, named
-            return f"what-if: {e}"
+            return f"no prediction from the recorded profile ({hw}): {e}"
         try:
             from deepcompile.record.reader import format_peak, memory_view
 
             measured = "; this run's " + format_peak(memory_view(record, getattr(record, "rank", 0)))
         except Exception:
             measured = ""
-        return (f"what-if of these values ({w.seconds:.2f} s, no re-compile): step {w.step_ms:.1f} ms predicted, "
+        return (f"predicted from the recorded profile ({hw}) by a what-if of these values ({w.seconds:.2f} s, no "
+                f"re-compile): step {w.step_ms:.1f} ms predicted, "
                 f"peak {fmt_bytes(w.peak_bytes)} (predicted, at {w.peak_where}){measured}")
 
 
