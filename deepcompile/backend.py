@@ -36,6 +36,11 @@ class _Slot:
     trace-once re-compile re-points at the final compiled code (compat ``trace once`` section),
     so that neither Dynamo's guarded code nor AOTAutograd's wrappers need to be built again."""
 
+    # ``fn`` lives in a slot, not in __dict__: torch._dynamo.disable's functools.wraps copies the
+    # instance's __dict__ onto its wrapper, and a copied ``fn`` would keep the warm-up graph (and
+    # everything it closes over) alive after the re-point
+    __slots__ = ("fn", "__dict__", "__weakref__")
+
     def __init__(self, fn: Callable):
         self.fn = fn
         # AOTAutograd calls compiled graphs with one list of arguments. An instance attribute:
