@@ -82,6 +82,9 @@ def test_auto_parameters_are_planned_and_cached(record):
     # a hand-set value stays; only the rest is planned
     h = predict_run(record, plan({"budget_mb": 0, "fuse_mb": 0}, {"budget_mb": "auto"}))
     assert h.params["prefetch"]["budget_mb"] == 0.0 and h.auto == {"selective_unshard": ["budget_mb"]}
+    # "auto" as a parameter's own value (prefetch.backend's default), not the planner's to decide
+    b = predict_run(record, plan({"budget_mb": 0, "fuse_mb": 0, "backend": "auto"}, {"budget_mb": "auto"}))
+    assert b.params["prefetch"]["backend"] == "auto" and b.auto == h.auto
     # the config's own forms of a pass list: names and PassEntry (not planned: the record's
     # config does not plan, so a left-out value is the declared default)
     from deepcompile.config import PassEntry

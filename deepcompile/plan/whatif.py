@@ -447,9 +447,9 @@ def _resolve(entries, planning: bool) -> tuple[dict, dict, dict]:
         for k, v in list(params.items()):
             if isinstance(v, str) and v.strip().lower() == AUTO:
                 if k not in PLANNED.get(name, ()) or k not in fields:
-                    known = ", ".join(f"{n}.{p}" for n, ps in PLANNED.items() for p in ps)
-                    raise ConfigError(f"{path}.{k}: 'auto' is only for what the planner decides ({known}); "
-                                      f"give {name}.{k} a value")
+                    # not the planner's: "auto" is then an ordinary value of the parameter (e.g.
+                    # prefetch.backend's own default), accepted or refused by its declared spec
+                    continue
                 a.append(k)
                 params.pop(k)
         if planning:
