@@ -484,8 +484,20 @@ def dump_graphs(model, prof, res) -> None:
     with RunRecorder(path, rank=0, world=1, config=model.dc_config) as rec:
         for v in model.dc_graphs:
             rec.graph_version(v)
-        if prof is not None:
+        # the agreed profile, the profiled step's memory timeline by category and plan.json:
+        # what the what-if (plan/whatif.py) and the inspector compare against this run
+        rec.model(model)
+        if prof is not None and getattr(model, "dc_profile", None) is not prof:
             rec.profile(prof.to_records())
+        # the timed steps (step time and host time, as the what-if's host floor reads them);
+        # memory from the allocator without resetting its peak (the result reads it after this)
+        mem = {}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            mem = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
+                   "peak": torch.cuda.max_memory_allocated()}
+        for i, t in enumerate(res.get("times_s") or []):
+            host = (res.get("host_times_s") or [])[i:i + 1]
+            rec.step(i, float(t), mem=mem, **({"host_s": float(host[0])} if host else {}))
     log(f"graphs and profile: {path}")
 
 
