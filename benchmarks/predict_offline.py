@@ -67,6 +67,12 @@ def predicted_by_class(p: dict, versions: list[dict]) -> dict:
         c = "communication" if comm_kind(n) else op_class(n.get("target", ""))
         out[c] += (e["end_us"] - e["start_us"]) / 1e3
     out["optimizer"] = p["optimizer_ms"]
+    # what the compute stream's kernels leave of the predicted step: waiting for the host to
+    # launch them (the cost model's host floor on GPU profiles) and for collectives it did not
+    # file under a compute-stream event
+    idle = p["step_ms"] - sum(out.values())
+    if idle > 0.005 * p["step_ms"]:
+        out["idle"] = idle
     return {k: round(v, 2) for k, v in out.items()}
 
 

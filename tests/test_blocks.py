@@ -23,7 +23,11 @@ PASSES = ["zero3", {"name": "prefetch", "params": {"budget_mb": 0.02, "fuse_mb":
 
 
 def _rank(rank, world):
+    import os
+
     from torch._inductor import compile_fx as cfx
+
+    os.environ["DEEPCOMPILE_BLOCKS"] = "1"  # off by default (blocks.enabled says why)
 
     from deepcompile import blocks
     from tests import workloads as W

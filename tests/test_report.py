@@ -322,6 +322,20 @@ def test_step_numbers_by_hand():
     assert p["idle_ms"] == pytest.approx(0)
 
 
+def test_host_launch_span_is_idle_not_device_work(tmp_path):
+    """The cost model's 'host' event (a host-bound graph: kernels wait for their launches) spans
+    the graph; the device is idle where no device stream runs, and the record accepts it (a GPU
+    demo's predicted schedule carries one: the schema refused the stream once)."""
+    from deepcompile.record.schema import check_schedule
+    from deepcompile.report import figures as F
+
+    evs = [_ev("mm", "compute", 0, 2, "predicted"), _ev("mm_1", "compute", 6, 8, "predicted"),
+           _ev("host launches", "host", 0, 8, "predicted")]
+    p = F.step_numbers(evs)[0]
+    assert p["step_ms"] == pytest.approx(8) and p["idle_ms"] == pytest.approx(4)
+    check_schedule(str(tmp_path / "schedule.json.gz"), {"events": evs})
+
+
 def test_schedule_figure_lanes_never_mix_sources_and_are_in_ms():
     from deepcompile.report import figures as F
 

@@ -40,7 +40,7 @@ STEPS = "steps.jsonl"
 PLAN = "plan.json"   # the planner's choice, per rank (RunRecorder.plan; `deepcompile inspect` prints it)
 
 GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")
-STREAMS = ("compute", "allgather", "reduce", "copy")
+STREAMS = ("compute", "allgather", "reduce", "copy", "host")  # host: the cost model's launch-time span (predicted)
 SOURCES = ("measured", "predicted")
 COMM_FIELDS = ("alpha_us", "bytes_per_us", "copy_bytes_per_us")   # deepcompile.plan.cost_model.CommModel
 # One vocabulary of memory, measured (memory.json.gz) and predicted (plan.json's chosen.memory):

@@ -190,7 +190,10 @@ def step_numbers(events: Iterable[dict], *, normalized: bool = False) -> list[di
     for (src, r), es in sorted(by.items(), key=lambda kv: (_src_index(kv[0][0]), kv[0][1])):
         comp = union([(e["t0"], e["t1"]) for e in es if e["stream"] == "compute" and not is_wait(e)])
         comm = union([(e["t0"], e["t1"]) for e in es if e["stream"] in COMM_STREAMS])
-        busy = union([(e["t0"], e["t1"]) for e in es if not (e["stream"] == "compute" and is_wait(e))])
+        # the device's streams only: a "host" event (the cost model's launch time) is what the
+        # device waits for, not device work
+        busy = union([(e["t0"], e["t1"]) for e in es
+                      if e["stream"] != "host" and not (e["stream"] == "compute" and is_wait(e))])
         span = max(e["t1"] for e in es) - min(e["t0"] for e in es)
         comm_t = sum(b - a for a, b in comm)
         ov = intersection_length(comm, comp)
