@@ -24,6 +24,8 @@ planner plans around them.
 """
 from __future__ import annotations
 
+import contextlib
+import gc
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -415,6 +417,22 @@ def apply(entries: list, plan: Plan) -> list:
     return out
 
 
+@contextlib.contextmanager
+def no_gc():
+    """Python's cyclic GC off for the duration. Pricing a candidate copies graphs into many small
+    objects, which triggers collections that walk the whole heap (a training process: the model,
+    Dynamo's caches, the compiled graphs): on the 953M record a prefetch candidate took 0.32 s with
+    it and 0.13 s without, the same prediction. Nothing priced here makes cycles that must be freed
+    before the call returns."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def plan_model(model, entries: list) -> list:
     """Plan ``entries`` (the pass list about to be compiled) for a DeepCompileModel whose
     profile has been agreed; sets ``model.dc_plan`` (a dict) and returns the planned list."""
@@ -474,7 +492,8 @@ def plan_model(model, entries: list) -> list:
         fixed["selective_unshard"] = {"budget_mb": 0.0}
     if "prefetch" not in names:
         fixed["prefetch"] = {"budget_mb": 0.0, "fuse_mb": 0.0}
-    plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom)
+    with no_gc():
+        plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom)
     plan.hand_set = hand
     out = apply(entries, plan)
     plan.passes = [{"name": e.name, "params": dict(e.params)} for e in out]

@@ -50,6 +50,7 @@ import torch.fx as fx
 
 from deepcompile.params import ConfigError
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes
+from deepcompile.plan.planner import no_gc
 
 __all__ = ["WhatIf", "WhatIfError", "predict_run", "predict_base", "variant", "plan_record", "rebuild", "param_meta", "load_base", "clear_cache",
            "MEMORY_CATEGORIES"]
@@ -667,27 +668,16 @@ def predict_run(run_dir, passes, *, rank: int = 0, memory_limit_gib: float | Non
     """Predicted step time and memory of ``passes`` (the config's pass list) on the record in
     ``run_dir``, without Dynamo or torch.compile (see the module doc). Raises ConfigError naming
     ``passes[i].params.<key>`` for a bad value, WhatIfError when the record cannot answer."""
-    # Python's cyclic GC, triggered by the many small objects a graph copy makes, walks the whole
-    # heap (the cached graphs included): a third of a re-plan's time went to it. Nothing here
-    # makes cycles that must be freed before the call returns.
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    # the cyclic GC walks the whole heap (the cached graphs included): a third of a re-plan's
+    # time went to it (see planner.no_gc)
+    with no_gc():
         return _predict_run(run_dir, passes, rank, memory_limit_gib)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def predict_base(base: _Base, passes, *, memory_limit_gib: float | None = None) -> WhatIf:
     """:func:`predict_run` on a base already at hand (``load_base``, or a :func:`variant` of one)."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
+    with no_gc():
         return _predict_run(base.path, passes, base.rank, memory_limit_gib, base)
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _own_passes(b: _Base) -> list | None:
