@@ -26,6 +26,7 @@ the backward, where, as AOTAutograd does, most nodes carry no module scope).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -224,16 +225,13 @@ def record_from_model(layers: int, out: Path):
     """A real record: the embedded GPT with ``layers`` blocks through deepcompile.initialize on one
     gloo rank (aot_eager, zero3 + prefetch), one step; returns the RunRecord."""
     import torch
-    import torch.distributed as dist
 
     import deepcompile
     from deepcompile.models import GPT, GPTConfig
     from deepcompile.record.reader import read_run
     from deepcompile.record.writer import RunRecorder
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with _one_gloo_rank():
         torch.manual_seed(0)
         cfg = GPTConfig(n_layer=layers)
         model, opt = deepcompile.initialize(GPT(cfg), lambda ps: torch.optim.SGD(ps, lr=1e-3),
@@ -244,8 +242,6 @@ def record_from_model(layers: int, out: Path):
             loss = model(x, x)
             loss.backward()
             rec.step(1, 0.0, float(loss))
-    finally:
-        dist.destroy_process_group()
     return read_run(out, 0)
 
 
@@ -254,15 +250,12 @@ def profiled_record_from_model(layers: int, out: Path) -> Path:
     ZeRO-3 plan (zero3 at step 0, step 1 profiled, step 2 planned and re-compiled) on one gloo
     rank (aot_eager), with its profile and plan (``RunRecorder.model``)."""
     import torch
-    import torch.distributed as dist
 
     import deepcompile
     from deepcompile.models import GPT, GPTConfig
     from deepcompile.record.writer import RunRecorder
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    try:
+    with _one_gloo_rank():
         torch.manual_seed(0)
         cfg = GPTConfig(n_layer=layers)
         model, opt = deepcompile.initialize(GPT(cfg), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
@@ -278,9 +271,20 @@ def profiled_record_from_model(layers: int, out: Path) -> Path:
                 opt.zero_grad()
                 rec.step(step, time.perf_counter() - t0, loss.item())
             rec.model(model)
+    return out
+
+
+@contextlib.contextmanager
+def _one_gloo_rank():
+    """A one-rank gloo process group for the duration (the records are built on CPU)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        yield
     finally:
         dist.destroy_process_group()
-    return out
 
 
 def _free_port() -> int:

@@ -80,14 +80,11 @@ class DeepCompileModel(nn.Module):
         if not profiling:
             # trace once: the new passes and the final compiler on the warm-up's partitioned graphs,
             # swapped in under the guarded code Dynamo already has (backend.retarget)
-            why = ("dims became dynamic since the warm-up trace" if dynamic_changed
-                   else self.dc_backend.retarget(planned, self.dc_step))
+            why = self.dc_backend.retarget(planned, self.dc_step, dynamic_changed)
             if why is None:
                 object.__setattr__(self, "_dc_passes", passes)
                 return
             if self.dc_backend.trace_once:
-                if dynamic_changed:
-                    self.dc_backend.trace_once_log.append({"step": self.dc_step, "reused": False, "why": why})
                 warnings.warn(f"deepcompile: step {self.dc_step} re-traces the model (Dynamo + AOTAutograd) "
                               f"instead of reusing the warm-up trace: {why}", stacklevel=3)
         # Drop every compiled graph before compiling the new pass list: the old graphs (and

@@ -238,14 +238,14 @@ class Backend:
 
     # --- trace once -------------------------------------------------------------------------
 
-    def retarget(self, passes: list, step: int) -> str | None:
+    def retarget(self, passes: list, step: int, dynamic_changed: bool = False) -> str | None:
         """The scheduled re-compile without a trace: run ``passes`` on copies of the graphs kept
         from the warm-up compile, compile them with the configured compiler and re-point the
         callables AOTAutograd already holds. Returns None when done, else why it could not be
         done (nothing changed then; the caller re-traces). Everything is compiled and checked
         before anything is re-pointed, so a graph whose signature the passes changed leaves the
         warm-up code running until the re-trace replaces it."""
-        why = self._cannot_retarget()
+        why = self._cannot_retarget(dynamic_changed)
         if why is not None:
             self.trace_once_log.append({"step": step, "reused": False, "why": why})
             return why
@@ -302,7 +302,6 @@ class Backend:
                 new.append((k, fn))
         except Exception as e:  # noqa: BLE001 - anything unexpected: re-trace, never run half-swapped
             why = str(e) if isinstance(e, _Mismatch) else f"unexpected {type(e).__name__}: {e}"
-            self.observers = observers
             del self.versions[versions_before:]
             self.passes, self.step, self.profiling = old[:3]
             self.compiled.clear()
@@ -321,9 +320,11 @@ class Backend:
             "seconds": round(time.perf_counter() - t_start, 3)})
         return None
 
-    def _cannot_retarget(self) -> str | None:
+    def _cannot_retarget(self, dynamic_changed: bool = False) -> str | None:
         if not self.trace_once:
             return "trace once is off (DEEPCOMPILE_TRACE_ONCE=0)"
+        if dynamic_changed:  # the kept graphs are static in dims that now vary
+            return "dims became dynamic since the warm-up trace"
         if not self.kept:
             return "no warm-up graphs kept (the last compile was not a warm-up compile)"
         sym = [f"{k.graph_id} {k.kind}" for k in self.kept if k.traced.symbolic]
