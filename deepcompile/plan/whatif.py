@@ -50,7 +50,7 @@ import torch.fx as fx
 
 from deepcompile.params import ConfigError
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes
-from deepcompile.plan.planner import no_gc
+from deepcompile.plan.planner import _GraphOnly, no_gc
 
 __all__ = ["WhatIf", "WhatIfError", "predict_run", "predict_base", "variant", "plan_record", "rebuild", "param_meta", "load_base", "clear_cache",
            "MEMORY_CATEGORIES"]
@@ -466,16 +466,6 @@ def _resolve(entries, planning: bool) -> tuple[dict, dict, dict]:
 
 
 # ------------------------------------------------------------------------------------ running the passes
-class _GraphOnly:
-    """What a pass touches of a GraphModule: its graph and ``recompile()`` (no codegen)."""
-
-    def __init__(self, graph):
-        self.graph = graph
-
-    def recompile(self) -> None:
-        pass
-
-
 def _plain(a, refs: list):
     """``a`` as the record writes it; the names of the nodes it refers to appended to ``refs``
     (in ``estimate.inputs_of``'s order)."""
