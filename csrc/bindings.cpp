@@ -35,6 +35,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("invalidate_persistent", []() { if (dc::has_runtime()) dc::runtime().invalidate_persistent(); });
   m.def("local_grad_bytes", []() { return dc::runtime().local_grad_bytes(); });
   m.def("persistent_bytes", []() { return dc::runtime().persistent_bytes(); });
+  // memory by category (issue 17): the gradient storages the runtime holds, and the step's
+  // high-water marks (gathered bytes, gradient bytes held), reset by reading them
+  m.def("reduce_storages", []() { return dc::runtime().reduce_storages(); });
+  m.def("reduce_held_bytes", []() { return dc::runtime().reduce_held_bytes(); });
+  m.def("take_step_peaks", []() { return dc::runtime().take_step_peaks(); });
   m.def("reset_stats", []() { dc::runtime().reset_stats(); });
   m.def("stats", []() {
     const auto& s = dc::runtime().stats();

@@ -91,6 +91,35 @@ void Runtime::track_live(const at::Tensor& buffer, int64_t id) {
   live_.swap(keep);
   stats_.peak_live_gathered = std::max(stats_.peak_live_gathered, n);
   stats_.peak_live_gathered_bytes = std::max(stats_.peak_live_gathered_bytes, bytes);
+  step_peak_gathered_ = std::max(step_peak_gathered_, bytes);  // gathered bytes only grow here
+}
+
+std::vector<std::pair<int64_t, int64_t>> Runtime::reduce_storages() const {
+  // distinct storages: a bucket entry that is the graph's own gradient may share its storage with
+  // another entry (views of one buffer), and an in-flight input is a bucket entry's flat
+  std::vector<std::pair<int64_t, int64_t>> out;
+  auto add = [&out](const at::Tensor& t) {
+    if (!t.defined() || !t.has_storage()) return;
+    const int64_t ptr = reinterpret_cast<int64_t>(t.storage().data());
+    for (auto& e : out)
+      if (e.first == ptr) return;
+    out.emplace_back(ptr, static_cast<int64_t>(t.storage().nbytes()));
+  };
+  for (auto& kv : buckets_)
+    for (auto& e : kv.second.entries) add(e.flat);
+  for (auto* q : {&inflight_, &replicating_})
+    for (auto& r : *q) {
+      for (auto& t : r.inputs) add(t);
+      add(r.output);
+    }
+  for (auto& kv : local_grads_) add(kv.second);
+  return out;
+}
+
+int64_t Runtime::reduce_held_bytes() const {
+  int64_t b = 0;
+  for (auto& e : reduce_storages()) b += e.second;
+  return b;
 }
 
 std::vector<int64_t> Runtime::live_gathered() {
@@ -337,6 +366,7 @@ void Runtime::add_grad(const at::Tensor& grad_in, int64_t id) {
 void Runtime::flush(at::ScalarType dtype) {
   auto it = buckets_.find(static_cast<int>(dtype));
   if (it == buckets_.end() || it->second.entries.empty()) return;
+  note_reduce_peak();  // a full bucket and the reduces in flight: the gradients' high-water mark
   Bucket b = std::move(it->second);
   buckets_.erase(it);
   while (static_cast<int64_t>(inflight_.size()) >= max_inflight_) complete_oldest();
@@ -393,6 +423,7 @@ void Runtime::flush(at::ScalarType dtype) {
   stats_.reduce_scatters += 1;
   stats_.reduce_bytes += bytes;
   inflight_.push_back(std::move(r));
+  note_reduce_peak();
 }
 
 void Runtime::complete_oldest() {

@@ -114,6 +114,18 @@ class Runtime {
   at::Tensor reduce_scatter_now(const at::Tensor& grad, int64_t id);  // eager path
 
   std::vector<int64_t> live_gathered();
+  // Memory by category (issue 17). The gradient memory the runtime holds: buckets filling,
+  // reduce-scatters in flight (inputs and output), HSDP all-reduces, ZeRO-1 local accumulations,
+  // as distinct storages (data_ptr, nbytes), so the profiler files them under "gradients", not
+  // "activations" (the allocator's rest). take_step_peaks: this step's high-water marks of live
+  // gathered bytes and of those gradient bytes, reset for the next step (read once per step).
+  std::vector<std::pair<int64_t, int64_t>> reduce_storages() const;
+  int64_t reduce_held_bytes() const;
+  std::pair<int64_t, int64_t> take_step_peaks() {
+    auto r = std::make_pair(step_peak_gathered_, step_peak_reduce_);
+    step_peak_gathered_ = step_peak_reduce_ = 0;
+    return r;
+  }
   const Stats& stats() const { return stats_; }
   void reset_stats() { stats_ = Stats(); }
   int64_t rank() const { return rank_; }
@@ -184,6 +196,9 @@ class Runtime {
   std::deque<InFlightReduce> replicating_;  // HSDP: reduced in the shard group, all-reduce across replicas in flight
   std::vector<std::pair<int64_t, c10::weak_intrusive_ptr<c10::StorageImpl>>> live_;
   Stats stats_;
+  void note_reduce_peak() { step_peak_reduce_ = std::max(step_peak_reduce_, reduce_held_bytes()); }
+  int64_t step_peak_gathered_ = 0;  // take_step_peaks
+  int64_t step_peak_reduce_ = 0;
   int64_t timeout_ms_;
   int64_t issued_ = 0;          // collectives issued since the last sequence check
   int64_t check_index_ = 0;     // sequence checks done (optimizer steps)

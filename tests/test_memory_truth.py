@@ -212,3 +212,58 @@ def test_gpu_timeline_is_the_allocator(tmp_path):
         assert v["trained"]["bytes"] == steps[-1]["mem"]["peak"] and "error_vs_trained" in v["predicted"]
     out = run_cli("inspect", str(run), timeout=120).stdout
     assert "allocator's high-water mark per step (GPU" in out and "cuda allocator" in out
+
+
+# --------------------------------------------------------------------------- the runtime's gradient memory
+def _profiled_timeline(rank: int, world: int, bucket: int):
+    """One rank: ZeRO-3 (eager), step 1 profiled, a reduce bucket of ``bucket`` elements; the
+    profiled step's timeline and the runtime's gradient storages between reduce_grads."""
+    import torch
+
+    import deepcompile
+    from deepcompile.runtime import ops
+    from tests.workloads import LOCAL_BATCH, global_batch, make_model, make_optimizer
+
+    model, opt = deepcompile.initialize(make_model(), make_optimizer,
+                                        {"zero_stage": 3, "compiler": "eager", "passes": ["zero3"],
+                                         "profile_step": 1, "reduce_bucket_size": bucket, "plan": False})
+    sizes = {pid: m.chunk * world * 4 for pid, m in model.dc_backend.param_meta.items()}   # fp32, padded
+    for s in range(2):
+        x, y = global_batch(s, 0, world)
+        sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        model(x[sl], y[sl]).backward()
+        opt.step()
+        opt.zero_grad()
+    peaks = ops.C.take_step_peaks()
+    return {"memory": model.dc_profile.memory, "sizes": sizes, "peaks": tuple(peaks),
+            "held_after": int(ops.C.reduce_held_bytes()), "torch": torch.__version__}
+
+
+@pytest.mark.parametrize("bucket", [1 << 30, 1])
+def test_reduce_buckets_are_gradients_not_activations(bucket):
+    """The gradients the runtime holds (buckets filling, reduce-scatters in flight) are filed
+    under "gradients" in the measured timeline, once: the bug class was the allocator's rest
+    (GPU) taking them as "activations". With one bucket for everything (2**30 elements) the
+    gradients grow with every reduce_grad of the backward until end_backward; with a bucket of
+    one element each is reduced at once and at most the in-flight reduces are held."""
+    from tests.dist_utils import run_ranks
+
+    res = run_ranks(_profiled_timeline, 2, bucket, timeout=240)
+    for r in res:
+        samples = r["memory"]["samples"]
+        bwd = [s for s in samples if s["kind"] == "backward"]
+        reduce_at = [i for i, s in enumerate(bwd) if s["node"].startswith("reduce_grad")]
+        assert reduce_at, [s["node"] for s in bwd][:40]
+        first = reduce_at[0]
+        before, at = bwd[first - 1]["by_category"], bwd[first]["by_category"]
+        # no .grad exists yet in this step (zero_grad set them to None): what appears is the bucket
+        assert before["gradients"] == 0, before
+        assert at["gradients"] > 0, at
+        assert at["gradients"] >= min(r["sizes"].values())
+        if bucket > 1:
+            # one bucket holds every gradient until end_backward: never less than the last point
+            g = [bwd[i]["by_category"]["gradients"] for i in reduce_at]
+            assert g == sorted(g) and g[-1] >= sum(sorted(r["sizes"].values())[:len(reduce_at) // 2])
+        for s in samples:
+            assert sum(s["by_category"][k] for k in S.DEVICE_CATEGORIES) == s["allocated_bytes"]
+        assert r["held_after"] == 0   # nothing held between steps
