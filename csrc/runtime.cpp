@@ -277,6 +277,47 @@ std::vector<at::Tensor> Runtime::gather_persistent_many(const std::vector<at::Te
   return out;
 }
 
+void Runtime::start_persistent(const std::vector<at::Tensor>& shards, const std::vector<int64_t>& ids) {
+  TORCH_CHECK(shards.size() == ids.size(), "deepcompile: gather_persistent_start needs one id per shard, got ",
+              shards.size(), " shards and ", ids.size(), " ids");
+  std::vector<at::Tensor> missing_shards;
+  std::vector<int64_t> missing;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (persistent_.find(ids[i]) == persistent_.end()) {
+      missing_shards.push_back(shards[i]);
+      missing.push_back(ids[i]);
+    }
+  }
+  if (missing.size() == 1) {
+    start_allgather(missing_shards[0], missing[0]);
+  } else if (!missing.empty()) {
+    start_allgather_fused(missing_shards, missing);
+  }
+}
+
+std::vector<at::Tensor> Runtime::finish_persistent(const std::vector<int64_t>& ids) {
+  std::vector<int64_t> missing;
+  for (int64_t id : ids) {
+    if (persistent_.find(id) != persistent_.end()) {
+      stats_.persistent_hits += 1;
+    } else {
+      TORCH_CHECK(pending_.find(id) != pending_.end(), "deepcompile: gather_persistent_wait for '", param(id).name,
+                  "': it is neither kept nor being gathered (no gather_persistent_start for it ran in this graph, "
+                  "or an optimizer step dropped the kept copies between the start and the wait)");
+      missing.push_back(id);
+    }
+  }
+  if (!missing.empty()) {
+    // one host call; the stream waits once per collective (the group's members finish together)
+    std::vector<at::Tensor> got = finish_allgather_many(missing);
+    for (size_t i = 0; i < missing.size(); ++i) persistent_[missing[i]] = std::move(got[i]);
+  }
+  std::vector<at::Tensor> out;
+  out.reserve(ids.size());
+  for (int64_t id : ids) out.push_back(persistent_[id]);
+  return out;
+}
+
 int64_t Runtime::persistent_bytes() const {
   int64_t b = 0;
   for (auto& kv : persistent_) b += kv.second.nbytes();

@@ -100,6 +100,12 @@ class Runtime {
   at::Tensor gather_persistent(const at::Tensor& shard, int64_t id);
   std::vector<at::Tensor> gather_persistent_many(const std::vector<at::Tensor>& shards,
                                                  const std::vector<int64_t>& ids);
+  // The same kept parameters gathered in need order (selective_unshard.group_mb): a group's
+  // collective is started at the forward's top (start_persistent: those already kept gather
+  // nothing) and waited just before the group's first use (finish_persistent: the stream waits
+  // on that group alone, no host sync), so compute starts when the first group has arrived.
+  void start_persistent(const std::vector<at::Tensor>& shards, const std::vector<int64_t>& ids);
+  std::vector<at::Tensor> finish_persistent(const std::vector<int64_t>& ids);
   void invalidate_persistent() { persistent_.clear(); }
   int64_t persistent_bytes() const;
   int64_t local_grad_bytes() const {

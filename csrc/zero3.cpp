@@ -63,6 +63,21 @@ std::vector<at::Tensor> gather_persistent_many(at::TensorList shards, at::IntArr
   return rt.gather_persistent_many(shards.vec(), ids.vec());
 }
 
+// kept parameters in need order (selective_unshard.group_mb): start at the top, wait at first use
+at::Tensor gather_persistent_start(at::TensorList shards, at::IntArrayRef ids) {
+  auto& rt = dc::runtime();
+  rt.enter("gather_persistent_start", ids.empty() ? -1 : ids[0]);
+  TORCH_CHECK(!shards.empty(), "deepcompile: gather_persistent_start needs at least one shard");
+  rt.start_persistent(shards.vec(), ids.vec());
+  return at::empty({0}, shards[0].options());  // a handle: orders gather_persistent_wait after this op
+}
+
+std::vector<at::Tensor> gather_persistent_wait(const at::Tensor& /*handle*/, at::IntArrayRef ids) {
+  auto& rt = dc::runtime();
+  rt.enter("gather_persistent_wait", ids.empty() ? -1 : ids[0]);
+  return rt.finish_persistent(ids.vec());
+}
+
 void release_param(at::Tensor& /*gathered*/, int64_t id) { dc::runtime().release(id); }
 
 void reduce_grad(at::Tensor& grad, int64_t id) {
@@ -91,6 +106,8 @@ TORCH_LIBRARY(dc, m) {
   m.def("wait_allgather_many(Tensor handle, SymInt[] ids) -> Tensor[]");
   m.def("gather_persistent(Tensor shard, SymInt id) -> Tensor");
   m.def("gather_persistent_many(Tensor[] shards, SymInt[] ids) -> Tensor[]");
+  m.def("gather_persistent_start(Tensor[] shards, SymInt[] ids) -> Tensor");
+  m.def("gather_persistent_wait(Tensor handle, SymInt[] ids) -> Tensor[]");
   m.def("release_param(Tensor(a!) gathered, SymInt id) -> ()");
   m.def("reduce_grad(Tensor(a!) grad, SymInt id) -> ()");
   m.def("end_backward(Tensor(a!)[] grads, int graph_id) -> ()");
@@ -106,6 +123,8 @@ TORCH_LIBRARY(dc, m) {
   m.impl("release_param", &release_param);            \
   m.impl("gather_persistent", &gather_persistent);    \
   m.impl("gather_persistent_many", &gather_persistent_many); \
+  m.impl("gather_persistent_start", &gather_persistent_start); \
+  m.impl("gather_persistent_wait", &gather_persistent_wait); \
   m.impl("reduce_grad", &reduce_grad);                \
   m.impl("end_backward", &end_backward);
 

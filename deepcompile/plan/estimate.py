@@ -44,9 +44,13 @@ MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution"
 # "per_param": a kept-gathered collective's per-parameter work. The gathers of parameters that
 # are not kept were not in that run (it kept everything): allgather_params/allgather_param and
 # the waits are the earlier runtime's figures (host_profile_before_h200.json, 424 us a fused
-# gather, 31 us a wait) and are the least certain.
+# gather, 31 us a wait) and are the least certain. gather_persistent_start / _wait (kept
+# parameters gathered in need order, selective_unshard.group_mb) are not measured yet: a start
+# is taken as a coalesced launch (40 us) plus the per-parameter work of gather_persistent_many,
+# a wait as wait_allgather_many's.
 HOST_US = {"node": 2.6, "matmul": 18.7, "attention": 81.0, "kernel": 4.7, "reduce_grad": 70.0,
            "gather_persistent": 13.4, "gather_persistent_many": 0.0, "per_param": 13.4,
+           "gather_persistent_start": 40.0, "gather_persistent_wait": 31.0,
            "allgather_params": 424.0, "allgather_param": 60.0, "wait_allgather": 31.0,
            "wait_allgather_many": 31.0, "release_param": 1.0, "end_backward": 141.0}
 
@@ -235,7 +239,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
     waits_of: dict[str, list[dict]] = {}
     unpacked: dict[str, int] = {}  # a multi-output op -> bytes of the values its getitems take out
     for m in nodes:
-        if m.get("target") in ("dc.wait_allgather", "dc.wait_allgather_many"):
+        if m.get("target") in ("dc.wait_allgather", "dc.wait_allgather_many", "dc.gather_persistent_wait"):
             for r in ins[m["name"]]:
                 waits_of.setdefault(r, []).append(m)
         if m.get("target") in GETITEM:
@@ -293,6 +297,8 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
                     h += host_us.get(c, 0.0)
                     if c in ("gather_persistent", "gather_persistent_many", "allgather_params"):
                         h += host_us["per_param"] * outs.get(name, 1)
+                    elif c == "gather_persistent_start":  # (a handle: its parameters are its ids)
+                        h += host_us["per_param"] * _n_ids(n)
                 elif cls in ("matmul", "attention"):
                     h += host_us[cls]
                 elif not fused or fused_cost.get(name, 0.0) >= OP_OVERHEAD_US:
@@ -300,7 +306,13 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
                 t = max(t, h)  # the GPU cannot run what the host has not launched
         if op in ("placeholder", "get_attr"):
             baseline += size[name]
-        elif c in ("allgather_param", "allgather_params"):
+        elif c == "gather_persistent_start" and kind == "backward":
+            ev(name, "compute", t, t + 0.1)  # kept since the forward: nothing to gather
+        elif c in ("allgather_param", "allgather_params", "gather_persistent_start"):
+            # gather_persistent_start: a group of kept parameters (selective_unshard.group_mb),
+            # issued near the top, on the allgather stream in issue order like prefetch's;
+            # its gather_persistent_wait blocks compute until it ends (a later micro-batch finds
+            # them kept, which this per-graph estimate does not know apart from the first)
             ws = waits_of.get(name, [])
             nbytes = sum(unpacked.get(w["name"]) or node_bytes(w) for w in ws) if ws else size[name]
             start = max(t, ag_free)
@@ -326,14 +338,14 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
                 t = max(t, end)
             if name not in unpacked:
                 live[name] = size[name]  # (the getitems of a multi-output one hold its values)
-        elif c in ("wait_allgather", "wait_allgather_many"):
+        elif c in ("wait_allgather", "wait_allgather_many", "gather_persistent_wait"):
             # wait_allgather_many: one wait for a whole coalesced group (prefetch); its getitems
-            # take out the members' values, each released on its own
+            # take out the members' values, each released on its own (a kept group's, never)
             src = next((r for r in ins[name] if r in ag_end), None)
             start = t
             t = max(t, ag_end.get(src, t))
             ev(name, "compute", start, max(t, start + 0.1))
-            mine = unpacked.get(name, size[name]) if c == "wait_allgather_many" else size[name]
+            mine = unpacked.get(name, size[name]) if c != "wait_allgather" else size[name]
             if src in live:  # hand this parameter's share of the buffer to the wait
                 live[src] = max(0, live[src] - mine)
                 if not live[src]:
@@ -379,6 +391,13 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
     if host_us is not None and h > 0:
         ev("host launches", "host", 0.0, h)
     return events, samples
+
+
+def _n_ids(n: dict) -> int:
+    """How many parameter ids a multi-parameter runtime op's node names (its second argument)."""
+    args = n.get("args") or []
+    ids = args[1] if len(args) > 1 else None
+    return len(ids) if isinstance(ids, list) else 1
 
 
 def static_costs(profile: Any, versions: list[dict], base: dict, fused: bool) -> tuple:

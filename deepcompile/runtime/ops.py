@@ -102,6 +102,14 @@ def ensure_registered():
     def _(shards, pids):
         return [s.new_empty(_meta(p).shape, dtype=_meta(p).gather_dtype) for s, p in zip(shards, pids)]
 
+    @lib.register_fake("dc::gather_persistent_start")
+    def _(shards, pids):
+        return shards[0].new_empty((0,))
+
+    @lib.register_fake("dc::gather_persistent_wait")
+    def _(handle, pids):
+        return [handle.new_empty(_meta(p).shape, dtype=_meta(p).gather_dtype) for p in pids]
+
     @lib.register_fake("dc::release_param")
     def _(gathered, pid):
         return None
@@ -131,6 +139,7 @@ def ensure_registered():
         compat.mark_side_effect(op)
     compat.never_reuse_output(torch.ops.dc.gather_persistent.default)
     compat.never_reuse_output(torch.ops.dc.gather_persistent_many.default)
+    compat.never_reuse_output(torch.ops.dc.gather_persistent_wait.default)
     # reduce_grad's bucket holds the gradient itself until its reduce-scatter has run (no copy):
     # Inductor must not hand that memory to a later buffer. Where the lowering cannot be
     # installed the runtime copies each gradient instead.

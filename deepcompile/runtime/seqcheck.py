@@ -40,7 +40,8 @@ _INIT_COUNT = itertools.count()
 # (graph_id, kind) -> {"op:id": node name}; merged and pushed to the runtime at every compile
 _NODES: dict[tuple[int, str], dict[str, str]] = {}
 
-_FUSED = {"allgather_params", "gather_persistent_many", "wait_allgather_many"}  # the runtime names these by their first id
+_FUSED = {"allgather_params", "gather_persistent_many", "wait_allgather_many", "gather_persistent_start",
+          "gather_persistent_wait"}  # the runtime names these by their first id
 
 
 def _parse(value: bytes) -> tuple[int, ...]:
