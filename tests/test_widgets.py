@@ -895,3 +895,49 @@ def test_live_steps_and_memory_appear_as_written(tmp_path):
     finally:
         insp.stop()
         rec.close()
+
+
+def test_live_steps_plot_each_steps_peak_by_category(tmp_path):
+    """The live view stacks each step's peak by category (steps.jsonl's mem.by_category) as the
+    steps are written, names the remainder as such, and says how the split was made; a CPU run
+    (no activations) draws its resident set as a line beside the bars, not in the stack."""
+    pytest.importorskip("ipywidgets")
+    from deepcompile.record.writer import RunRecorder
+    from deepcompile.widgets import Inspector
+
+    run = tmp_path / "live"
+    env = {"torch": "x", "python": "3", "hostname": "h", "world_size": 1, "rank": 0, "devices": []}
+    rec = RunRecorder(run, 0, 1, {"compiler": "eager", "passes": ["zero3"]}, env=env)
+    insp = Inspector(run, follow=False, live_interval=0.1)
+    insp.poll_once()
+    how = "the allocator peak split"
+    for s in (1, 2):
+        cats = {"parameter_shards": 1000, "gathered": 200 * s, "gradients": 300, "optimizer_state": 2000,
+                "activations": 500 * s, "offloaded": 50}
+        rec.step(s, 0.1, 1.0, {"allocated": 3000, "reserved": 9000, "peak": 4000 + 700 * s, "by_category": cats,
+                                "split": how})
+        assert insp.poll_once() and insp.model.steps.n_steps() == s
+        fig = insp.model.steps.figure()
+        bars = {t.name: list(t.y) for t in fig.data if t.type == "bar"}
+        assert set(bars) == {"parameter shards", "gathered", "gradients", "optimizer state",
+                             "activations (remainder of the peak)"}   # offloaded is host memory: not stacked
+        assert len(bars["gathered"]) == s
+        assert bars["gathered"][-1] / bars["parameter shards"][-1] == pytest.approx(200 * s / 1000)
+        assert "memory per step by category" in fig.layout.annotations[2].text
+        assert how in insp.st_note.value
+    spec = insp.st_out.outputs[0]["data"]["application/vnd.plotly.v1+json"]
+    assert any(t.get("type") == "bar" and t.get("meta", {}).get("category") == "activations" for t in spec["data"])
+    # a CPU run: no activations, the resident set is a line
+    run2 = tmp_path / "cpu"
+    rec2 = RunRecorder(run2, 0, 1, {"compiler": "eager"}, env=env)
+    rec2.step(1, 0.1, 1.0, {"allocated": 5 << 20, "reserved": 5 << 20, "peak": 6 << 20,
+                            "by_category": {"parameter_shards": 1000, "optimizer_state": 2000}, "split": "cpu"})
+    from deepcompile.widgets.timeline_view import StepsModel
+
+    sm = StepsModel(run2)
+    sm.poll()
+    fig = sm.figure()
+    assert {t.name for t in fig.data if t.type == "bar"} == {"parameter shards", "optimizer state"}
+    assert any(t.type == "scatter" and "resident set" in (t.name or "") for t in fig.data)
+    rec.close()
+    rec2.close()

@@ -932,9 +932,12 @@ class Inspector:
             since = f" ({time.time() - job.started_at:.0f} s since start)" if job and job.started_at else ""
             wait = (f"; step 1 is compiling the graphs{since}: {self._graphs_so_far()} graph version(s) "
                     "recorded so far; steps appear as each one ends")
+        how = st.split_how(self.model.rank)
+        how = (f"<div class='dc-split-note' style='font-size:11px;color:#555'>memory per step, by category: "
+               f"{esc(how)}</div>") if how else ""
         self.st_note.value = (f"<div class='dc-steps-note' style='font-size:12px'>{st.status}; {n} step(s)"
                               + (f"; following live, every {self._interval():g} s" if following else "") + wait
-                              + "</div>")
+                              + "</div>" + how)
         if note_only:
             self._render_live_memory()
             return

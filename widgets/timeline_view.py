@@ -483,13 +483,28 @@ class StepsModel:
         return max((len(v) for v in self.steps.values()), default=0)
 
     def by_category(self, step: dict) -> dict | None:
-        """A step line's peak by memory category, where the writer records it."""
+        """A step line's peak by memory category, where the writer records it
+        (``mem.by_category``: :func:`deepcompile.profile.profiler.step_split`)."""
         m = step.get("mem") or {}
         for k in ("by_category", "peak_by_category"):
             d = m.get(k) if isinstance(m, dict) else None
             if isinstance(d, dict) and d:
                 return {c: v for c, v in d.items() if isinstance(v, (int, float))}
         return None
+
+    def split_how(self, rank: int | None = None) -> str | None:
+        """How the shown rank's latest step split its peak (``mem.split``), or None."""
+        r = rank if rank is not None else (self.ranks[0] if self.ranks else min(self.steps, default=0))
+        for s in reversed(self.steps.get(r, [])):
+            how = (s.get("mem") or {}).get("split")
+            if isinstance(how, str):
+                return how
+        return None
+
+    @staticmethod
+    def category_name(cat: str) -> str:
+        """Legend name: the remainder of the peak is said to be one."""
+        return "activations (remainder of the peak)" if cat == "activations" else cat.replace("_", " ")
 
     def figure(self):
         """Step time (ms), loss, and memory per step as it is written: each step's peak by
@@ -502,7 +517,12 @@ class StepsModel:
 
         # per step the writer logs process memory (the allocator's high-water mark on GPU, the resident
         # set on CPU): another quantity than the run's peak (memory_view), so titled as such
-        fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (ms)", "loss", "process memory per step"))
+        shown = self.ranks[0] if self.ranks else (min(self.steps) if self.steps else 0)
+        has_cat = any(self.by_category(s) for s in self.steps.get(shown, []))
+        # the step's peak by category where the writer split it (profiler.step_split), else the
+        # process memory per step: on GPU the allocator's high-water mark, on CPU the resident set
+        mem_title = (f"memory per step by category (rank {shown})" if has_cat else "process memory per step")
+        fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (ms)", "loss", mem_title))
         allmax = 0
         steady: list[float] = []
         for r, ss in sorted(self.steps.items()):
@@ -518,15 +538,26 @@ class StepsModel:
             allmax = max([allmax] + [max([v for v in (s.get("mem") or {}).values() if isinstance(v, (int, float))],
                                          default=0) for s in ss])
         unit, div = F.byte_unit(allmax)
-        shown = self.ranks[0] if self.ranks else (min(self.steps) if self.steps else 0)
         cat_steps = [(s["step"], self.by_category(s)) for s in self.steps.get(shown, [])]
         cat_steps = [(k, d) for k, d in cat_steps if d]
         if cat_steps:
             cats = list(dict.fromkeys(c for _, d in cat_steps for c in d))
             for cat in cats:
+                if cat == "offloaded":
+                    continue   # host memory: not part of the device's peak the bars stack up to
+                name = self.category_name(cat)
                 fig.add_trace(go.Bar(x=[k for k, _ in cat_steps], y=[d.get(cat, 0) / div for _, d in cat_steps],
-                                     name=cat, marker_color=F.CATEGORY_COLORS.get(cat), legendgroup="mem",
-                                     hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>" + cat + "</extra>"),
+                                     name=name, marker_color=F.CATEGORY_COLORS.get(cat), legendgroup="mem",
+                                     meta={"category": cat},
+                                     hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>" + name + "</extra>"),
+                              row=1, col=3)
+            peaks = [(s["step"], (s.get("mem") or {}).get("peak")) for s in self.steps.get(shown, [])]
+            if not any("activations" in d for _, d in cat_steps):
+                # CPU: no allocator peak to split; the resident set is another quantity, drawn as a line
+                fig.add_trace(go.Scatter(x=[k for k, v in peaks if v], y=[v / div for _, v in peaks if v],
+                                         name=f"rank {shown} process resident set", mode="lines+markers",
+                                         line=dict(color="#333", dash="dot"), legendgroup="mem",
+                                         hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>resident set</extra>"),
                               row=1, col=3)
             fig.update_layout(barmode="stack")
         for r, ss in sorted(self.steps.items()):

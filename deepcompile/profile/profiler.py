@@ -429,6 +429,97 @@ def track_memory(model) -> None:
     _MEMORY.graphs = []
 
 
+class _StepSplit:
+    """Every step's memory peak by category, without the profiler: microseconds a step (a few
+    runtime calls and dict reads; no device sync, no walk over the parameters after the first
+    step). The profiled step's timeline splits memory node by node; this splits each step's
+    *peak* as the step ends (``RunRecorder.step`` writes it in ``steps.jsonl``):
+
+    - ``parameter_shards``: the shards' bytes (exact; constant, read once);
+    - ``optimizer_state``: the state on the device during forward and backward (exact: read when
+      the optimizer's state changes shape), ``offloaded``: the state ``offload_optimizer`` keeps
+      on the host (exact, its last step's count; offloaded activations are not counted);
+    - ``gathered``: the runtime's high-water mark of live gathered parameters this step (exact;
+      the kept copies are in it, gathered at the forward's top);
+    - ``gradients``: every trainable shard's gradient (as at the optimizer step) plus the
+      runtime's reduce buckets and reduce-scatters in flight at their high-water mark (an upper
+      bound: some buckets have become ``.grad`` by then);
+    - ``activations``: the remainder of the allocator's peak (CUDA, ``max_memory_allocated``
+      reset every step), at least 0: the activations, the temporaries and the optimizer's. The
+      high-water marks of different categories need not fall at the same moment, so this is
+      the rest, not a measurement of its own. On the CPU there is no allocator peak without the
+      profiler: the known categories are written and ``activations`` is not."""
+
+    def __init__(self, sources: "MemorySources"):
+        self.src = sources
+        self._shards: int | None = None
+        self._grads: int | None = None
+        self._state: tuple | None = None   # ((id(opt), len(opt.state)), bytes)
+
+    def _state_bytes(self) -> tuple[int, int]:
+        from deepcompile.runtime import optimizer_state
+
+        mgr = optimizer_state.MANAGER
+        opt = mgr.opt
+        key = (id(opt), len(opt.state) if opt is not None else 0)
+        if self._state is None or self._state[0] != key:
+            self._state = (key, self.src.state_bytes() + self.src_offloaded_state(mgr))
+        off = int(mgr.stats.get("last_offloaded_bytes", 0)) if mgr.offloaded else 0
+        return max(0, self._state[1] - off), off
+
+    @staticmethod
+    def src_offloaded_state(mgr) -> int:
+        # state_bytes counts storages on the device: offloaded state has none (add it back, so
+        # the total is the state's size whether or not it is out when first read)
+        return int(mgr.stats.get("last_offloaded_bytes", 0)) if mgr.offloaded else 0
+
+    def split(self, peak: int, cuda: bool) -> dict | None:
+        from deepcompile.runtime import ops
+
+        m = self.src._model()
+        C = ops.C
+        if m is None or C is None or not C.is_initialized() or not hasattr(C, "take_step_peaks"):
+            return None
+        if self._shards is None:
+            shards = self.src._shards()
+            self._shards = _distinct_bytes(shards)
+            self._grads = sum(s.numel() * s.element_size() for s in shards if s.requires_grad)
+        gathered, reducing = (int(x) for x in C.take_step_peaks())
+        state, off = self._state_bytes()
+        cats = {"parameter_shards": self._shards, "gathered": gathered, "gradients": self._grads + reducing,
+                "optimizer_state": state}
+        if cuda:
+            cats["activations"] = max(0, int(peak) - sum(cats.values()))
+        cats["offloaded"] = off
+        return {k: int(cats[k]) for k in _CATEGORY_ORDER if k in cats}
+
+
+_CATEGORY_ORDER = ("parameter_shards", "gathered", "gradients", "optimizer_state", "activations", "offloaded")
+STEP_SPLIT_HOW = {
+    "cuda": "the step's allocator peak (max_memory_allocated, reset every step) split: shards, optimizer state, "
+            "offloaded exact; gathered and the reduce buckets at their high-water marks this step (runtime "
+            "counters); gradients = every shard's gradient + the buckets' high-water mark; activations = the "
+            "remainder of the peak (at least 0)",
+    "cpu": "the training state's categories (shards, optimizer state, offloaded exact; gathered and the reduce "
+           "buckets at their high-water marks this step); activations are not measured on the CPU without the "
+           "profiler (the process's resident set is the step's 'peak')",
+}
+
+
+def step_split(mem: dict) -> tuple[dict, str] | None:
+    """This step's peak by category and how it was split (``STEP_SPLIT_HOW``), from the memory
+    of the model ``track_memory`` follows; None without one. Reads and resets the runtime's
+    per-step high-water marks: call it once per step, as the step ends (``RunRecorder.step``)."""
+    src = _MEMORY.sources()
+    if src is None:
+        return None
+    if getattr(src, "step_split", None) is None:
+        src.step_split = _StepSplit(src)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    d = src.step_split.split(int(mem.get("peak") or 0), cuda)
+    return None if d is None else (d, STEP_SPLIT_HOW["cuda" if cuda else "cpu"])
+
+
 def take_memory_timeline(compiled: dict, step: int = -1, optimizer_ms: float = 0.0,
                          optimizer_peak_bytes: int = 0) -> dict | None:
     """The memory timeline of the profiling step that just ended (None without one), in the

@@ -94,6 +94,17 @@ def memory_stats(reset_peak: bool = False) -> dict:
     return {"allocated": rss, "reserved": rss, "peak": int(peak)}
 
 
+def _step_split(mem: dict):
+    """(by_category, how) of this step's peak, or None (no deepcompile model in this process)."""
+    if "torch" not in sys.modules:   # a reader's or a test's recorder: no model can be training
+        return None
+    try:
+        from deepcompile.profile.profiler import step_split
+    except ImportError:
+        return None
+    return step_split(mem)
+
+
 LAUNCHER_ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
                 "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
                 "CUDA_VISIBLE_DEVICES", "PYTHONPATH", "OMP_NUM_THREADS")
@@ -232,10 +243,19 @@ class RunRecorder:
     def step(self, step: int, time_s: float, loss: float | None = None, mem: dict | None = None,
              **extra: Any) -> None:
         """Append one step line (flushed). ``mem``: {allocated, reserved, peak} bytes; measured
-        here when omitted."""
+        here when omitted. Where a deepcompile model trains in this process, the step's peak is
+        split by memory category too (``mem.by_category``, how in ``mem.split``:
+        :func:`deepcompile.profile.profiler.step_split`, microseconds, no device sync), so a live
+        view plots each step's memory by category from the first step on."""
+        m = {k: int(v) for k, v in (mem if mem is not None else memory_stats(reset_peak=True)).items()
+             if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        given = (mem or {}).get("by_category")
+        split = ((given, str((mem or {}).get("split") or "given by the caller")) if isinstance(given, dict)
+                 else _step_split(m))
+        if split is not None:
+            m["by_category"], m["split"] = {k: int(v) for k, v in split[0].items()}, split[1]
         rec = {"step": int(step), "time_s": float(time_s),
-               "loss": None if loss is None else float(loss),
-               "mem": {k: int(v) for k, v in (mem if mem is not None else memory_stats(reset_peak=True)).items()}}
+               "loss": None if loss is None else float(loss), "mem": m}
         rec.update(extra)
         self._steps.write(json.dumps(rec) + "\n")
         self._steps.flush()
