@@ -340,56 +340,6 @@ def _split_kept(facts: MemoryFacts, kept: int) -> tuple[list[int], list[int]]:
     return items[:k], items[k:]
 
 
-class _GraphOnly:
-    """What a pass touches of a GraphModule: its graph and ``recompile()``. The planner runs the
-    passes on copies of the profiled graphs only to predict them, so no Python code is generated
-    for the copies (a GraphModule would codegen each one, several times per candidate)."""
-
-    def __init__(self, graph):
-        self.graph = graph
-
-    def recompile(self) -> None:
-        pass
-
-
-class GraphTimer:
-    """Step time of a candidate by the cost model: the candidate's passes applied to copies of
-    the profiled graphs, then ``cost_model.predict`` with the agreed profile. With gradient
-    accumulation the graphs run once per micro-batch and kept parameters are gathered once."""
-
-    def __init__(self, graphs: dict, passes: list[str], make_ctx: Callable, profile, fused: bool,
-                 accumulation: int = 1):
-        from deepcompile.record.graph import serialize
-
-        self.graphs, self.passes, self.make_ctx = graphs, passes, make_ctx
-        self.profile, self.fused, self.accumulation = profile, fused, accumulation
-        self.base = {k: serialize(gm) for k, gm in graphs.items()}
-
-    def __call__(self, c: Candidate) -> float:
-        import torch.fx as fx
-
-        from deepcompile.passes import PASSES
-        from deepcompile.plan.cost_model import predict
-        from deepcompile.record.graph import serialize
-
-        params = c.params()
-        versions = []
-        for (gid, kind), gm in sorted(self.graphs.items()):
-            g = fx.Graph()
-            g.output(g.graph_copy(gm.graph, {}))
-            cp = _GraphOnly(g)
-            for name in self.passes:
-                cp = PASSES[name].fn(cp, self.make_ctx(gid, kind, name, params.get(name, {})))
-            versions.append({"graph_id": gid, "kind": kind, "after": "input", "nodes": self.base[(gid, kind)]})
-            versions.append({"graph_id": gid, "kind": kind, "after": "plan", "nodes": serialize(cp)})
-        p = predict(versions, self.profile, fused=self.fused)
-        graphs_ms = p["step_ms"] - p["optimizer_ms"]
-        comm = getattr(self.profile, "comm", None)
-        again = (self.accumulation - 1) * (comm.allgather_us(c.kept) / 1e3 if (comm and c.kept) else 0.0)
-        return (self.accumulation * graphs_ms - again + p["optimizer_ms"]
-                + offload_ms(c.offloaded, self.accumulation * graphs_ms))
-
-
 # ----------------------------------------------------------------------------------------- the model's plan
 def hand_set(entries: list) -> dict:
     """{pass: {param: value}} the config's pass entries set by hand (the planner keeps them)."""
@@ -475,8 +425,14 @@ def plan_model(model, entries: list) -> list:
     extra = [n for n in names[len(profiled):] if n in ("prefetch", "selective_unshard")]
     accumulation = cfg.gradient_accumulation_steps
     if b.compiled and names[:len(profiled)] == profiled:
-        timer = GraphTimer(dict(b.compiled), extra, ctx, prof, cfg.compiler_at(model.dc_step) == "inductor",
-                           accumulation)
+        # the what-if's runner (plan.runner): passes on fast copies of the profiled graphs, the
+        # per-graph static costs worked out once, each candidate priced once
+        from deepcompile.plan.runner import GraphRunner, live_source
+
+        src = live_source(dict(b.compiled), b.versions, profiled[-1] if profiled else None, meta=b.param_meta,
+                          world=b.world_size, rank=b.rank, profile=prof,
+                          fused=cfg.compiler_at(model.dc_step) == "inductor", accumulation=accumulation, facts=facts)
+        timer = GraphRunner(src, extra, {}, ctx_path="plan.{}").step_ms
         time_model = "cost model on the planned graphs"
     else:
         compute = sum(n.latency_ms for g in prof.graphs.values() for n in g.nodes)

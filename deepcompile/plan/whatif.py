@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import json
 import math
 import operator
 import os
@@ -50,7 +49,8 @@ import torch.fx as fx
 
 from deepcompile.params import ConfigError
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes
-from deepcompile.plan.planner import _GraphOnly, no_gc
+from deepcompile.plan.planner import no_gc
+from deepcompile.plan.runner import FULL_KEPT, GraphRunner, merge, model_nodes  # noqa: F401 (re-exported)
 
 __all__ = ["WhatIf", "WhatIfError", "predict_run", "predict_base", "variant", "plan_record", "rebuild", "param_meta", "load_base", "clear_cache",
            "MEMORY_CATEGORIES"]
@@ -58,7 +58,6 @@ __all__ = ["WhatIf", "WhatIfError", "predict_run", "predict_base", "variant", "p
 # the vocabulary of record/schema.py's MEMORY_CATEGORIES (one for measured and predicted memory)
 MEMORY_CATEGORIES = ("parameter_shards", "gathered", "gradients", "optimizer_state", "activations", "offloaded")
 AUTO = "auto"
-FULL_KEPT = 6   # whole predictions (versions, events, samples) kept per record for going back
 # passes whose graph rewrite the what-if runs on the rebuilt graphs; offload_optimizer is priced
 # by the memory model (its run-time decisions read the allocator, which an offline graph lacks)
 GRAPH_PASSES = ("prefetch", "selective_unshard", "offload_activations")
@@ -177,13 +176,14 @@ def rebuild(nodes: list[dict]) -> fx.Graph:
 def param_meta(forward: list[dict], backward: list[dict] | None, world: int) -> dict:
     """runtime.ops.ParamMeta per parameter id, from the forward's gathers: the shard is the
     gather's input placeholder, the gathered value the wait's output; a parameter without a
-    ``reduce_grad`` in the backward is frozen."""
+    ``reduce_grad`` (or place in a ``reduce_grads``) in the backward is frozen."""
     from deepcompile.runtime.ops import ParamMeta
 
     by = {n["name"]: n for n in forward}
     reduced = None
     if backward:
-        reduced = {int(n["param"]) for n in backward if n.get("target") == "dc.reduce_grad" and "param" in n}
+        reduced = {int(p) for n in backward if n.get("target") in ("dc.reduce_grad", "dc.reduce_grads")
+                   for p in (n.get("params") or ([n["param"]] if "param" in n else []))}
     out = {}
     for n in forward:
         if n.get("target") != "dc.wait_allgather" or len(n.get("args") or []) < 2:
@@ -466,166 +466,13 @@ def _resolve(entries, planning: bool) -> tuple[dict, dict, dict]:
 
 
 # ------------------------------------------------------------------------------------ running the passes
-def _plain(a, refs: list):
-    """``a`` as the record writes it; the names of the nodes it refers to appended to ``refs``
-    (in ``estimate.inputs_of``'s order)."""
-    if isinstance(a, fx.Node):
-        refs.append(a.name)
-        return {"node": a.name}
-    if isinstance(a, (list, tuple)):
-        return [_plain(x, refs) for x in a]
-    if isinstance(a, dict):
-        return {str(k): _plain(v, refs) for k, v in a.items()}
-    if isinstance(a, (int, float, bool, str)) or a is None:
-        return a
-    return repr(a)
+# the runner (passes on graph copies, priced by the cost model) is the planner's too: plan/runner.py
+_Runner = GraphRunner
+_merge = merge
 
 
-def _shape_of(v) -> tuple:
-    def one(t):
-        return [int(x) if not isinstance(x, torch.SymInt) else str(x) for x in t.shape]
-    if isinstance(v, torch.Tensor):
-        return one(v), str(v.dtype).replace("torch.", "")
-    if isinstance(v, (list, tuple)) and v and all(isinstance(x, torch.Tensor) for x in v):
-        return [one(x) for x in v], "tuple"
-    return None, None
-
-
-def model_nodes(g: fx.Graph, cache: dict) -> list[dict]:
-    """What the cost model reads of a graph (``record.graph.serialize``'s name, op, target,
-    args, kwargs, shape and dtype; not its scope, moves or source lines), for the planner's
-    candidates, which are priced, never shown. A candidate's nodes share their values with the
-    base graph's (a copy's meta is shallow), so each value's shape and each target's name is
-    worked out once per record (``cache``)."""
-    from deepcompile.plan.estimate import INPUTS
-    from deepcompile.record.graph import target_name
-
-    out = []
-    for n in g.nodes:
-        v = n.meta.get("val")
-        hit = cache.get(id(v))
-        if hit is None or hit[0] is not v:
-            hit = cache[id(v)] = (v, *_shape_of(v))  # the value is held, so its id is not reused
-        t = cache.get(("t", n.target))
-        if t is None:
-            t = cache[("t", n.target)] = target_name(n)
-        refs: list = []
-        d = {"name": n.name, "op": n.op, "target": t, "args": _plain(n.args, refs), "shape": hit[1], "dtype": hit[2]}
-        if n.kwargs:
-            d["kwargs"] = _plain(n.kwargs, refs)
-        d[INPUTS] = refs  # what estimate.inputs_by_name would work out again
-        out.append(d)
-    return out
-
-
-def _copy(g: fx.Graph) -> fx.Graph:
-    from deepcompile import compat
-
-    return compat.fast_graph_copy(g)
-
-
-class _Runner:
-    """Runs a pass list on copies of the base graphs and prices it (the planner's step-time
-    callable, and the final prediction)."""
-
-    def __init__(self, b: _Base, names: list[str], fixed: dict):
-        self.b, self.names, self.fixed = b, names, fixed
-
-    def ctx(self, gid, kind, name, params):
-        from deepcompile.params import build
-        from deepcompile.passes import PASSES, PassContext
-
-        return PassContext(graph_id=gid, kind=kind, params=build(PASSES[name].params_cls, params, f"passes.{name}.params"),
-                           param_meta=self.b.meta, world_size=self.b.world, rank=self.b.rank, profile=self.b.profile)
-
-    def key(self, params: dict) -> str:
-        return json.dumps([self.names, {n: params.get(n, {}) for n in self.names}], sort_keys=True, default=str)
-
-    def evaluate(self, params: dict, keep_versions: bool) -> tuple[list[dict], list[dict], dict]:
-        """(model versions, shown versions, cost_model.predict's dict) of ``params``; the last
-        few are kept per record, so going back to an earlier edit is instant."""
-        from deepcompile.plan.cost_model import predict
-
-        b, k = self.b, self.key(params)
-        hit = b.full.get(k)
-        if hit is not None and (hit[1] is not None or not keep_versions):
-            return hit
-        mv, shown = self.run(params, keep_versions)
-        p = predict(mv, b.profile, fused=b.fused, static=b.static)
-        out = (mv, shown if keep_versions else None, p)
-        b.full[k] = out
-        while len(b.full) > FULL_KEPT:
-            b.full.pop(next(iter(b.full)))
-        b.times[k] = {"step_ms": p["step_ms"], "optimizer_ms": p["optimizer_ms"]}
-        return out
-
-    def run(self, params: dict, keep_versions: bool) -> tuple[list[dict], list[dict]]:
-        """(versions for the cost model, versions to show: one per pass that ran, per graph)."""
-        from deepcompile.passes import PASSES
-        from deepcompile.record.graph import serialize
-
-        b = self.b
-        model, shown = [], []
-        for key in sorted(b.graphs, key=lambda k: (k[0], k[1] != "forward")):
-            gid, kind = key
-            cp = _GraphOnly(_copy(b.graphs[key]))
-            seq = b.base[key]["seq"]
-            if b.profiled.get(key) is not None:
-                model.append(b.profiled[key])  # the profiled version: the latencies' names are matched on it
-            for name in self.names:
-                c = self.ctx(gid, kind, name, params.get(name, {}))
-                t0 = time.perf_counter()
-                cp = PASSES[name].fn(cp, c)
-                if keep_versions:
-                    seq += 1
-                    nodes = serialize(cp)
-                    sc = b.scope[key]
-                    for n in nodes:
-                        if not n.get("scope"):
-                            n["scope"] = sc.get(n["name"], "")
-                    shown.append({"graph_id": gid, "kind": kind, "after": name, "seq": seq, "nodes": nodes,
-                                  "notes": list(c.notes), "seconds": round(time.perf_counter() - t0, 4),
-                                  "source": "predicted"})
-            final = shown[-1]["nodes"] if (keep_versions and self.names) else (
-                model_nodes(cp.graph, b.shapes) if self.names else b.base[key]["nodes"])
-            model.append({"graph_id": gid, "kind": kind, "after": "whatif", "nodes": final})
-        return model, shown
-
-    def gpu_ms(self, p: dict, kept: int, offloaded: int) -> float:
-        """The step on the GPU's timeline: the graphs once per micro-batch (kept parameters
-        gathered once per optimizer step), the optimizer step, the offload copies not hidden."""
-        from deepcompile.plan.planner import offload_ms
-
-        b = self.b
-        graphs_ms = p["step_ms"] - p["optimizer_ms"]
-        comm = b.profile.comm
-        again = (b.accumulation - 1) * (comm.allgather_us(kept) / 1e3 if (comm and kept) else 0.0)
-        return (b.accumulation * graphs_ms - again + p["optimizer_ms"]
-                + offload_ms(offloaded, b.accumulation * graphs_ms))
-
-    def step_ms(self, cand) -> float:
-        """The planner's callable: a candidate's predicted GPU step (priced once per record and
-        parameters: a changed memory limit re-plans from the times already known)."""
-        params = _merge(self.fixed, cand.params())
-        p = self.b.times.get(self.key(params))
-        if p is None:
-            p = self.evaluate(params, False)[2]
-        return self.gpu_ms(p, cand.kept, cand.offloaded)
-
-
-def _merge(explicit: dict, planned: dict) -> dict:
-    out = {k: dict(v) for k, v in explicit.items()}
-    for name, ps in planned.items():
-        for k, v in ps.items():
-            out.setdefault(name, {}).setdefault(k, v)
-    return out
-
-
-def _kept(b: _Base, runner: _Runner, budget_mb: float) -> tuple[int, list[int]]:
-    from deepcompile.passes import selective_unshard as su
-
-    ids = su.choose(runner.ctx(0, "forward", "selective_unshard", {"budget_mb": budget_mb}))
-    return sum(b.facts.gathered.get(p, 0) for p in ids), ids
+def _kept(b: _Base, runner: GraphRunner, budget_mb: float) -> tuple[int, list[int]]:
+    return runner.kept(budget_mb)
 
 
 def _memory(pm: PlanMemory) -> tuple[dict, str]:
