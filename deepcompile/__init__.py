@@ -1,12 +1,13 @@
 """deepcompile: a compiler for sharded (ZeRO) training of ordinary PyTorch models."""
 from deepcompile.api import DeepCompileModel, destroy, full_state_dict, initialize, load_full_state_dict
-from deepcompile.checkpoint import get_state_dict, set_state_dict
+from deepcompile.checkpoint import get_state_dict, load_checkpoint, save_checkpoint, set_state_dict
 from deepcompile.clip import clip_grad_norm_
 from deepcompile.config import Config
 from deepcompile.params import ConfigError
 
 __all__ = ["Config", "ConfigError", "DeepCompileModel", "destroy", "initialize", "full_state_dict",
-           "load_full_state_dict", "clip_grad_norm_", "get_state_dict", "set_state_dict"]
+           "load_full_state_dict", "clip_grad_norm_", "get_state_dict", "set_state_dict",
+           "save_checkpoint", "load_checkpoint"]
 __version__ = "0.1.0"
 
 from deepcompile import compat as _compat  # noqa: E402

@@ -134,6 +134,13 @@ class DeepCompileModel(nn.Module):
         prof.memory = take_memory_timeline(b.compiled, self.dc_step, prof.optimizer_ms, prof.optimizer_peak_bytes)
         # the gathers the passes schedule run in the shard group (all ranks but under mesh.shard)
         prof.comm = benchmark_comm(self.dc_shard_group, self._dc_device())
+        rep = self.__dict__.get("dc_replicate_group")
+        if rep is not None:  # HSDP: the gradient all-reduce across replicas has its own link
+            from deepcompile.plan.cost_model import ReplicateLink
+            from deepcompile.profile.profiler import benchmark_allreduce
+
+            prof.replicate = ReplicateLink(benchmark_allreduce(rep, self._dc_device()),
+                                           dist.get_world_size(self.dc_shard_group))
         b.profile = agree(prof, self.dc_group)
         b.measured = {}
         t0 = self.__dict__.pop("_dc_profile_t0", None)
@@ -355,6 +362,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     backend = Backend(cfg, dict(ops.PARAMS), dist.get_world_size(shard_group), dist.get_rank(shard_group))
     wrapped = DeepCompileModel(model, sharded, backend, cfg, group, state_keys)
     object.__setattr__(wrapped, "dc_shard_group", shard_group)  # == group unless mesh.shard (HSDP)
+    object.__setattr__(wrapped, "dc_replicate_group", replicate_group)  # None unless mesh.shard
     object.__setattr__(wrapped, "dc_seqcheck", seqcheck.SequenceCheck.create(group, cfg.collective_timeout_s))
     for sp in sharded:
         # who owns a shard: deepcompile.clip_grad_norm_ (and torch's, routed there) finds the

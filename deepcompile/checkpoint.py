@@ -438,6 +438,87 @@ def set_state_dict(model: DeepCompileModel, optimizer: torch.optim.Optimizer | N
     ops.C.invalidate_persistent()  # kept gathered parameters are stale now
 
 
+# ------------------------------------------------------------------ save / load helpers
+# Why a helper and not "dcp.save(..., storage_writer=FileSystemWriter(path))": DCP's default writer
+# (torch 2.11/2.13 FileSystemWriter: single_file_per_rank=True, thread_count=1) copies each GPU
+# tensor with ``tensor.to("cpu", non_blocking=True)`` (_OverlappingCpuLoader), and a non-blocking
+# device-to-host copy allocates its destination in *pinned* memory (ATen's _to_copy: pin_out). The
+# pinned blocks come from CUDA's caching host allocator, which rounds each block up to a power of
+# two, keeps it after the tensor dies, and pays cudaHostAlloc (page-locking) for every new block.
+# The writer also keeps every staged tensor of a file alive until the file is finished (the
+# ``tensor_dict`` it builds for the safetensors format), and with one file per rank that is every
+# tensor. So the first save pinned all of a rank's shards at once (953M Llama on 2 H200s: +6.76 GiB
+# RSS per rank for 5.33 GiB of shards, kept after the save) and spent ~8 s page-locking them
+# (15.9 s against 7.7 s for the second save, which reused the cached blocks).
+# The fix uses DCP's public extension points only:
+# * ``_HostStagingPlanner.transform_object`` (DefaultSavePlanner's documented hook) copies a device
+#   tensor to pageable host memory of its exact size with a blocking copy, so the writer receives
+#   a CPU tensor and never pins anything;
+# * ``FileSystemWriter(single_file_per_rank=False)`` gives every tensor its own file, so the
+#   writer's per-file references die after each tensor: at most ``thread_count`` staged tensors
+#   are alive at once (bounded by thread_count x the largest shard), and their memory is freed;
+# * ``thread_count`` threads write (and fsync) files in parallel.
+# The checkpoint's format is DCP's: ``dcp.load`` with any reader, ``dcp_to_torch_save`` and loads
+# on other world sizes work as for a default-writer checkpoint.
+SAVE_THREADS = 4
+
+
+def _staging_planner():
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+    class _HostStagingPlanner(DefaultSavePlanner):
+        """DCP's default save planner, except that a device tensor is copied to pageable host memory
+        (blocking, exact size) when the writer asks for it, not pinned by the writer."""
+
+        def transform_object(self, write_item, object):
+            if isinstance(object, torch.Tensor) and object.device.type != "cpu":
+                object = object.detach().to("cpu")  # blocking: pageable memory, freed after the write
+            return super().transform_object(write_item, object)
+
+    return _HostStagingPlanner()
+
+
+def save_checkpoint(path: str, model: DeepCompileModel, optimizer: torch.optim.Optimizer | None = None,
+                    *, thread_count: int = SAVE_THREADS, extra: dict[str, Any] | None = None) -> None:
+    """Save the model's (and the optimizer's) sharded state to the directory ``path`` with
+    ``torch.distributed.checkpoint``: each rank writes only its own shards, in parallel.
+
+    Equivalent to ``dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)`` with
+    ``msd, osd = get_state_dict(model, optimizer)``, written so that a rank's host memory grows by
+    at most ``thread_count`` x its largest shard (not by all its shards, pinned, as DCP's default
+    writer does with GPU tensors on its first save; see the comment above ``SAVE_THREADS``). Files
+    are fsynced (``sync_files=True``). Load it with ``load_checkpoint`` or with ``dcp.load`` into
+    ``get_state_dict``'s dicts, on any number of ranks. ``extra``: more entries to save next to
+    ``"model"`` and ``"optim"`` (for example ``{"step": 100}``); loaded by ``dcp.load`` of the same
+    keys. A collective over every rank of the job.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    if not isinstance(thread_count, int) or thread_count < 1:
+        raise ValueError(f"deepcompile.save_checkpoint: thread_count must be an int >= 1, got {thread_count!r}")
+    clash = sorted({"model", "optim"} & set(extra or {}))
+    if clash:
+        raise ValueError(f"deepcompile.save_checkpoint: extra must not use the keys {clash} (the model's "
+                         "and the optimizer's state are saved under them)")
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, **({"optim": osd} if optimizer is not None else {}), **(extra or {})}
+    writer = dcp.FileSystemWriter(path, single_file_per_rank=False, thread_count=thread_count, sync_files=True)
+    dcp.save(state, storage_writer=writer, planner=_staging_planner())
+
+
+def load_checkpoint(path: str, model: DeepCompileModel, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a checkpoint written by ``save_checkpoint`` (or by ``dcp.save`` of ``get_state_dict``'s
+    dicts under the keys ``"model"`` and ``"optim"``) into the model and the optimizer, on any
+    number of ranks: ``get_state_dict``, ``dcp.load`` (which reads straight into the live shards)
+    and ``set_state_dict`` (which validates on every rank before it writes). A collective."""
+    import torch.distributed.checkpoint as dcp
+
+    msd, osd = get_state_dict(model, optimizer)
+    state = {"model": msd, **({"optim": osd} if optimizer is not None else {})}
+    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+    set_state_dict(model, optimizer, msd, osd if optimizer is not None else None)
+
+
 def _gather_errors(model: DeepCompileModel, err: str | None) -> list[tuple[int, str]]:
     group = model.dc_group
     world = dist.get_world_size(group)

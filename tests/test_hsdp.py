@@ -48,3 +48,53 @@ def _bad_shard(rank, world):
 
 def test_shard_size_must_divide_the_world():
     run_ranks(_bad_shard, 4, timeout=300)
+
+
+def _profile_both_links(rank, world):
+    """4 ranks, 2x2: profile one step and price it with the replicate link as measured, 1000x
+    slower, and absent."""
+    import dataclasses
+
+    import deepcompile
+    from deepcompile.plan.cost_model import predict
+    from deepcompile.profile.profiler import Profile
+    from tests.workloads import make_optimizer
+
+    cfg = {"compiler": "aot_eager", "passes": ["zero3"], "profile_step": 1, "mesh": {"shard": 2}}
+    model, opt = deepcompile.initialize(make_model(), make_optimizer, cfg)
+    from tests.workloads import global_batch, LOCAL_BATCH
+    for s in range(3):
+        x, y = global_batch(s, 0, world)
+        sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        model(x[sl], y[sl]).backward()
+        opt.step()
+        opt.zero_grad()
+    prof = model.dc_profile
+    back = Profile.from_records(prof.to_records())
+    graphs = [v for v in model.dc_graphs if v.step == 0 and v.after == "zero3"]
+    measured = predict(graphs, prof)
+    rep = prof.replicate
+    slow = dataclasses.replace(prof, replicate=dataclasses.replace(
+        rep, comm=dataclasses.replace(rep.comm, bytes_per_us=rep.comm.bytes_per_us / 1000)))
+    none = dataclasses.replace(prof, replicate=None)
+    return {"comm": prof.comm, "replicate": rep, "back": back.replicate,
+            "n_reduce": sum(e["stream"] == "reduce" for e in measured["events"]),
+            "n_replicate": sum(e["stream"] == "replicate" for e in measured["events"]),
+            "step_ms": (measured["step_ms"], predict(graphs, slow)["step_ms"], predict(graphs, none)["step_ms"])}
+
+
+def test_cost_model_measures_and_prices_both_links():
+    """Under mesh.shard the profile measures the shard group (gathers, reduce-scatters) and the
+    replicate group (the gradient all-reduce) apart, records both, agrees them across ranks, and
+    the estimate prices each bucket's all-reduce after its reduce-scatter at the replicate link."""
+    results = run_ranks(_profile_both_links, 4, timeout=600)
+    r0 = results[0]
+    assert r0["comm"] is not None and r0["replicate"] is not None
+    assert r0["replicate"].shard_world == 2
+    assert r0["back"] == r0["replicate"]          # recorded (profile.json.gz) and read back
+    assert all(r["replicate"] == r0["replicate"] for r in results)  # agreed
+    assert r0["n_replicate"] == r0["n_reduce"] > 0  # one all-reduce after every reduce-scatter
+    measured, slow, none = r0["step_ms"]
+    assert none <= measured < slow, r0["step_ms"]
+    # 1000x slower: every bucket's all-reduce then takes at least its bytes at the slow rate
+    assert slow - none > 10 * max(measured - none, 1e-3), r0["step_ms"]

@@ -1,5 +1,7 @@
 """Predicted costs. For now the communication model only: an alpha-beta line per collective
 (latency + bytes / bandwidth), with defaults per backend until a measured profile replaces them.
+Under hybrid sharding a second line (``ReplicateLink``) prices the gradient all-reduce across
+replicas at the replicate group's own measured link.
 
 The fusion decision compares n separate collectives against one coalesced collective.
 """
@@ -24,6 +26,33 @@ class CommModel:
     def fusion_saves(self, out_bytes: list[float], world: int) -> bool:
         separate = sum(self.allgather_us(b) for b in out_bytes)
         return self.fused_allgather_us(out_bytes, world) < separate
+
+
+@dataclass(frozen=True)
+class ReplicateLink:
+    """The second link of hybrid sharding (config ``mesh.shard``, HSDP): the gradient all-reduce
+    across replicas, measured on the replicate group by ``profile.profiler.benchmark_allreduce``.
+
+    ``comm`` is the alpha-beta line of one ``all_reduce`` of a buffer of ``x`` bytes on that group
+    (its ``bytes_per_us``: bytes reduced per microsecond, not the gathers' output bytes). The
+    runtime reduce-scatters a bucket in the shard group of ``shard_world`` ranks and then
+    all-reduces this rank's ``1 / shard_world`` of it across the replicas, as a second pipeline
+    stage (csrc/runtime.cpp ``complete_oldest``): the estimate puts it on a stream of its own.
+    Across nodes this link is the slow one (the gathers stay on the node's NVLink)."""
+    comm: CommModel
+    shard_world: int
+
+    def allreduce_us(self, bucket_bytes: float) -> float:
+        """The all-reduce after a reduce-scatter of a bucket of ``bucket_bytes`` (full gradients)."""
+        return self.comm.allgather_us(bucket_bytes / max(1, self.shard_world))
+
+    def to_dict(self) -> dict:
+        return {**self.comm.__dict__, "shard_world": self.shard_world}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ReplicateLink":
+        return cls(CommModel(float(d["alpha_us"]), float(d["bytes_per_us"]), float(d["copy_bytes_per_us"])),
+                   int(d["shard_world"]))
 
 
 DEFAULTS = {

@@ -213,8 +213,8 @@ def fused_us(nodes: list[dict], rate: float, ins: dict[str, list[str]] | None = 
 
 def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | None = None,
              comm: Any = None, rate: float | None = None, fused: bool = False,
-             fused_cost: dict[str, float] | None = None, host_us: dict | None = None
-             ) -> tuple[list[dict], list[dict]]:
+             fused_cost: dict[str, float] | None = None, host_us: dict | None = None,
+             replicate: Any = None) -> tuple[list[dict], list[dict]]:
     """(schedule events, memory samples by node index) for one graph version.
 
     ``latency_us`` (node name -> measured microseconds) and ``comm`` (a CommModel) replace the
@@ -260,6 +260,9 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
     samples: list[dict] = []
     t = 0.0
     ag_free = red_free = 0.0
+    # hybrid sharding (``replicate``: a cost_model.ReplicateLink): each bucket's all-reduce across
+    # replicas starts when its reduce-scatter ends, on its own stream at its own link's speed
+    rep_free = 0.0
     ag_end: dict[Any, float] = {}
     live: dict[str, int] = {}
     baseline = 0
@@ -358,12 +361,16 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
             end = start + comm_us(nbytes)
             ev(name, "reduce", start, end)
             red_free = end
+            if replicate is not None:
+                r0 = max(end, rep_free)
+                rep_free = r0 + replicate.allreduce_us(nbytes)
+                ev(name, "replicate", r0, rep_free)
             t = issue(name, t, nbytes)
         elif c == "end_backward":
             # the backward ends when the last reduce has: the reduce stream's own timeline, not
             # the profiled wait (which also timed the profiler's own synchronisation)
-            ev(name, "compute", t, max(t, red_free, t + 0.1))
-            t = max(t, red_free)
+            ev(name, "compute", t, max(t, red_free, rep_free, t + 0.1))
+            t = max(t, red_free, rep_free)
         elif c == "release_param":
             for r in ins[name]:
                 live.pop(r, None)
@@ -437,7 +444,8 @@ def estimate_versions(versions: Iterable[Any], profile: Any = None, fused: bool 
                 lat, rate = matched_latency_us(gp, every[(gid, kind)], d)
         if profile is not None:
             comm = profile.comm
-        e, s = estimate(d["nodes"], gid, kind, lat, comm, rate, fused, fcost, host_model(profile))
+        e, s = estimate(d["nodes"], gid, kind, lat, comm, rate, fused, fcost, host_model(profile),
+                        replicate=getattr(profile, "replicate", None))
         events += e
         samples += s
     return events, samples

@@ -38,7 +38,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from deepcompile import compat
-from deepcompile.plan.cost_model import CommModel
+from deepcompile.plan.cost_model import CommModel, ReplicateLink
 
 
 @dataclass
@@ -69,13 +69,17 @@ class Profile:
     optimizer_ms: float = 0.0   # the profiling step's optimizer.step(), measured (part of a step)
     optimizer_peak_bytes: int = 0  # the allocator's peak during that optimizer.step() (CUDA; 0: not measured)
     memory: dict | None = None   # this rank's memory timeline of the step (take_memory_timeline); not agreed
+    # hybrid sharding (mesh.shard): the replicate group's all-reduce, measured apart from ``comm``
+    # (the shard group's gathers and reduce-scatters); None without replicas
+    replicate: ReplicateLink | None = None
 
     def get(self, graph_id: int, kind: str) -> GraphProfile | None:
         return self.graphs.get((graph_id, kind))
 
     def to_records(self) -> list[dict]:
         comm = None if self.comm is None else dict(self.comm.__dict__)
-        return [{"graph_id": g.graph_id, "kind": g.kind, "hardware": self.hardware, "comm": comm,
+        rep = {} if self.replicate is None else {"replicate": self.replicate.to_dict()}
+        return [{"graph_id": g.graph_id, "kind": g.kind, "hardware": self.hardware, "comm": comm, **rep,
                  "optimizer_ms": self.optimizer_ms, "optimizer_peak_bytes": self.optimizer_peak_bytes,
                  "nodes": [dict(n.__dict__) for n in g.nodes]} for g in self.graphs.values()]
 
@@ -92,6 +96,8 @@ class Profile:
             prof.hardware = str(r.get("hardware") or "")
             if r.get("comm"):
                 prof.comm = CommModel(**r["comm"])
+            if r.get("replicate"):
+                prof.replicate = ReplicateLink.from_dict(r["replicate"])
             prof.optimizer_ms = float(r.get("optimizer_ms") or 0.0)
             prof.optimizer_peak_bytes = int(r.get("optimizer_peak_bytes") or 0)
         return prof
@@ -638,37 +644,69 @@ def agree(profile: Profile, group=None) -> Profile:
         a, inv_b = c.cpu().tolist()
         profile.comm = CommModel(alpha_us=a, bytes_per_us=1.0 / inv_b,
                                  copy_bytes_per_us=profile.comm.copy_bytes_per_us)
+    if profile.replicate is not None:  # every rank has one under mesh.shard, none without
+        rc = profile.replicate.comm
+        c = torch.tensor([rc.alpha_us, 1.0 / rc.bytes_per_us], dtype=torch.float64, device=dev)
+        dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)
+        a, inv_b = c.cpu().tolist()
+        profile.replicate = ReplicateLink(CommModel(alpha_us=a, bytes_per_us=1.0 / inv_b,
+                                                    copy_bytes_per_us=rc.copy_bytes_per_us),
+                                          profile.replicate.shard_world)
     return profile
 
 
 def benchmark_comm(group=None, device=None, sizes=None, reps: int = 3) -> CommModel:
     """Time allgather by output size on the real process group; fit latency + bytes/bandwidth."""
     world = dist.get_world_size(group)
+
+    def run(nbytes, device):
+        n = max(world, nbytes // 2 // world * world)
+        out = torch.empty(n, dtype=torch.bfloat16, device=device)
+        inp = torch.ones(n // world, dtype=torch.bfloat16, device=device)
+        return float(out.numel() * out.element_size()), lambda: compat.all_gather_single(out, inp, group)
+
+    return _fit_collective(run, device, sizes, reps)
+
+
+def benchmark_allreduce(group, device=None, sizes=None, reps: int = 3) -> CommModel:
+    """Time ``all_reduce`` by buffer size on ``group`` (hybrid sharding's replicate group: the
+    gradient all-reduce across replicas); fit latency + bytes/bandwidth, bytes being the reduced
+    buffer's. Measured apart from the shard group's gathers because across nodes the two links
+    differ by an order of magnitude (NVLink within a node, the network between)."""
+    def run(nbytes, device):
+        # the reduce dtype of the runtime's default (fp32 gradients)
+        buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        return float(buf.numel() * buf.element_size()), lambda: dist.all_reduce(buf, group=group)
+
+    return _fit_collective(run, device, sizes, reps)
+
+
+def _fit_collective(run, device, sizes, reps: int) -> CommModel:
+    """Time ``run(nbytes, device)``'s collective at each size (median of ``reps`` after a warm-up)
+    and fit ``alpha + bytes / bandwidth`` by least squares."""
     device = device or torch.device("cpu")
     if sizes is None:
         top = 64 << 20 if device.type == "cuda" else 4 << 20
         sizes = [1 << k for k in range(16, top.bit_length())]
     xs, ys = [], []
     for nbytes in sizes:
-        n = max(world, nbytes // 2 // world * world)
-        out = torch.empty(n, dtype=torch.bfloat16, device=device)
-        inp = torch.ones(n // world, dtype=torch.bfloat16, device=device)
+        x, fn = run(nbytes, device)
         times = []
         for r in range(reps + 1):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            compat.all_gather_single(out, inp, group)
+            fn()
             if device.type == "cuda":
                 torch.cuda.synchronize()
             if r:
                 times.append((time.perf_counter() - t0) * 1e6)
-        xs.append(float(out.numel() * out.element_size()))
+        xs.append(x)
         ys.append(sorted(times)[len(times) // 2])
+        del fn
     if device.type == "cuda" and xs:
         # its buffers (up to 64 MiB) are no part of the training step's memory: the allocator's
         # peak starts again without them (the step's peak is read after this, steps.jsonl)
-        del out, inp
         torch.cuda.reset_peak_memory_stats()
     # least squares y = alpha + x / beta
     n = len(xs)
