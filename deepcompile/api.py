@@ -134,6 +134,11 @@ class DeepCompileModel(nn.Module):
         prof.memory = take_memory_timeline(b.compiled, self.dc_step, prof.optimizer_ms, prof.optimizer_peak_bytes)
         # the gathers the passes schedule run in the shard group (all ranks but under mesh.shard)
         prof.comm = benchmark_comm(self.dc_shard_group, self._dc_device())
+        if self._dc_device().type == "cuda":
+            # the host's pace (issue 17): the host model (plan.estimate.host_model) follows the machine
+            from deepcompile.profile.host import host_benchmark
+
+            prof.host = host_benchmark(self._dc_device())
         rep = self.__dict__.get("dc_replicate_group")
         if rep is not None:  # HSDP: the gradient all-reduce across replicas has its own link
             from deepcompile.plan.cost_model import ReplicateLink

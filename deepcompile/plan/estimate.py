@@ -58,13 +58,51 @@ HOST_US = {"node": 2.6, "matmul": 18.7, "attention": 81.0, "kernel": 4.7, "reduc
 GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct")
 
 
+# The host micro-benchmark (``deepcompile.profile.host.host_benchmark``) on the host HOST_US
+# describes: ``host_model`` scales HOST_US by this host's values over these. None: not measured
+# there yet (HOST_US's host is no longer available; the next GPU run that re-derives HOST_US
+# records it here from the same host), and HOST_US is used as it is.
+HOST_REF: dict = {"dispatch_us": None, "python_us": None}
+HOST_SCALE_BOUNDS = (0.25, 4.0)   # a ratio outside is a measurement gone wrong (a loaded host), not a machine
+
+
+def host_calibration(profile: Any) -> dict | None:
+    """How the profile's host differs from HOST_US's: ``{"python": r, "dispatch": r, "bench",
+    "ref", "note"}`` with the ratios of the profiling step's micro-benchmark (``Profile.host``)
+    to ``HOST_REF`` (1.0 where either is missing, said in ``note``), or None for a profile that
+    has no host model (CPU, synthetic)."""
+    hw = str(getattr(profile, "hardware", "") or "").lower()
+    if not any(k in hw for k in GPU_NAMES):
+        return None
+    bench = getattr(profile, "host", None) or {}
+    out, missing = {"bench": dict(bench), "ref": dict(HOST_REF)}, []
+    lo, hi = HOST_SCALE_BOUNDS
+    for k, key in (("python", "python_us"), ("dispatch", "dispatch_us")):
+        b, r = bench.get(key), HOST_REF.get(key)
+        if isinstance(b, (int, float)) and isinstance(r, (int, float)) and b > 0 and r > 0:
+            out[k] = round(min(hi, max(lo, float(b) / float(r))), 4)
+        else:
+            out[k] = 1.0
+            missing.append(key)
+    out["note"] = ("HOST_US as measured (" + ("no micro-benchmark in this profile" if not bench else
+                   "no reference micro-benchmark for HOST_US's host: estimate.HOST_REF") + ")" if missing else
+                   f"HOST_US scaled to this host: wrapper Python x{out['python']:.2f}, launches x{out['dispatch']:.2f}")
+    return out
+
+
 def host_model(profile: Any) -> dict | None:
     """``HOST_US`` where the profile was measured on a GPU (``Profile.hardware`` is the CUDA
-    device's name; its launches are asynchronous, so the host's time is a floor of its own);
-    None on the CPU, where an op's measured latency already includes its launch, and for
-    synthetic profiles."""
-    hw = str(getattr(profile, "hardware", "") or "").lower()
-    return HOST_US if any(k in hw for k in GPU_NAMES) else None
+    device's name; its launches are asynchronous, so the host's time is a floor of its own),
+    scaled to the profile's host (:func:`host_calibration`: the profiling step's micro-benchmark
+    over ``HOST_REF``; "node", the wrapper's Python, by the Python ratio, every other entry by
+    the launch ratio); None on the CPU, where an op's measured latency already includes its
+    launch, and for synthetic profiles."""
+    cal = host_calibration(profile)
+    if cal is None:
+        return None
+    if cal["python"] == 1.0 and cal["dispatch"] == 1.0:
+        return HOST_US
+    return {k: v * (cal["python"] if k == "node" else cal["dispatch"]) for k, v in HOST_US.items()}
 
 
 def op_name(target: str) -> str:

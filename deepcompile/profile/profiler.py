@@ -69,6 +69,9 @@ class Profile:
     optimizer_ms: float = 0.0   # the profiling step's optimizer.step(), measured (part of a step)
     optimizer_peak_bytes: int = 0  # the allocator's peak during that optimizer.step() (CUDA; 0: not measured)
     memory: dict | None = None   # this rank's memory timeline of the step (take_memory_timeline); not agreed
+    # the host micro-benchmark of the profiling step (profile.host.host_benchmark; GPU only): what
+    # plan.estimate.host_model scales HOST_US by; agreed (the slowest rank's)
+    host: dict | None = None
     # hybrid sharding (mesh.shard): the replicate group's all-reduce, measured apart from ``comm``
     # (the shard group's gathers and reduce-scatters); None without replicas
     replicate: ReplicateLink | None = None
@@ -81,6 +84,7 @@ class Profile:
         rep = {} if self.replicate is None else {"replicate": self.replicate.to_dict()}
         return [{"graph_id": g.graph_id, "kind": g.kind, "hardware": self.hardware, "comm": comm, **rep,
                  "optimizer_ms": self.optimizer_ms, "optimizer_peak_bytes": self.optimizer_peak_bytes,
+                 **({"host": dict(self.host)} if self.host else {}),
                  "nodes": [dict(n.__dict__) for n in g.nodes]} for g in self.graphs.values()]
 
     @classmethod
@@ -100,6 +104,8 @@ class Profile:
                 prof.replicate = ReplicateLink.from_dict(r["replicate"])
             prof.optimizer_ms = float(r.get("optimizer_ms") or 0.0)
             prof.optimizer_peak_bytes = int(r.get("optimizer_peak_bytes") or 0)
+            if r.get("host"):
+                prof.host = dict(r["host"])
         return prof
 
 
@@ -594,6 +600,9 @@ def _signature(g: GraphProfile) -> str:
     return hashlib.sha1("\n".join(n.name for n in g.nodes).encode()).hexdigest()
 
 
+HOST_KEYS = ("dispatch_us", "python_us")   # Profile.host's measured numbers (agreed)
+
+
 def agree(profile: Profile, group=None) -> Profile:
     """Element-wise maximum of every rank's measurements, so all ranks decide alike.
 
@@ -633,6 +642,10 @@ def agree(profile: Profile, group=None) -> Profile:
     i = 0
     profile.optimizer_ms = vals.pop()
     profile.optimizer_peak_bytes = int(vals.pop())
+    if profile.host:   # every rank measures it on a GPU (or none does): the slowest host's pace
+        h = torch.tensor([float(profile.host.get(k) or 0.0) for k in HOST_KEYS], dtype=torch.float64, device=dev)
+        dist.all_reduce(h, op=dist.ReduceOp.MAX, group=group)
+        profile.host = dict(profile.host, **{k: round(v, 4) for k, v in zip(HOST_KEYS, h.cpu().tolist())})
     for k in keys:
         for n in profile.graphs[k].nodes:
             n.latency_ms, n.mem_after_bytes, n.peak_bytes, n.out_bytes = (

@@ -341,6 +341,13 @@ def check_profile(file: str, p: Any) -> dict:
                 v = _field(file, comm, k, _NUM, f"{w}.comm", finite=True)
                 if v < 0 or (v == 0 and k != "alpha_us"):
                     _fail(file, f"{w}.comm.{k}", f"expected a positive number, got {v!r}")
+        host = _field(file, g, "host", dict, w, optional=True, nullable=True)
+        if host is not None:   # profile.host.host_benchmark: the host model's calibration
+            for k in ("dispatch_us", "python_us"):
+                v = _field(file, host, k, _NUM, f"{w}.host", optional=True, finite=True)
+                if v is not None and v < 0:
+                    _fail(file, f"{w}.host.{k}", f"expected a time of at least 0, got {v!r}")
+            _field(file, host, "device", str, f"{w}.host", optional=True)
         v = _field(file, g, "optimizer_ms", _NUM, w, optional=True, finite=True)
         if v is not None and v < 0:
             _fail(file, f"{w}.optimizer_ms", f"expected a time of at least 0, got {v!r}")

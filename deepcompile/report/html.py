@@ -37,6 +37,7 @@ import math
 import os
 from collections import defaultdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from deepcompile.plan import estimate as E
@@ -511,6 +512,12 @@ def _section_ops(rec: RunRecord, events: list[dict], samples: list[dict], pscope
     prof = {}
     for g in (rec.profile or {}).get("graphs", []):
         prof[(g["graph_id"], g["kind"])] = ({n["name"]: n for n in g["nodes"]}, g.get("hardware"))
+    g0 = ((rec.profile or {}).get("graphs") or [{}])[0]
+    cal = E.host_calibration(SimpleNamespace(hardware=g0.get("hardware"), host=g0.get("host")))
+    if cal is not None:   # the cost model's host time per op (GPU profiles), as calibrated to this host
+        out.append(f"<p class='note host-model'>host model: {esc(cal['note'])}"
+                   + (f"; this host's micro-benchmark {cal['bench'].get('dispatch_us')} us a launch, "
+                      f"{cal['bench'].get('python_us')} us of wrapper Python" if cal["bench"] else "") + ".</p>")
     lat = {(e["graph_id"], e["kind"], e["node"]): e["end_us"] - e["start_us"] for e in events
            if e.get("rank", rec.rank) == rec.rank}
     mem = {(s.get("graph_id"), s.get("kind"), s.get("node")): s["allocated_bytes"] for s in samples

@@ -1,0 +1,104 @@
+"""The host model follows the machine: the profiling step's host micro-benchmark (GPU only) is
+recorded in the profile, agreed across ranks, and scales plan.estimate.HOST_US by its ratio to
+the reference host's (HOST_REF); on a CPU profile host_model stays None."""
+from __future__ import annotations
+
+import pytest
+
+from deepcompile.plan import estimate as E
+from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+from deepcompile.record import schema as S
+
+
+def _gpu_profile(host: dict | None) -> Profile:
+    p = Profile(graphs={(0, "forward"): GraphProfile(0, "forward", [NodeProfile("mm", 1.0, 0, 0, 4)])},
+                hardware="NVIDIA H200")
+    p.host = host
+    return p
+
+
+def test_cpu_profile_has_no_host_model_with_or_without_a_benchmark():
+    p = _gpu_profile({"dispatch_us": 3.0, "python_us": 0.05})
+    p.hardware = "cpu"
+    assert E.host_model(p) is None and E.host_calibration(p) is None
+
+
+def test_scaled_by_the_benchmark_over_the_reference(monkeypatch):
+    # no reference for HOST_US's host: HOST_US as it is, and the calibration says why
+    monkeypatch.setattr(E, "HOST_REF", {"dispatch_us": None, "python_us": None})
+    p = _gpu_profile({"dispatch_us": 3.0, "python_us": 0.05})
+    assert E.host_model(p) is E.HOST_US
+    assert "no reference micro-benchmark" in E.host_calibration(p)["note"]
+    assert E.host_model(_gpu_profile(None)) is E.HOST_US
+    # a host whose launches take 0.75x and whose Python takes 0.5x the reference's
+    monkeypatch.setattr(E, "HOST_REF", {"dispatch_us": 4.0, "python_us": 0.1})
+    h = E.host_model(p)
+    assert h["node"] == pytest.approx(E.HOST_US["node"] * 0.5)
+    for k in ("matmul", "kernel", "reduce_grad", "allgather_params", "end_backward"):
+        assert h[k] == pytest.approx(E.HOST_US[k] * 0.75), k
+    cal = E.host_calibration(p)
+    assert (cal["python"], cal["dispatch"]) == (0.5, 0.75) and "x0.75" in cal["note"]
+    # a measurement far outside any machine's range is bounded, not believed
+    p.host = {"dispatch_us": 4000.0, "python_us": 0.1}
+    assert E.host_calibration(p)["dispatch"] == E.HOST_SCALE_BOUNDS[1]
+
+
+def test_the_estimate_follows_the_scaled_host(monkeypatch):
+    """A host-bound graph (launches slower than its kernels) takes the host's pace: half the
+    launch cost, about half the graph's time."""
+    nodes = [{"name": "x", "op": "placeholder", "target": "x", "args": [], "scope": "", "shape": [4, 4],
+              "dtype": "float32"}]
+    for i in range(50):
+        nodes.append({"name": f"mm{i}", "op": "call_function", "target": "aten.mm.default",
+                      "args": [{"node": "x"}, {"node": "x"}], "scope": "", "shape": [4, 4], "dtype": "float32"})
+    lat = {n["name"]: 0.1 for n in nodes}
+    monkeypatch.setattr(E, "HOST_REF", {"dispatch_us": 4.0, "python_us": 0.1})
+    ends = {}
+    for d in (4.0, 2.0):
+        h = E.host_model(_gpu_profile({"dispatch_us": d, "python_us": 0.1}))
+        ev, _ = E.estimate(nodes, 0, "forward", lat, host_us=h)
+        ends[d] = max(e["end_us"] for e in ev if e["stream"] == "host")
+    assert ends[2.0] == pytest.approx((ends[4.0] - 50 * E.HOST_US["node"]) / 2 + 50 * E.HOST_US["node"], rel=1e-6)
+
+
+def test_the_record_keeps_the_calibration():
+    p = _gpu_profile({"dispatch_us": 3.25, "python_us": 0.0625, "n": 2000, "reps": 5, "device": "NVIDIA H200"})
+    recs = p.to_records()
+    S.check_profile("profile.json.gz", {"graphs": recs})
+    assert Profile.from_records({"graphs": recs}).host == p.host
+    recs[0]["host"]["dispatch_us"] = -1.0
+    with pytest.raises(S.RecordError, match=r"graphs\[0\]\.host\.dispatch_us"):
+        S.check_profile("profile.json.gz", {"graphs": recs})
+
+
+def test_host_benchmark_runs():
+    from deepcompile.profile.host import host_benchmark
+
+    b = host_benchmark("cpu", n=200, reps=3)
+    assert b["dispatch_us"] > 0 and b["python_us"] > 0 and b["device"] == "cpu"
+
+
+def _agree_host(rank: int, world: int):
+    from deepcompile.profile.profiler import agree
+
+    p = _gpu_profile({"dispatch_us": 3.0 + rank, "python_us": 0.1 * (2 - rank), "device": "x"})
+    return agree(p).host
+
+
+def test_ranks_agree_on_the_slowest_host():
+    from tests.dist_utils import run_ranks
+
+    a, b = run_ranks(_agree_host, 2, timeout=120)
+    assert a == b and a["dispatch_us"] == 4.0 and a["python_us"] == 0.2 and a["device"] == "x"
+
+
+def test_the_report_says_how_the_host_model_was_calibrated(tmp_path, monkeypatch):
+    from deepcompile.record.writer import RunRecorder
+    from deepcompile.report.html import _section_ops
+    from deepcompile.record.reader import read_run
+
+    with RunRecorder(tmp_path / "r", 0, 1, {"compiler": "eager"}) as rec:
+        rec.profile(_gpu_profile({"dispatch_us": 3.0, "python_us": 0.05}).to_records())
+    monkeypatch.setattr(E, "HOST_REF", {"dispatch_us": 4.0, "python_us": 0.1})
+    html = _section_ops(read_run(tmp_path / "r"), [], [], {})
+    assert "host model: HOST_US scaled to this host" in html and "x0.75" in html
