@@ -207,8 +207,23 @@ def test_gpu_timeline_is_the_allocator(tmp_path):
             assert sum(s["by_category"][k] for k in S.DEVICE_CATEGORIES) == s["allocated_bytes"]
             assert s["peak_bytes"] >= s["allocated_bytes"]
         assert any(s["by_category"]["activations"] > 0 for s in m["samples"])
+        # the runtime's reduce buckets are gradients: they appear at the backward's first reduce
+        # (no .grad exists yet in the profiled step), not in the allocator's rest
+        bwd = [s for s in m["samples"] if s["kind"] == "backward"]
+        first = next(i for i, s in enumerate(bwd) if s["node"].startswith("reduce_grad"))
+        assert bwd[first - 1]["by_category"]["gradients"] == 0 < bwd[first]["by_category"]["gradients"]
         steps = read_run(run, rank).steps
         assert steps[1]["mem"]["peak"] == m["peak"]["bytes"]   # step 2 of the demo is the profiled one
+        # every step's peak split by category, from step 1 on: on GPU the categories sum to the peak
+        for s in steps:
+            cats = s["mem"]["by_category"]
+            assert set(cats) == set(S.MEMORY_CATEGORIES) and "allocator peak" in s["mem"]["split"]
+            known = sum(v for k, v in cats.items() if k not in ("activations", "offloaded"))
+            assert cats["activations"] == max(0, s["mem"]["peak"] - known)
+            assert cats["gathered"] > 0 and cats["gradients"] > 0
+        # the host model's calibration is in the profile (the micro-benchmark of the profiling step)
+        prof = read_run(run, rank).profile
+        assert all(g["host"]["dispatch_us"] > 0 and g["host"]["python_us"] > 0 for g in prof["graphs"])
         assert v["trained"]["bytes"] == steps[-1]["mem"]["peak"] and "error_vs_trained" in v["predicted"]
     out = run_cli("inspect", str(run), timeout=120).stdout
     assert "allocator's high-water mark per step (GPU" in out and "cuda allocator" in out
