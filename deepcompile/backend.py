@@ -101,6 +101,14 @@ class Backend:
         self.phases: dict[int, dict[str, float]] = {}
         self.call_seconds = 0.0         # total seconds inside __call__ (Dynamo's time excludes it)
         self._acc = {"passes": 0.0, "inductor": 0.0, "aot_autograd": 0.0}  # for nested _timed
+        # Inductor's compile workers, started now so that they are up by the first Inductor
+        # compile (after the warm-up steps); torch.compile's own backend does the same at its
+        # entry, ours calls compile_fx directly (compat.warm_inductor_pool says why)
+        if getattr(config, "compiler", None) == "inductor":
+            import torch
+
+            if torch.cuda.is_available():
+                compat.warm_inductor_pool()
 
     def add_phase(self, phase: str, seconds: float, step: int | None = None) -> None:
         """Accumulate ``seconds`` of compile work in ``phase`` for ``step`` (default: the step the
