@@ -58,6 +58,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["reduce_copies"] = s.reduce_copies;
     d["allgather_waits"] = s.allgather_waits;
     d["reduce_cats"] = s.reduce_cats;
+    d["reduce_ops"] = s.reduce_ops;
+    d["reduce_ops_flushing"] = s.reduce_ops_flushing;
     return d;
   });
 }

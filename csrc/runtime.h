@@ -72,6 +72,11 @@ struct Stats {
   int64_t reduce_copies = 0;
   int64_t allgather_waits = 0;
   int64_t reduce_cats = 0;
+  // reduce_grad and reduce_grads calls, and those during which a bucket was flushed (grouped
+  // per bucket, passes/zero3.group_reduces: every call but a graph's remainder and the
+  // gradients it calls for on their own)
+  int64_t reduce_ops = 0;
+  int64_t reduce_ops_flushing = 0;
 };
 
 class Runtime {
@@ -133,6 +138,10 @@ class Runtime {
     return r;
   }
   const Stats& stats() const { return stats_; }
+  void count_reduce_op(int64_t flushes) {
+    stats_.reduce_ops += 1;
+    stats_.reduce_ops_flushing += flushes > 0 ? 1 : 0;
+  }
   void reset_stats() { stats_ = Stats(); }
   int64_t rank() const { return rank_; }
   int64_t world() const { return world_; }

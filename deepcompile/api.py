@@ -359,6 +359,10 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
                                gather_dtype=cfg.mixed_precision.torch_param_dtype())
         C.set_grad_scale(1.0 / (world * cfg.gradient_accumulation_steps))
         C.set_reduce_dtype(cfg.mixed_precision.torch_reduce_dtype())
+        # the backward calls the runtime once per reduce bucket (passes/zero3.group_reduces)
+        ops.REDUCE_LAYOUT = ops.ReduceLayout(
+            cfg.reduce_bucket_size, cfg.mixed_precision.torch_reduce_dtype(),
+            copies_each=cfg.zero_stage == 1 and cfg.gradient_accumulation_steps > 1)
     except Exception:
         C.cleanup()
         ops.PARAMS.clear()

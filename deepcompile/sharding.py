@@ -14,7 +14,8 @@ getter is the custom op ``torch.ops.dc.unshard(shard, id)``:
   the ``zero3`` pass is the model's math on full-shape values, and the pass visibly lowers each
   ``unshard`` into ``allgather_param`` / ``wait_allgather`` / ``release_param``;
 * the autograd formula of ``unshard`` is ``shard_grad`` (a reduce-scatter), which the pass lowers
-  to the bucketed ``reduce_grad``;
+  to the bucketed ``reduce_grads`` (one runtime call per reduce bucket; ``reduce_grad`` for a
+  gradient called on its own);
 * nothing in torch's tracing is patched: the only internal touch is one node tag on the joint graph
   (``compat.tag_unshard_for_recompute``) so the partitioner re-gathers in backward instead of
   saving full parameters between forward and backward.

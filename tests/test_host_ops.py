@@ -4,6 +4,9 @@
 * ``reduce_grad`` copies a gradient only where it must (zero padding, a dtype cast), never
   "just in case" (the clone per parameter is gone), and a bucket travels as one coalesced
   reduce-scatter of the gradients themselves, not a ``cat`` of them;
+* the backward calls the runtime once per reduce bucket (``dc.reduce_grads``, one call at each
+  point where the runtime flushes a bucket, one for the remainder), not once per gradient, with
+  the same buckets and the same reduced gradients as one call per gradient;
 * ``compat.never_reuse_inputs``: the lowering that makes holding the gradient safe under
   Inductor, on a small graph where Inductor would otherwise reuse the held buffer.
 """
@@ -15,12 +18,18 @@ from tests.dist_utils import run_ranks
 from tests.workloads import LOCAL_BATCH, global_batch, make_model, make_optimizer
 
 
-def _count_step(rank: int, world: int, config: dict):
-    """Two steps; the counters of the second one (compiled graphs already warm)."""
+def _count_step(rank: int, world: int, config: dict, per_gradient: bool = False):
+    """Two steps; the counters of the second one (compiled graphs already warm).
+    ``per_gradient``: the backward calls the runtime once per gradient (the grouping's control:
+    the layout says the runtime copies each gradient, which the pass never batches)."""
+    import dataclasses
+
     import deepcompile
     from deepcompile.runtime import ops
 
     model, opt = deepcompile.initialize(make_model(), make_optimizer, {**config, "gradient_accumulation_steps": 1})
+    if per_gradient:
+        ops.REDUCE_LAYOUT = dataclasses.replace(ops.REDUCE_LAYOUT, copies_each=True)
     stats, grads = [], []
     for s in range(2):
         ops.C.reset_stats()
@@ -69,7 +78,8 @@ def test_one_wait_per_coalesced_group_and_no_gradient_copies():
     # gradients: a copy only for parameters whose rows do not split evenly (zero padding);
     # reduce and shard dtypes are both fp32 here, so nothing is cast
     padded = {pid for pid, (numel, chunk) in r["metas"].items() if numel != chunk * world}
-    reduced = [n["param"] for n in nodes if n["target"] == "dc.reduce_grad"]
+    reduced = [p for n in nodes if n["target"] in ("dc.reduce_grad", "dc.reduce_grads")
+               for p in n.get("params") or [n["param"]]]
     assert st["reduce_calls"] == len(reduced) > 0
     assert st["reduce_copies"] == sum(1 for pid in reduced if pid in padded), (st, padded)
     assert st["reduce_copies"] < st["reduce_calls"]
@@ -91,6 +101,57 @@ def test_bf16_reduce_casts_each_gradient_once_and_matches_fp32():
     assert st["reduce_scatters"] > 1 and st["reduce_cats"] == 0, st
     for g in res[0]["grads"][-1]:
         assert g.dtype == torch.float32 and torch.isfinite(g).all()
+
+
+def _reduce_nodes(graphs):
+    bw = _final(graphs, "backward")
+    return [n for n in bw if n["target"] in ("dc.reduce_grad", "dc.reduce_grads")]
+
+
+def test_plan_reduce_calls_replays_the_runtime_buckets():
+    """The grouping on its own, bucket of 10 elements: (param id, elements, must call now)."""
+    from deepcompile.passes.zero3 import plan_reduce_calls
+
+    # 1+2 fill 8; 3 overflows: its arrival flushes {1, 2} (a call ending with 3); 3+4 remain
+    assert plan_reduce_calls([(1, 4, False), (2, 4, False), (3, 4, False), (4, 4, False)], 10) == [[0, 1, 2], [3]]
+    # 1+2 reach 10: flushed at 2; 4 (20) flushes {3} on arrival and itself at once
+    assert plan_reduce_calls([(1, 4, False), (2, 6, False), (3, 4, False), (4, 20, False), (5, 1, False)],
+                             10) == [[0, 1], [2, 3], [4]]
+    # a parameter's second gradient starts a new call; a copied gradient ends its call
+    assert plan_reduce_calls([(1, 4, False), (1, 4, False), (2, 4, True), (3, 4, False)], 10) == [[0], [1, 2], [3]]
+    assert plan_reduce_calls([], 10) == []
+
+
+def test_one_reduce_call_per_bucket_same_buckets_and_gradients():
+    """Small buckets (several per backward): the backward's reduce calls are exactly the runtime's
+    flush points plus one remainder, and the buckets and gradients equal those of one call per
+    gradient (the same order into the same buckets)."""
+    cfg = {"compiler": "aot_eager", "passes": ["zero3"], "reduce_bucket_size": 3000}
+    grouped = run_ranks(_count_step, 2, cfg, timeout=300)
+    per_grad = run_ranks(_count_step, 2, cfg, True, timeout=300)
+    for rank in range(2):
+        st, ref = grouped[rank]["stats"], per_grad[rank]["stats"]
+        calls = _reduce_nodes(grouped[rank]["graphs"])
+        batched = [n for n in calls if n["target"] == "dc.reduce_grads"]
+        assert batched and len(calls) < ref["reduce_calls"], (len(calls), ref)
+        assert all(len(n["params"]) == len(n["args"][0]) > 1 for n in batched)
+        # every gradient handed over once, in the same order as one call per gradient
+        order = [p for n in calls for p in n.get("params") or [n["param"]]]
+        assert order == [n["param"] for n in _reduce_nodes(per_grad[rank]["graphs"])]
+        assert st["reduce_calls"] == ref["reduce_calls"] == len(order)
+        # the same buckets: one reduce-scatter per flush, as many as with a call per gradient
+        assert st["reduce_scatters"] == ref["reduce_scatters"] > 2, (st, ref)
+        assert st["reduce_bytes"] == ref["reduce_bytes"] and st["reduce_copies"] == ref["reduce_copies"]
+        # one call per flush point: the calls that flushed a bucket are exactly the points where
+        # one call per gradient flushed; besides them only the graph's remainder (flushed by
+        # end_backward) and gradients called for on their own (the runtime copies them)
+        assert st["reduce_ops"] == len(calls) and ref["reduce_ops"] == ref["reduce_calls"], (st, ref)
+        assert st["reduce_ops_flushing"] == ref["reduce_ops_flushing"] > 2, (st, ref)
+        singles = len(calls) - len(batched)
+        assert len(calls) <= st["reduce_ops_flushing"] + 1 + singles, (len(calls), singles, st)
+        # numerics unchanged: bit-identical reduced gradients
+        for a, b in zip(grouped[rank]["grads"][-1], per_grad[rank]["grads"][-1]):
+            assert torch.equal(a, b)
 
 
 # -- the lowering that lets the bucket hold Inductor's buffer ----------------------------------

@@ -46,6 +46,9 @@ class PassContext:
     rank: int
     profile: Any = None            # the previous iteration's profile, when one exists
     notes: list[str] = field(default_factory=list)  # what the pass did, for the record
+    # runtime.ops.ReduceLayout the backward's reduce grouping replays (passes/zero3.group_reduces);
+    # None: this process's runtime's (ops.REDUCE_LAYOUT), else the config defaults
+    reduce_layout: Any = None
 
 
 def normalize_entry(entry: Any, path: str):

@@ -2,9 +2,9 @@
 
 Parameters stay whole on every rank for compute (gathered once after each optimizer step and
 kept, ``gather_persistent``), optimizer state lives only on this rank's flat shard, and the
-backward graph sends each gradient to ``reduce_grad`` as soon as it is ready (bucketed
-reduce-scatter into the shard's gradient: nothing but the partition the optimizer reads survives
-into the step). Stage 2 reduce-scatters every micro-batch; stage 1 sums gradients locally and
+backward graph hands the gradients to the runtime as they become ready, one ``reduce_grads``
+call per reduce bucket (zero3.group_reduces; bucketed reduce-scatter into the shard's gradient:
+nothing but the partition the optimizer reads survives into the step). Stage 2 reduce-scatters every micro-batch; stage 1 sums gradients locally and
 communicates only at the accumulation boundary (the runtime's grad-sync flag, set by the
 optimizer wrapper), freeing the local sums as soon as they are reduced.
 """

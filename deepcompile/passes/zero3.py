@@ -7,9 +7,11 @@ gradient. After it:
 * one ``allgather_param`` + ``wait_allgather`` per parameter per graph, just before its first use
   (a parameter used twice, or tied to another module, is gathered once);
 * ``release_param`` right after the last use of the gathered value or of any view of it;
-* backward: ``reduce_grad`` (bucketed reduce-scatter, accumulated into ``shard.grad`` by the
-  runtime) where the gradient is ready, the graph's gradient output for that shard becomes
-  ``None``, and ``end_backward`` closes the graph once every reduce has been issued.
+* backward: ``reduce_grads`` (bucketed reduce-scatter, accumulated into ``shard.grad`` by the
+  runtime) once per reduce bucket, where the runtime would flush it (``group_reduces``; a
+  gradient that must be copied, or one the grouping cannot place, gets its own ``reduce_grad``
+  where it is ready), the graph's gradient output for that shard becomes ``None``, and
+  ``end_backward`` closes the graph once every reduce has been issued.
 """
 from __future__ import annotations
 
@@ -85,20 +87,111 @@ def _insert_release(g: fx.Graph, w: fx.Node, pid: int, ctx: PassContext,
     r.meta["dc_param"] = pid
 
 
+def reduce_layout(ctx: PassContext):
+    """The runtime's bucket layout the grouping replays: the context's (tests, offline what-if),
+    else the one this process's runtime was initialised with, else the config defaults."""
+    from deepcompile.runtime import ops
+
+    lay = getattr(ctx, "reduce_layout", None) or ops.REDUCE_LAYOUT
+    if lay is None:
+        from deepcompile.config import Config
+
+        lay = ops.ReduceLayout(Config.__dataclass_fields__["reduce_bucket_size"].default, None)
+    return lay
+
+
+def _dense(val: torch.Tensor) -> bool:
+    """Contiguous by the traced value (a parameter's gradient has static sizes; a symbolic one
+    counts as not known to be, without adding a guard)."""
+    if any(isinstance(x, torch.SymInt) for x in (*val.shape, *val.stride())):
+        return False
+    return bool(val.is_contiguous())
+
+
+def plan_reduce_calls(items: list[tuple[int, int, bool]], bucket_elems: int) -> list[list[int]]:
+    """Group gradients into runtime calls, one per bucket flush.
+
+    ``items``: per gradient in graph order, ``(param id, elements in the bucket (chunk x world),
+    must_call_now)``. Replays ``Runtime::add_grad``: a gradient whose parameter is already in the
+    open bucket is summed into its entry; otherwise, if the open bucket is not empty and would
+    overflow, it is flushed first (the arrival of this gradient flushes it), then the gradient
+    joins it and a bucket that reaches ``bucket_elems`` is flushed at once. Each group ends with
+    the gradient whose arrival flushes a bucket, so handing the group over at that gradient's
+    point issues every reduce-scatter exactly when one call per gradient would have; the rest
+    goes in one last group. Conservative cuts (a call earlier than needed, never later): a
+    gradient that ``must_call_now`` (the runtime copies it: the original could be freed at once)
+    ends its group, and a parameter's second gradient starts a new one (one id per call)."""
+    groups: list[list[int]] = []
+    pending: list[int] = []
+    pending_ids: set[int] = set()
+    open_ids: set[int] = set()
+    filled = 0
+    for i, (pid, elems, now) in enumerate(items):
+        if pid in pending_ids:
+            groups.append(pending)
+            pending, pending_ids = [], set()
+        pending.append(i)
+        pending_ids.add(pid)
+        flushed = False
+        if pid not in open_ids:
+            if open_ids and filled + elems > bucket_elems:
+                open_ids, filled, flushed = set(), 0, True
+            open_ids.add(pid)
+            filled += elems
+            if filled >= bucket_elems:
+                open_ids, filled, flushed = set(), 0, True
+        if flushed or now:
+            groups.append(pending)
+            pending, pending_ids = [], set()
+    if pending:
+        groups.append(pending)
+    return groups
+
+
+def group_reduces(sgs: list[fx.Node], ctx: PassContext) -> list[list[fx.Node]]:
+    """The ``shard_grad`` nodes (graph order) grouped into one runtime call per reduce bucket
+    (``plan_reduce_calls``; issue 16: a call per gradient was the backward's largest host cost).
+    One group per gradient where the grouping cannot replay the runtime: a parameter without
+    metadata, the runtime copying every gradient (``ReduceLayout.copies_each``), or block
+    regions (blocks.py: a call spanning layers would make the per-layer regions differ)."""
+    from deepcompile import blocks
+
+    lay = reduce_layout(ctx)
+    world = max(1, int(ctx.world_size))
+    if lay.copies_each or blocks.enabled() or any(int(n.args[1]) not in ctx.param_meta for n in sgs):
+        return [[n] for n in sgs]
+    items = []
+    for n in sgs:
+        m = ctx.param_meta[int(n.args[1])]
+        val = n.args[0].meta.get("val") if isinstance(n.args[0], fx.Node) else None
+        # what padded_flat copies: zero padding, a cast to the reduce dtype, a strided gradient
+        copied = (m.numel != m.chunk * world or not isinstance(val, torch.Tensor)
+                  or (lay.reduce_dtype is not None and val.dtype != lay.reduce_dtype)
+                  or not _dense(val))
+        items.append((m.id, m.chunk * world, copied))
+    return [[sgs[i] for i in grp] for grp in plan_reduce_calls(items, int(lay.bucket_elems))]
+
+
 def lower_grad_reduce(gm: fx.GraphModule, ctx: PassContext) -> int:
-    """Replace ``shard_grad`` by bucketed ``reduce_grad``; gradient outputs become None."""
+    """Replace ``shard_grad`` by bucketed ``reduce_grads`` (one call per bucket, see
+    ``group_reduces``); gradient outputs become None."""
     g = gm.graph
     sgs = [n for n in g.nodes if is_op(n, DC.shard_grad.default)]
     if not sgs:
         return 0
     reduced: list[fx.Node] = []
-    for n in sgs:
-        grad, pid = n.args[0], int(n.args[1])
+    for group in group_reduces(sgs, ctx):
+        n = group[-1]  # where its last gradient is ready: where reduce_grad used to call for it
+        grads, pids = [m.args[0] for m in group], [int(m.args[1]) for m in group]
         with g.inserting_before(n):
-            r = g.call_function(DC.reduce_grad.default, (grad, pid))
+            if len(group) == 1:
+                r = g.call_function(DC.reduce_grad.default, (grads[0], pids[0]))
+            else:
+                r = g.call_function(DC.reduce_grads.default, (grads, pids))
+                r.meta["dc_params"] = pids
         r.meta["val"] = None
-        r.meta["dc_param"] = pid
-        reduced.append(grad)
+        r.meta["dc_param"] = pids[0]
+        reduced.extend(grads)
     # Everything computed only from shard_grad results (e.g. the sum for a tied weight) is the
     # shard's gradient, which the runtime now writes to `.grad` itself.
     derived = set(sgs)

@@ -54,6 +54,14 @@ HOST_US = {"node": 2.6, "matmul": 18.7, "attention": 81.0, "kernel": 4.7, "reduc
            "allgather_params": 424.0, "allgather_param": 60.0, "wait_allgather": 31.0,
            "wait_allgather_many": 31.0, "release_param": 1.0, "end_backward": 141.0}
 
+# reduce_grads (one call per reduce bucket, passes/zero3.group_reduces, issue 16) is not measured
+# on a GPU yet: a call is charged as reduce_grad was (the dispatch, the wrapper's call, and the
+# flush it triggers, which every call but a graph's last does), plus "per_grad" for each
+# gradient it adds to the bucket (Runtime::add_grad: a lookup, a reshape, a push: a few us of C++;
+# a guess until the next GPU host profile measures it).
+HOST_US["reduce_grads"] = 70.0
+HOST_US["per_grad"] = 5.0
+
 
 GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct")
 
@@ -336,6 +344,8 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
                 h += host_us["node"]
                 if c:
                     h += host_us.get(c, 0.0)
+                    if c == "reduce_grads":  # one add_grad per gradient it hands over
+                        h += host_us.get("per_grad", 0.0) * len((n.get("args") or [None, []])[1] or [])
                     if c in ("gather_persistent", "gather_persistent_many", "allgather_params"):
                         h += host_us["per_param"] * outs.get(name, 1)
                     elif c == "gather_persistent_start":  # (a handle: its parameters are its ids)
@@ -393,7 +403,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
                     live.pop(src)
             if name not in unpacked:
                 live[name] = size[name]
-        elif c == "reduce_grad":
+        elif c in ("reduce_grad", "reduce_grads"):  # (reduce_grads: a bucket's gradients at once)
             nbytes = sum(size.get(r, 0) for r in ins[name])
             start = max(t, red_free)
             end = start + comm_us(nbytes)

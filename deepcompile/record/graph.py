@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-COMM_OPS = {"allgather_param", "allgather_params", "gather_persistent", "gather_persistent_many", "wait_allgather", "wait_allgather_many", "release_param", "reduce_grad", "end_backward",
+COMM_OPS = {"allgather_param", "allgather_params", "gather_persistent", "gather_persistent_many", "wait_allgather", "wait_allgather_many", "release_param", "reduce_grad", "reduce_grads", "end_backward",
             "unshard", "shard_grad"}
 
 

@@ -30,7 +30,7 @@ from deepcompile.plan.estimate import comm_kind, inputs_of
 COMM_COLORS = {
     "allgather_param": "#f4a261", "allgather_params": "#f4a261", "wait_allgather": "#f6bd60",
     "wait_allgather_many": "#f6bd60", "release_param": "#e9c46a",
-    "reduce_grad": "#b185db", "end_backward": "#cdb4db", "unshard": "#ef476f", "shard_grad": "#ef476f",
+    "reduce_grad": "#b185db", "reduce_grads": "#b185db", "end_backward": "#cdb4db", "unshard": "#ef476f", "shard_grad": "#ef476f",
 }
 COMPUTE_COLOR = "#d7e8f7"
 IO_COLOR = "#eeeeee"

@@ -37,6 +37,23 @@ class ParamMeta:
 
 PARAMS: dict[int, ParamMeta] = {}
 
+
+@dataclass(frozen=True)
+class ReduceLayout:
+    """What the backward pass must know of the runtime's gradient buckets to call it once per
+    bucket (``dc.reduce_grads``, passes/zero3.py ``group_reduces``): the pass replays the
+    runtime's bucket fill (``Runtime::add_grad``) in graph order to find where each flush happens."""
+    bucket_elems: int                   # config reduce_bucket_size (Runtime bucket_elems_)
+    reduce_dtype: torch.dtype | None    # config mixed_precision.reduce_dtype; None: unknown (offline)
+    # the runtime copies every gradient as it arrives (ZeRO-1 sums between accumulation
+    # boundaries, or set_copy_grads): holding them for a batched call would keep the originals
+    # alive beside the copies, so each gradient gets its own call
+    copies_each: bool = False
+
+
+# The layout of the runtime this process initialised (api.initialize); None: none yet.
+REDUCE_LAYOUT: ReduceLayout | None = None
+
 _REGISTERED = False
 C = None  # the compiled extension module, once loaded
 
@@ -118,6 +135,10 @@ def ensure_registered():
     def _(grad, pid):
         return None
 
+    @lib.register_fake("dc::reduce_grads")
+    def _(grads, pids):
+        return None
+
     @lib.register_fake("dc::end_backward")
     def _(grads, graph_id):
         return None
@@ -135,7 +156,7 @@ def ensure_registered():
     from deepcompile import compat
 
     for op in (torch.ops.dc.release_param.default, torch.ops.dc.reduce_grad.default,
-               torch.ops.dc.end_backward.default):
+               torch.ops.dc.reduce_grads.default, torch.ops.dc.end_backward.default):
         compat.mark_side_effect(op)
     compat.never_reuse_output(torch.ops.dc.gather_persistent.default)
     compat.never_reuse_output(torch.ops.dc.gather_persistent_many.default)
@@ -143,9 +164,9 @@ def ensure_registered():
     # reduce_grad's bucket holds the gradient itself until its reduce-scatter has run (no copy):
     # Inductor must not hand that memory to a later buffer. Where the lowering cannot be
     # installed the runtime copies each gradient instead.
-    if not compat.never_reuse_inputs(torch.ops.dc.reduce_grad.default,
-                                     on_failure=lambda: C.set_copy_grads(True)):
-        C.set_copy_grads(True)
+    for op in (torch.ops.dc.reduce_grad.default, torch.ops.dc.reduce_grads.default):
+        if not compat.never_reuse_inputs(op, on_failure=lambda: C.set_copy_grads(True)):
+            C.set_copy_grads(True)
     from deepcompile.runtime import offload
 
     offload.define_ops()

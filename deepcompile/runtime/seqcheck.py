@@ -72,6 +72,10 @@ def register_nodes(graph_id: int, kind: str, gm) -> None:
         key = _op_key(node)
         if key is not None:
             table.setdefault(key, node.name)
+        if node.op == "call_function" and str(node.target) == "dc.reduce_grads.default":
+            for ident in node.args[1]:  # the runtime enters it once per gradient, with its id
+                if isinstance(ident, int):
+                    table.setdefault(f"reduce_grads:{ident}", node.name)
     _NODES[(graph_id, kind)] = table
     merged: dict[str, list[str]] = {}
     for (gid, k), t in sorted(_NODES.items()):
