@@ -243,6 +243,8 @@ class GraphRunner:
             p = self.evaluate(params, False)[2]
         return self.gpu_ms(p, cand.kept, cand.offloaded)
 
+    step_ms.coarse_to_fine = True  # priced by running the passes: planner.price searches coarse to fine
+
     def kept(self, budget_mb: float) -> tuple[int, list[int]]:
         """(bytes, parameter ids) selective_unshard keeps under ``budget_mb``."""
         from deepcompile.passes import selective_unshard as su

@@ -745,6 +745,7 @@ def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **cha
         t = runner.step_ms(c)
         seen.append((c, t))
         return t
+    timed.coarse_to_fine = getattr(runner.step_ms, "coarse_to_fine", False)
     plan = P.choose(b.facts, mem, lambda mb: _kept(b, runner, mb)[0], timed, {},
                     "cost model on the record's graphs (offline)")
     return plan, b, seen
