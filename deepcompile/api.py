@@ -139,6 +139,9 @@ class DeepCompileModel(nn.Module):
             from deepcompile.profile.host import host_benchmark
 
             prof.host = host_benchmark(self._dc_device())
+            from deepcompile.profile.profiler import take_host_ops
+
+            prof.host["ops_us"] = take_host_ops()   # each dc op's own host time in the profiling step
         rep = self.__dict__.get("dc_replicate_group")
         if rep is not None:  # HSDP: the gradient all-reduce across replicas has its own link
             from deepcompile.plan.cost_model import ReplicateLink

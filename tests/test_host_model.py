@@ -102,3 +102,31 @@ def test_the_report_says_how_the_host_model_was_calibrated(tmp_path, monkeypatch
     monkeypatch.setattr(E, "HOST_REF", {"dispatch_us": 4.0, "python_us": 0.1})
     html = _section_ops(read_run(tmp_path / "r"), [], [], {})
     assert "host model: HOST_US scaled to this host" in html and "x0.75" in html
+
+
+def test_measured_dc_ops_replace_their_entries(monkeypatch):
+    """The profiling step's own host time of a dc op (dispatcher + runtime, the median call)
+    replaces that op's HOST_US entry; ops charged per parameter keep the scaled constant."""
+    monkeypatch.setattr(E, "HOST_REF", {"dispatch_us": None, "python_us": None})
+    p = _gpu_profile({"dispatch_us": 3.0, "python_us": 0.05,
+                      "ops_us": {"reduce_grad": 41.5, "gather_persistent_many": 900.0, "release_param": 0.8}})
+    h = E.host_model(p)
+    assert h["reduce_grad"] == 41.5 and h["release_param"] == 0.8
+    assert h["gather_persistent_many"] == E.HOST_US["gather_persistent_many"]   # per-parameter: not replaced
+    assert h["matmul"] == E.HOST_US["matmul"]
+    S.check_profile("p", {"graphs": p.to_records()})
+
+
+def _agree_ops(rank: int, world: int):
+    from deepcompile.profile.profiler import agree
+
+    p = _gpu_profile({"dispatch_us": 3.0, "python_us": 0.1, "ops_us": {"reduce_grad": 40.0 + rank,
+                                                                       "not_a_host_kind": 5.0}})
+    return agree(p).host
+
+
+def test_ranks_agree_on_measured_ops():
+    from tests.dist_utils import run_ranks
+
+    a, b = run_ranks(_agree_ops, 2, timeout=120)
+    assert a == b and a["ops_us"] == {"reduce_grad": 41.0}

@@ -224,6 +224,7 @@ def test_gpu_timeline_is_the_allocator(tmp_path):
         # the host model's calibration is in the profile (the micro-benchmark of the profiling step)
         prof = read_run(run, rank).profile
         assert all(g["host"]["dispatch_us"] > 0 and g["host"]["python_us"] > 0 for g in prof["graphs"])
+        assert {"end_backward", "release_param"} <= set(prof["graphs"][0]["host"]["ops_us"])   # measured dc ops
         assert v["trained"]["bytes"] == steps[-1]["mem"]["peak"] and "error_vs_trained" in v["predicted"]
     out = run_cli("inspect", str(run), timeout=120).stdout
     assert "allocator's high-water mark per step (GPU" in out and "cuda allocator" in out

@@ -71,6 +71,11 @@ GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct"
 # there yet (HOST_US's host is no longer available; the next GPU run that re-derives HOST_US
 # records it here from the same host), and HOST_US is used as it is.
 HOST_REF: dict = {"dispatch_us": None, "python_us": None}
+# dc ops whose HOST_US entry is the op's own host time, nothing per parameter: where the profiling
+# step measured them (``Profile.host["ops_us"]``: each call's dispatcher + runtime time, the median;
+# the same C++ code the compiled step calls), the measurement replaces the entry
+HOST_MEASURED = ("reduce_grad", "allgather_param", "wait_allgather", "wait_allgather_many", "release_param",
+                 "end_backward")
 HOST_SCALE_BOUNDS = (0.25, 4.0)   # a ratio outside is a measurement gone wrong (a loaded host), not a machine
 
 
@@ -108,9 +113,13 @@ def host_model(profile: Any) -> dict | None:
     cal = host_calibration(profile)
     if cal is None:
         return None
-    if cal["python"] == 1.0 and cal["dispatch"] == 1.0:
+    measured = {k: float(v) for k, v in ((cal["bench"].get("ops_us") or {}).items())
+                if k in HOST_MEASURED and isinstance(v, (int, float)) and v > 0}
+    if cal["python"] == 1.0 and cal["dispatch"] == 1.0 and not measured:
         return HOST_US
-    return {k: v * (cal["python"] if k == "node" else cal["dispatch"]) for k, v in HOST_US.items()}
+    out = {k: v * (cal["python"] if k == "node" else cal["dispatch"]) for k, v in HOST_US.items()}
+    out.update(measured)
+    return out
 
 
 def op_name(target: str) -> str:

@@ -250,6 +250,16 @@ class ProfilingInterpreter(fx.Interpreter):
             _storages(v, seen)
         return sum(seen.values())
 
+    def call_function(self, target, args, kwargs):
+        if not self.cuda or not str(target).startswith("dc."):
+            return super().call_function(target, args, kwargs)
+        # a dc op's own host time (dispatcher + runtime; on CUDA its waits are stream waits, and
+        # the GPU is kept behind, so no host blocking is in it): the host model's measured entry
+        t0 = time.perf_counter()
+        out = super().call_function(target, args, kwargs)
+        HOST_OPS.setdefault(str(target).split(".")[1], []).append((time.perf_counter() - t0) * 1e6)
+        return out
+
     def run_node(self, n: fx.Node):
         if n.op in ("placeholder", "output", "get_attr"):
             return super().run_node(n)
@@ -432,6 +442,15 @@ class _StepMemory:
 
 
 _MEMORY = _StepMemory()
+# dc op name -> host microseconds of each call in the profiling step (CUDA; ProfilingInterpreter)
+HOST_OPS: dict[str, list[float]] = {}
+
+
+def take_host_ops() -> dict[str, float]:
+    """The profiling step's median host time per dc op (CUDA), and forget them."""
+    ops = dict(HOST_OPS)
+    HOST_OPS.clear()
+    return {k: round(sorted(v)[len(v) // 2], 3) for k, v in sorted(ops.items()) if v}
 
 
 def track_memory(model) -> None:
@@ -643,9 +662,18 @@ def agree(profile: Profile, group=None) -> Profile:
     profile.optimizer_ms = vals.pop()
     profile.optimizer_peak_bytes = int(vals.pop())
     if profile.host:   # every rank measures it on a GPU (or none does): the slowest host's pace
-        h = torch.tensor([float(profile.host.get(k) or 0.0) for k in HOST_KEYS], dtype=torch.float64, device=dev)
+        from deepcompile.plan.estimate import HOST_US
+
+        # a fixed list of op names on every rank (the tensor's length must match): HOST_US's kinds
+        names = sorted(HOST_US)
+        mine = profile.host.get("ops_us") or {}
+        h = torch.tensor([float(profile.host.get(k) or 0.0) for k in HOST_KEYS]
+                         + [float(mine.get(k) or 0.0) for k in names], dtype=torch.float64, device=dev)
         dist.all_reduce(h, op=dist.ReduceOp.MAX, group=group)
-        profile.host = dict(profile.host, **{k: round(v, 4) for k, v in zip(HOST_KEYS, h.cpu().tolist())})
+        vals = h.cpu().tolist()
+        profile.host = dict(profile.host, **{k: round(v, 4) for k, v in zip(HOST_KEYS, vals)})
+        if mine:
+            profile.host["ops_us"] = {k: round(v, 3) for k, v in zip(names, vals[len(HOST_KEYS):]) if v > 0}
     for k in keys:
         for n in profile.graphs[k].nodes:
             n.latency_ms, n.mem_after_bytes, n.peak_bytes, n.out_bytes = (

@@ -348,6 +348,10 @@ def check_profile(file: str, p: Any) -> dict:
                 if v is not None and v < 0:
                     _fail(file, f"{w}.host.{k}", f"expected a time of at least 0, got {v!r}")
             _field(file, host, "device", str, f"{w}.host", optional=True)
+            for k, v in (_field(file, host, "ops_us", dict, f"{w}.host", optional=True) or {}).items():
+                _check_value(file, f"{w}.host.ops_us.{k}", v, _NUM, finite=True)
+                if v < 0:
+                    _fail(file, f"{w}.host.ops_us.{k}", f"expected a time of at least 0, got {v!r}")
         v = _field(file, g, "optimizer_ms", _NUM, w, optional=True, finite=True)
         if v is not None and v < 0:
             _fail(file, f"{w}.optimizer_ms", f"expected a time of at least 0, got {v!r}")
