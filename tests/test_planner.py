@@ -238,11 +238,12 @@ def test_real_953m_profile_slow_links_keeps_everything_as_measured_fastest():
     keep 448 MiB + prefetch 512 MiB in session 7).
 
     It does since the kept parameters are gathered in need-order groups (selective_unshard
-    group_mb 64), each waited before its first use, so the forward's compute runs under the
-    gathers of the groups it does not need yet. On this record at 40 GB/s keep-everything is
-    predicted 122.7 ms (129.9 with one collective waited at the top), ahead of keep 0 + prefetch
-    512 MiB (123.3) and keep 448 MiB + prefetch 512 MiB (124.9). With group_mb 0 (the old
-    schedule) keep-everything is predicted ~7 ms slower and loses (checked below)."""
+    group_mb, default 128), each waited before its first use, so the forward's compute runs under
+    the gathers of the groups it does not need yet. On this record at 40 GB/s keep-everything is
+    predicted 121.6 ms (122.7 with 64 MiB groups, 129.9 with one collective waited at the top),
+    ahead of keep 0 + prefetch 512 MiB (123.3) and keep 448 MiB + prefetch 512 MiB (124.9). With
+    group_mb 0 (the old schedule) keep-everything is predicted ~8 ms slower and loses (checked
+    below)."""
     plan, facts, _, seen = _plan_953m(gb_per_s=40.0)
     assert plan.chosen.kept == facts.gathered_total
     assert plan.chosen.params()["prefetch"]["budget_mb"] == 0.0
@@ -261,7 +262,9 @@ def test_real_953m_profile_slow_links_keeps_everything_as_measured_fastest():
         return predict_base(b, [{"name": "zero3"}, {"name": "prefetch", "params": {"budget_mb": 0.0, "fuse_mb": 0.0}},
                                 {"name": "selective_unshard", "params": {"budget_mb": plan.chosen.keep_mb,
                                                                          "group_mb": group_mb}}]).step_ms
-    single, grouped = keep_all(0.0), keep_all(64.0)
+    from deepcompile.passes.selective_unshard import SelectiveUnshardParams
+
+    single, grouped = keep_all(0.0), keep_all(SelectiveUnshardParams().group_mb)
     assert abs(grouped - best[True]) < 0.05 and single > best[False] > grouped, (single, grouped, best)
 
 
