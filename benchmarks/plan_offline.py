@@ -129,7 +129,7 @@ def main(argv=None) -> None:
         return compare(a)
     if a.set:
         return whatif(a)
-    t = time.perf_counter()
+    t, c0 = time.perf_counter(), time.process_time()
     plan, b, seen = _plan_record(a.record, rank=a.rank, limit_gib=a.limit_gib, world=a.world,
                                 capacity_gib=a.capacity_gib, gb_per_s=a.gb_per_s, alpha_us=a.alpha_us,
                                 optimizer_peak_gib=a.optimizer_peak_gib, accumulation=a.accumulation,
@@ -144,7 +144,9 @@ def main(argv=None) -> None:
               f"{c.memory.peak / GIB:9.2f} {ms:9.1f}")
     print(plan.summary_line())
     print("why:", plan.why)
-    print(f"planned in {time.perf_counter() - t:.2f} s ({b.seconds:.2f} s reading and rebuilding the record)")
+    print(f"planned in {time.perf_counter() - t:.2f} s wall, {time.process_time() - c0:.2f} s CPU ({b.seconds:.2f} s "
+          f"reading and rebuilding the record; {len(seen)} of {plan.fitting} fitting plans priced, the rest cut by the "
+          "coarse-to-fine search, planner.price)")
 
 
 if __name__ == "__main__":

@@ -326,3 +326,36 @@ def test_final_reload_fit_leaves_the_rest_to_the_optimizer_step():
         parts = O.reload_positions(gm, SimpleNamespace(params=params, profile=prof, graph_id=0, kind="backward"),
                                    torch.device("cpu"))
         assert parts[-1][0].op == "output" and parts[-1][1] == last, (final, parts)
+
+
+def test_coarse_to_fine_pricing_keeps_the_decision_and_prices_less():
+    """planner.price: a timer that runs the passes (``coarse_to_fine``) is priced at each group's
+    two prefetch ends first and between them only near the best; same choice and runner-up as
+    pricing every candidate, fewer candidates priced."""
+    calls = []
+
+    def slow_timer(c):
+        calls.append(c)
+        return timer(c)
+    slow_timer.coarse_to_fine = True
+    for limit in (126.9, 11.3, 9.0):
+        full = plan(limit)
+        calls.clear()
+        cut = P.choose(FACTS, mem(limit), kept_bytes, slow_timer, {}, "analytic, coarse to fine")
+        assert cut.chosen.params() == full.chosen.params() and cut.chosen.step_ms == full.chosen.step_ms, limit
+        assert (cut.runner_up is None) == (full.runner_up is None)
+        if full.runner_up is not None:
+            # exact where it is within REFINE_WITHIN of the choice; beyond, the best priced one
+            # (here keep 1 GiB + prefetch 2048 MiB, the same time as the unpriced 512 MiB, which
+            # won the tie on memory)
+            if full.runner_up.step_ms <= full.chosen.step_ms * (1 + P.REFINE_WITHIN):
+                assert cut.runner_up.params() == full.runner_up.params(), limit
+            else:
+                assert cut.runner_up.step_ms >= full.runner_up.step_ms, limit
+        assert len(calls) <= full.fitting
+    calls.clear()
+    P.choose(FACTS, mem(126.9), kept_bytes, slow_timer, {}, "")
+    assert len(calls) < plan(126.9).fitting, "nothing was cut on a roomy limit"
+    # an unpriced candidate ranks last (inf), never chosen or runner-up
+    c = P.choose(FACTS, mem(126.9), kept_bytes, slow_timer, {}, "")
+    assert "cut by the coarse-to-fine search" in c.why

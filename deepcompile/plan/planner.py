@@ -286,8 +286,10 @@ def price(fit: list[Candidate], step_ms: Callable[[Candidate], float]) -> int:
     assumes: the predicted step does not dip between a group's two ends by more than
     ``REFINE_WITHIN - HOST_TIE`` below both (on the 953M record's 4 settings (NVLink, 40 GB/s,
     each at a 125.8 and a 9.07 GiB limit) the middle budgets were within 3% of the better end,
-    and every decision came out the same with 11-17 of 17 priced). The unpriced keep
-    ``step_ms = inf`` and rank last. Any other timer (the analytic model) prices everything."""
+    and every decision and runner-up came out the same with 11-17 of 17 priced). The unpriced
+    keep ``step_ms = inf`` and rank last, so the runner-up is exact where it is within
+    ``REFINE_WITHIN`` of the choice, else the best one priced. Any other timer (the analytic
+    model) prices everything."""
     if not getattr(step_ms, "coarse_to_fine", False):
         for c in fit:
             c.step_ms = float(step_ms(c))
