@@ -52,6 +52,10 @@ class _Slot:
         return self.fn(args)
 
 
+def _no_recompile() -> None:
+    """GraphModule.recompile while passes run (Backend.run_passes generates the code once, after them)."""
+
+
 @dataclass
 class _Kept:
     """A partitioned graph kept from the warm-up compile for trace-once (before our passes)."""
@@ -147,15 +151,28 @@ class Backend:
     def run_passes(self, gm: fx.GraphModule, graph_id: int, kind: str) -> fx.GraphModule:
         t0 = time.perf_counter()
         self._observe(GraphVersion(graph_id, kind, "input", serialize(gm), step=self.step))
-        for entry in self.passes:
-            pdef = PASSES[entry.name]
-            ctx = PassContext(graph_id=graph_id, kind=kind, params=make_params(entry),
-                              param_meta=self.param_meta, world_size=self.world_size, rank=self.rank,
-                              profile=self.profile)
-            t1 = time.perf_counter()
-            gm = pdef.fn(gm, ctx)
-            self._observe(GraphVersion(graph_id, kind, entry.name, serialize(gm), ctx.notes,
-                                       time.perf_counter() - t1, step=self.step))
+        # every pass ends with gm.recompile() (Python code generation for the whole graph); only
+        # the last one's code is ever run, so the ones before it are skipped and the code is
+        # generated once below (an instance attribute over GraphModule.recompile, removed after)
+        first = gm
+        defer = len(self.passes) > 1 and isinstance(gm, fx.GraphModule)
+        if defer:
+            object.__setattr__(first, "recompile", _no_recompile)
+        try:
+            for entry in self.passes:
+                pdef = PASSES[entry.name]
+                ctx = PassContext(graph_id=graph_id, kind=kind, params=make_params(entry),
+                                  param_meta=self.param_meta, world_size=self.world_size, rank=self.rank,
+                                  profile=self.profile)
+                t1 = time.perf_counter()
+                gm = pdef.fn(gm, ctx)
+                self._observe(GraphVersion(graph_id, kind, entry.name, serialize(gm), ctx.notes,
+                                           time.perf_counter() - t1, step=self.step))
+        finally:
+            if defer:
+                first.__dict__.pop("recompile", None)
+        if defer:
+            gm.recompile()
         self.compiled[(graph_id, kind)] = gm
         seqcheck.register_nodes(graph_id, kind, gm)  # a collective timeout names the node it is in
         self.add_phase("passes", time.perf_counter() - t0)  # the record's serialization included
