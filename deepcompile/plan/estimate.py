@@ -55,12 +55,13 @@ HOST_US = {"node": 2.6, "matmul": 18.7, "attention": 81.0, "kernel": 4.7, "reduc
            "wait_allgather_many": 31.0, "release_param": 1.0, "end_backward": 141.0}
 
 # reduce_grads (one call per reduce bucket, passes/zero3.group_reduces, issue 16) is not measured
-# on a GPU yet: a call is charged as reduce_grad was (the dispatch, the wrapper's call, and the
-# flush it triggers, which every call but a graph's last does), plus "per_grad" for each
-# gradient it adds to the bucket (Runtime::add_grad: a lookup, a reshape, a push: a few us of C++;
-# a guess until the next GPU host profile measures it).
-HOST_US["reduce_grads"] = 70.0
-HOST_US["per_grad"] = 5.0
+# on a GPU yet. Most of reduce_grad's 70 us stays per gradient: on the CPU (1 rank, tiny
+# tensors, no profiler) a gradient costs ~0.8 us to add and ~8 us in its bucket's flush and
+# hand-over (coalesced reduce-scatter member, output slice, .grad view), and the call itself
+# ~1 us. So a call is charged 20 us and each gradient it hands over "per_grad" 50 us, until the
+# next GPU host profile splits the two.
+HOST_US["reduce_grads"] = 20.0
+HOST_US["per_grad"] = 50.0
 
 
 GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct")
