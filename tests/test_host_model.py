@@ -82,14 +82,21 @@ def _agree_host(rank: int, world: int):
     from deepcompile.profile.profiler import agree
 
     p = _gpu_profile({"dispatch_us": 3.0 + rank, "python_us": 0.1 * (2 - rank), "device": "x"})
-    return agree(p).host
+    n = p.graphs[(0, "forward")].nodes[0]
+    n.latency_ms, n.mem_after_bytes, n.peak_bytes, n.out_bytes = 1.0 + rank, 10 * (2 - rank), 7, 4
+    a = agree(p)
+    n = a.graphs[(0, "forward")].nodes[0]
+    return a.host, (n.latency_ms, n.mem_after_bytes, n.peak_bytes, n.out_bytes)
 
 
 def test_ranks_agree_on_the_slowest_host():
+    """The host numbers are agreed beside the nodes' measurements: neither overwrites the other
+    (on 2 H200s the nodes' values were once read from the host's reduced tensor: IndexError)."""
     from tests.dist_utils import run_ranks
 
-    a, b = run_ranks(_agree_host, 2, timeout=120)
+    (a, na), (b, nb) = run_ranks(_agree_host, 2, timeout=120)
     assert a == b and a["dispatch_us"] == 4.0 and a["python_us"] == 0.2 and a["device"] == "x"
+    assert na == nb == (2.0, 20, 7, 4)
 
 
 def test_the_report_says_how_the_host_model_was_calibrated(tmp_path, monkeypatch):

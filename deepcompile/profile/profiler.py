@@ -670,10 +670,10 @@ def agree(profile: Profile, group=None) -> Profile:
         h = torch.tensor([float(profile.host.get(k) or 0.0) for k in HOST_KEYS]
                          + [float(mine.get(k) or 0.0) for k in names], dtype=torch.float64, device=dev)
         dist.all_reduce(h, op=dist.ReduceOp.MAX, group=group)
-        vals = h.cpu().tolist()
-        profile.host = dict(profile.host, **{k: round(v, 4) for k, v in zip(HOST_KEYS, vals)})
+        hv = h.cpu().tolist()   # not `vals`: the nodes' agreed values are read from it below
+        profile.host = dict(profile.host, **{k: round(v, 4) for k, v in zip(HOST_KEYS, hv)})
         if mine:
-            profile.host["ops_us"] = {k: round(v, 3) for k, v in zip(names, vals[len(HOST_KEYS):]) if v > 0}
+            profile.host["ops_us"] = {k: round(v, 3) for k, v in zip(names, hv[len(HOST_KEYS):]) if v > 0}
     for k in keys:
         for n in profile.graphs[k].nodes:
             n.latency_ms, n.mem_after_bytes, n.peak_bytes, n.out_bytes = (
