@@ -249,32 +249,10 @@ std::vector<at::Tensor> Runtime::gather_persistent_many(const std::vector<at::Te
                                                         const std::vector<int64_t>& ids) {
   // The kept parameters of a graph in one coalesced collective (one launch, one wait) instead
   // of one synchronous gather each; those already kept (a later micro-batch, the backward) are
-  // returned as they are.
+  // returned as they are. The need-order groups' start and wait, back to back.
   TORCH_CHECK(shards.size() == ids.size(), "deepcompile: gather_persistent_many needs one id per shard");
-  std::vector<at::Tensor> missing_shards;
-  std::vector<int64_t> missing;
-  for (size_t i = 0; i < ids.size(); ++i) {
-    if (persistent_.find(ids[i]) == persistent_.end()) {
-      missing_shards.push_back(shards[i]);
-      missing.push_back(ids[i]);
-    } else {
-      stats_.persistent_hits += 1;
-    }
-  }
-  if (missing.size() == 1) {
-    start_allgather(missing_shards[0], missing[0]);
-  } else if (!missing.empty()) {
-    start_allgather_fused(missing_shards, missing);
-  }
-  if (!missing.empty()) {
-    // one host wait per collective (a fused gather's members finish together), not per parameter
-    std::vector<at::Tensor> got = finish_allgather_many(missing);
-    for (size_t i = 0; i < missing.size(); ++i) persistent_[missing[i]] = std::move(got[i]);
-  }
-  std::vector<at::Tensor> out;
-  out.reserve(ids.size());
-  for (int64_t id : ids) out.push_back(persistent_[id]);
-  return out;
+  start_persistent(shards, ids);
+  return finish_persistent(ids);
 }
 
 void Runtime::start_persistent(const std::vector<at::Tensor>& shards, const std::vector<int64_t>& ids) {
