@@ -392,6 +392,25 @@ def test_gather_links_without_graphs_pair_in_order():
                                                      ("allgather_param_x", "wait_allgather_y")]
 
 
+def test_gather_links_follow_the_kept_groups_start_to_wait():
+    """The default plan's kept parameters are gathered in need-order groups: each
+    gather_persistent_start is linked to the gather_persistent_wait that reads its handle, and the
+    wait counts as the compute stream waiting."""
+    from deepcompile.report import figures as F
+
+    evs = F.normalize([_ev("gather_persistent_start", "allgather", 0, 2), _ev("gather_persistent_start_1", "allgather", 2, 4),
+                       _ev("gather_persistent_wait", "compute", 3, 4), _ev("gather_persistent_wait_1", "compute", 6, 7)])
+    graphs = {(0, "forward"): [{"name": "gather_persistent_start", "args": []},
+                               {"name": "gather_persistent_start_1", "args": []},
+                               {"name": "gather_persistent_wait", "args": [{"node": "gather_persistent_start"}, [1, 2]]},
+                               {"name": "gather_persistent_wait_1", "args": [{"node": "gather_persistent_start_1"}, [3]]}]}
+    lk = F.gather_links(evs, graphs)
+    assert sorted((x["issue"], x["wait"]) for x in lk) == [("gather_persistent_start", "gather_persistent_wait"),
+                                                           ("gather_persistent_start_1", "gather_persistent_wait_1")]
+    assert F.is_wait({"node": "gather_persistent_wait_1", "op": ""})
+    assert not F.is_wait({"node": "gather_persistent_start_1", "op": ""})
+
+
 def test_memory_figure_stacks_categories_in_mib_or_gib_with_labelled_peaks():
     from deepcompile.report import figures as F
 

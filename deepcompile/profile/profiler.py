@@ -344,7 +344,8 @@ class ProfilingInterpreter(fx.Interpreter):
 
 
 # ---------------------------------------------------------------------------- memory timeline
-_GATHER_OPS = {"wait_allgather", "wait_allgather_many", "gather_persistent", "gather_persistent_many", "unshard"}
+_GATHER_OPS = {"wait_allgather", "wait_allgather_many", "gather_persistent", "gather_persistent_many",
+               "gather_persistent_wait", "unshard"}
 
 
 def _is_gather(n: fx.Node) -> bool:

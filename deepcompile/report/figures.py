@@ -36,10 +36,12 @@ SOURCE_TITLES = {"measured": "measured (profiled step)", "predicted": "predicted
 KIND_ORDER = {"forward": 0, "inference": 0, "backward": 1}
 COMM_STREAMS = ("allgather", "reduce")
 
-# an asynchronous gather and its wait (gather_persistent[_many] waits inside itself: nothing to link)
-_ISSUE = re.compile(r"^(dc::)?allgather_params?(_|$|\.)")
-_WAIT = re.compile(r"^(dc::)?wait_allgather(_many)?(_|$|\.)")
-_ANY_WAIT = re.compile(r"^(dc::)?wait_")
+# an asynchronous gather and its wait: prefetch's (allgather_params / wait_allgather_many) and the
+# kept parameters' need-order groups (gather_persistent_start / _wait); gather_persistent[_many]
+# waits inside itself: nothing to link
+_ISSUE = re.compile(r"^(dc::)?(allgather_params?|gather_persistent_start)(_|$|\.)")
+_WAIT = re.compile(r"^(dc::)?(wait_allgather(_many)?|gather_persistent_wait)(_|$|\.)")
+_ANY_WAIT = re.compile(r"^(dc::)?(wait_|gather_persistent_wait)")
 
 CATEGORY_COLORS = {"parameter_shards": "#4e79a7", "gathered": "#f28e2b", "gradients": "#9c6ade",
                    "optimizer_state": "#59a14f", "activations": "#e15759", "offloaded": "#bab0ac"}
