@@ -510,13 +510,21 @@ def load_checkpoint(path: str, model: DeepCompileModel, optimizer: torch.optim.O
     """Load a checkpoint written by ``save_checkpoint`` (or by ``dcp.save`` of ``get_state_dict``'s
     dicts under the keys ``"model"`` and ``"optim"``) into the model and the optimizer, on any
     number of ranks: ``get_state_dict``, ``dcp.load`` (which reads straight into the live shards)
-    and ``set_state_dict`` (which validates on every rank before it writes). A collective."""
+    and ``set_state_dict`` (which validates on every rank before it writes). A collective. Because
+    DCP writes into the live shards, a load that fails part-way (a missing file, a wrong shape)
+    leaves the model part-loaded: load it again or start over; the kept gathered copies are
+    dropped either way."""
     import torch.distributed.checkpoint as dcp
 
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, **({"optim": osd} if optimizer is not None else {})}
-    dcp.load(state, storage_reader=dcp.FileSystemReader(path))
-    set_state_dict(model, optimizer, msd, osd if optimizer is not None else None)
+    try:
+        # dcp.load reads straight into the live shards (no second copy of the state in memory), so
+        # a load that fails part-way leaves them part-loaded: load again, or re-initialize
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path))
+        set_state_dict(model, optimizer, msd, osd if optimizer is not None else None)
+    finally:
+        ops.C.invalidate_persistent()  # kept gathered copies never outlive the shards they came from
 
 
 def _gather_errors(model: DeepCompileModel, err: str | None) -> list[tuple[int, str]]:

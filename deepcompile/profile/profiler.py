@@ -673,7 +673,7 @@ def agree(profile: Profile, group=None) -> Profile:
         dist.all_reduce(h, op=dist.ReduceOp.MAX, group=group)
         hv = h.cpu().tolist()   # not `vals`: the nodes' agreed values are read from it below
         profile.host = dict(profile.host, **{k: round(v, 4) for k, v in zip(HOST_KEYS, hv)})
-        if mine:
+        if any(hv[len(HOST_KEYS):]):   # decided on the agreed values: every rank alike
             profile.host["ops_us"] = {k: round(v, 3) for k, v in zip(names, hv[len(HOST_KEYS):]) if v > 0}
     for k in keys:
         for n in profile.graphs[k].nodes:

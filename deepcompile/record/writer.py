@@ -102,7 +102,20 @@ def _step_split(mem: dict):
         from deepcompile.profile.profiler import step_split
     except ImportError:
         return None
-    return step_split(mem)
+    try:
+        return step_split(mem)
+    except Exception as e:  # noqa: BLE001 - bookkeeping must never stop the user's training loop
+        global _SPLIT_WARNED
+        if not _SPLIT_WARNED:
+            _SPLIT_WARNED = True
+            import warnings
+
+            warnings.warn(f"deepcompile: this step's memory split by category failed ({type(e).__name__}: {e}); "
+                          "steps.jsonl gets no split from now on errors like this", stacklevel=2)
+        return None
+
+
+_SPLIT_WARNED = False
 
 
 LAUNCHER_ENV = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK", "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE",
