@@ -5,6 +5,7 @@
 #include <chrono>
 #include <memory>
 #include <sstream>
+#include <unordered_set>
 
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
@@ -97,12 +98,14 @@ void Runtime::track_live(const at::Tensor& buffer, int64_t id) {
 std::vector<std::pair<int64_t, int64_t>> Runtime::reduce_storages() const {
   // distinct storages: a bucket entry that is the graph's own gradient may share its storage with
   // another entry (views of one buffer), and an in-flight input is a bucket entry's flat
+  // (read twice per flush, every step: a set, not a scan of what was added, so ZeRO-1's many
+  // local accumulations do not make it quadratic)
   std::vector<std::pair<int64_t, int64_t>> out;
-  auto add = [&out](const at::Tensor& t) {
+  std::unordered_set<int64_t> seen;
+  auto add = [&out, &seen](const at::Tensor& t) {
     if (!t.defined() || !t.has_storage()) return;
     const int64_t ptr = reinterpret_cast<int64_t>(t.storage().data());
-    for (auto& e : out)
-      if (e.first == ptr) return;
+    if (!seen.insert(ptr).second) return;
     out.emplace_back(ptr, static_cast<int64_t>(t.storage().nbytes()));
   };
   for (auto& kv : buckets_)

@@ -52,16 +52,15 @@ HOST_US = {"node": 2.6, "matmul": 18.7, "attention": 81.0, "kernel": 4.7, "reduc
            "gather_persistent": 13.4, "gather_persistent_many": 0.0, "per_param": 13.4,
            "gather_persistent_start": 40.0, "gather_persistent_wait": 31.0,
            "allgather_params": 424.0, "allgather_param": 60.0, "wait_allgather": 31.0,
-           "wait_allgather_many": 31.0, "release_param": 1.0, "end_backward": 141.0}
-
-# reduce_grads (one call per reduce bucket, passes/zero3.group_reduces, issue 16) is not measured
-# on a GPU yet. Most of reduce_grad's 70 us stays per gradient: on the CPU (1 rank, tiny
-# tensors, no profiler) a gradient costs ~0.8 us to add and ~8 us in its bucket's flush and
-# hand-over (coalesced reduce-scatter member, output slice, .grad view), and the call itself
-# ~1 us. So a call is charged 20 us and each gradient it hands over "per_grad" 50 us, until the
-# next GPU host profile splits the two.
-HOST_US["reduce_grads"] = 20.0
-HOST_US["per_grad"] = 50.0
+           "wait_allgather_many": 31.0, "release_param": 1.0, "end_backward": 141.0,
+           # reduce_grads: one call per reduce bucket (passes/zero3.group_reduces, issue 16). Most of
+           # reduce_grad's 70 us stays per gradient: on the CPU (1 rank, tiny tensors, no profiler) a
+           # gradient costs ~0.8 us to add and ~8 us in its bucket's flush and hand-over (coalesced
+           # reduce-scatter member, output slice, .grad view), the call itself ~1 us; on 2 H200s under
+           # the profiler 40 calls took 12.5 ms a step where 147 reduce_grad calls took 14.4
+           # (results/host_profile_dc_default_16l_s8_keep_reduce.log). So a call is charged 20 us and
+           # each gradient it hands over ("per_grad") 50 us.
+           "reduce_grads": 20.0, "per_grad": 50.0}
 
 
 GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct")
@@ -179,7 +178,7 @@ def inputs_of(n: dict) -> list[str]:
     return _refs([n.get("args"), n.get("kwargs")], [])
 
 
-INPUTS = "_inputs"  # a node dict's inputs_of, where its maker has them at hand (plan.whatif.model_nodes)
+INPUTS = "_inputs"  # a node dict's inputs_of, where its maker has them at hand (plan.runner.model_nodes)
 
 
 def inputs_by_name(nodes: list[dict]) -> dict[str, list[str]]:

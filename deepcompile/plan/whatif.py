@@ -50,7 +50,7 @@ import torch.fx as fx
 from deepcompile.params import ConfigError
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes
 from deepcompile.plan.planner import no_gc
-from deepcompile.plan.runner import FULL_KEPT, GraphRunner, merge, model_nodes  # noqa: F401 (re-exported)
+from deepcompile.plan.runner import GraphRunner
 
 __all__ = ["WhatIf", "WhatIfError", "predict_run", "predict_base", "variant", "plan_record", "rebuild", "param_meta", "load_base", "clear_cache",
            "MEMORY_CATEGORIES"]
@@ -467,12 +467,6 @@ def _resolve(entries, planning: bool) -> tuple[dict, dict, dict]:
 
 # ------------------------------------------------------------------------------------ running the passes
 # the runner (passes on graph copies, priced by the cost model) is the planner's too: plan/runner.py
-_Runner = GraphRunner
-_merge = merge
-
-
-def _kept(b: _Base, runner: GraphRunner, budget_mb: float) -> tuple[int, list[int]]:
-    return runner.kept(budget_mb)
 
 
 def _memory(pm: PlanMemory) -> tuple[dict, str]:
@@ -580,7 +574,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         fixed["selective_unshard"] = {"budget_mb": 0.0}
     if "prefetch" not in names:
         fixed["prefetch"] = {"budget_mb": 0.0, "fuse_mb": 0.0}
-    runner = _Runner(b, graph_names, explicit)
+    runner = GraphRunner(b, graph_names, explicit)
     facts = b.facts
     # the memory limit: the caller's, the config's, the run's plan's, or 90% of the device
     limit_src = "none"
@@ -621,7 +615,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         for k, v in fixed.items():
             if k not in names:
                 planned_hand[k] = v
-        plan = P.choose(facts, mem, lambda mb: _kept(b, runner, mb)[0], runner.step_ms, planned_hand,
+        plan = P.choose(facts, mem, lambda mb: runner.kept(mb)[0], runner.step_ms, planned_hand,
                         "cost model on the record's graphs (what-if)")
         plan_d = plan.to_dict()
         chosen = plan.chosen.params()
@@ -641,7 +635,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
 
     full = {n: dataclasses.asdict(build(PASSES[n].params_cls, params.get(n, {}), f"passes.{n}.params")) for n in names}
     su_mb = full["selective_unshard"]["budget_mb"] if "selective_unshard" in names else 0.0
-    kept, kept_ids = _kept(b, runner, su_mb) if su_mb > 0 else (0, [])
+    kept, kept_ids = runner.kept(su_mb) if su_mb > 0 else (0, [])
     pf = full.get("prefetch")
     ahead = prefetch_bytes(facts, kept, pf["budget_mb"], pf["fuse_mb"]) if pf else 0
     offloaded = 0
@@ -738,7 +732,7 @@ def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **cha
     cap = b.capacity or int(141.0 * GIB)
     limit = int(limit_gib * GIB) if limit_gib else int(P.DEFAULT_LIMIT_FRACTION * cap)
     mem = P.DeviceMemory(cap, cap, limit, f"limit {limit_gib:g} GiB" if limit_gib else "90% of the capacity")
-    runner = _Runner(b, ["prefetch", "selective_unshard"], {})
+    runner = GraphRunner(b, ["prefetch", "selective_unshard"], {})
     seen = []
 
     def timed(c):
@@ -746,6 +740,6 @@ def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **cha
         seen.append((c, t))
         return t
     timed.coarse_to_fine = getattr(runner.step_ms, "coarse_to_fine", False)
-    plan = P.choose(b.facts, mem, lambda mb: _kept(b, runner, mb)[0], timed, {},
+    plan = P.choose(b.facts, mem, lambda mb: runner.kept(mb)[0], timed, {},
                     "cost model on the record's graphs (offline)")
     return plan, b, seen
