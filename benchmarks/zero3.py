@@ -668,6 +668,11 @@ def train_steps(model, opt, autocast, batches, args):
         step_sync(args)
         if s == args.warmup - 1 or s == total - 1:
             sync(args)  # warm-up's tail is not the timed window's; the window ends with every stream done
+        if s == args.warmup - 1 and args.device == "cuda":
+            # the warm-up (compiles, the profiling step) and the steady state apart: the planner
+            # predicts the steady state's peak; a memory limit must hold for both
+            args.warmup_peak = torch.cuda.max_memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach().float().item()))
         del out, loss
@@ -783,6 +788,9 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
             times, losses = train_steps(model, opt, ac, batches, args)
             res["times_s"] = times
             res["host_times_s"] = list(getattr(args, "host_times", []))
+            if args.device == "cuda":
+                res["warmup_peak_gib"] = getattr(args, "warmup_peak", 0) / GIB
+                args.warmup_peak = 0
             res["losses"] = losses
             if args.device == "cuda":
                 res["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
@@ -880,6 +888,8 @@ def summarise(name, per_rank, args, world) -> dict:
         entry["peak_mem_gib"] = max(r["peak_alloc_gib"] for r in ran)
         # memory still allocated from earlier systems (a leak) would count in the peak: also net of it
         entry["peak_mem_net_gib"] = max(r["peak_alloc_gib"] - r["alloc_before_gib"] for r in ran)
+        entry["warmup_peak_mem_gib"] = max(r.get("warmup_peak_gib", 0.0) for r in ran)
+        entry["run_peak_mem_gib"] = max(entry["peak_mem_gib"], entry["warmup_peak_mem_gib"])
         entry["peak_reserved_gib_by_rank"] = {str(r["rank"]): r["peak_reserved_gib"] for r in ran}
         entry["setup_peak_gib_by_rank"] = {str(r["rank"]): r["setup_peak_gib"] for r in ran}
         entry["alloc_before_gib_by_rank"] = {str(r["rank"]): r["alloc_before_gib"] for r in ran}
@@ -1139,8 +1149,9 @@ def main(argv=None):
         "timing": "wall time per step (forward + backward + optimizer.step + zero_grad), torch.cuda.synchronize "
                   "before and after; per step the max over ranks; median of the timed steps after --warmup "
                   "untimed ones. compile_s = sum(warm-up steps) - warmup * median. Peak memory = "
-                  "torch.cuda.max_memory_allocated over the training steps only (reset after setup; the setup "
-                  "peak is recorded separately), per rank; peak_mem_net_gib subtracts what was still allocated "
+                  "torch.cuda.max_memory_allocated over the timed steps only (reset after setup and again after "
+                  "the warm-up steps; the setup peak and the warm-up's peak (compiles, profiling step) are "
+                  "recorded apart: warmup_peak_mem_gib, run_peak_mem_gib = the larger), per rank; peak_mem_net_gib subtracts what was still allocated "
                   "before the system started. Inductor's on-disk caches are left on, so a system compiled "
                   "after a similar one may show a shorter compile time.",
         "systems": {},

@@ -238,7 +238,7 @@ class Backend:
                 profiled = profiled_callable(g, sink)
                 if compiler == "profile" and not keep:
                     return profiled
-                fast = compat.interpret(g) if compiler == "eager" else compat.boxed(g.forward)
+                fast = compat.interpret(g) if compiler == "eager" else compat.boxed_graph(g)
 
                 # the same graph can be profiled in place (see profile_in_place)
                 def run(args):
@@ -323,7 +323,7 @@ class Backend:
                     elif compiler == "eager":
                         fn = compat.interpret(g)
                     else:
-                        fn = compat.boxed(g.forward)
+                        fn = compat.boxed_graph(g)
                 new.append((k, fn))
         except Exception as e:  # noqa: BLE001 - anything unexpected: re-trace, never run half-swapped
             why = str(e) if isinstance(e, _Mismatch) else f"unexpected {type(e).__name__}: {e}"
