@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import time
+import types
 import warnings
 import weakref
 from typing import Callable, Iterable
@@ -15,7 +16,7 @@ from deepcompile import compat
 from deepcompile.backend import Backend
 from deepcompile.config import Config
 from deepcompile.dynamic import DynamicDims
-from deepcompile.runtime import ops, optimizer_state, seqcheck
+from deepcompile.runtime import ops, optim_chunks, optimizer_state, seqcheck
 from deepcompile.runtime.offload import ENGINE
 from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
 
@@ -287,7 +288,7 @@ def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int, sync_only_at_
 
     set_sync()
 
-    def step(*args, **kwargs):
+    def step(_opt, *args, **kwargs):
         state["micro"] += 1
         set_sync()
         if state["micro"] % accumulation == 0:
@@ -300,7 +301,9 @@ def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int, sync_only_at_
             state["stepped"] = False
             inner_zero(set_to_none=set_to_none)
 
-    opt.step, opt.zero_grad = step, zero_grad
+    # a bound method, as torch's own: LRScheduler re-wraps ``optimizer.step`` through its ``__func__``
+    # (torch/optim/lr_scheduler.py, 2.11 and 2.13); a plain function made every scheduler fail
+    opt.step, opt.zero_grad = types.MethodType(step, opt), zero_grad
     opt.dc_micro_steps = lambda: state["micro"]
     opt.dc_next_is_boundary = next_is_boundary
     return opt
@@ -387,6 +390,9 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
                         "expected a torch.optim.Optimizer")
     opt.register_step_pre_hook(wrapped._dc_before_optimizer_step)
     opt.register_step_post_hook(wrapped._dc_on_optimizer_step)  # real steps only (not accumulation)
+    # the step's param groups in chunks (config optimizer_chunk_mb; 'auto': the planner sets it):
+    # bounds the foreach optimizers' group-sized temporaries; user-visible groups unchanged
+    object.__setattr__(wrapped, "dc_optim_chunks", optim_chunks.install(opt, cfg.optimizer_chunk_mb))
     opt = _wrap_optimizer(opt, cfg.gradient_accumulation_steps, cfg.zero_stage == 1)
     optimizer_state.MANAGER.attach(opt, opt.dc_next_is_boundary)  # idle unless offload_optimizer plans
     object.__setattr__(wrapped, "dc_next_is_boundary", opt.dc_next_is_boundary)

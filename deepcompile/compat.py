@@ -819,3 +819,17 @@ def warm_inductor_pool() -> bool:
         return False
     maybe_warm_pool()
     return True
+
+
+# --- optimizer chunks (runtime/optim_chunks.py) ---
+def default_foreach(params: list, differentiable: bool = False) -> bool:
+    """Whether torch's optimizers pick their foreach (multi-tensor) kernels for ``params`` when the
+    group says neither ``foreach`` nor ``fused``: ``torch.optim.optimizer._default_to_fused_or_foreach``
+    (private; same signature and meaning in 2.11 and 2.13: foreach where every parameter is a plain
+    Tensor/Parameter on a device with foreach kernels, CUDA, and not differentiable). Where this
+    torch lacks it: CUDA parameters only, its rule in those versions."""
+    try:
+        from torch.optim.optimizer import _default_to_fused_or_foreach
+    except ImportError:  # pragma: no cover - a torch that moved it
+        return not differentiable and bool(params) and all(p.device.type == "cuda" for p in params)
+    return bool(_default_to_fused_or_foreach(params, differentiable, use_fused=False)[1])

@@ -125,11 +125,17 @@ class Config:
     device_memory_gib: float | None = spec(None, min=0.001, max=1e6,
                                            help="the device's capacity for the planner (default: what CUDA reports; "
                                                 "on the CPU, MemTotal)")
+    optimizer_chunk_mb: Any = spec("auto", min=0.0, max=1e9,
+                                   help="optimizer.step() runs each param group in chunks of about this many MiB of "
+                                        "parameters (the user's param_groups and state dict do not change): bounds the "
+                                        "foreach optimizers' group-sized temporaries, the step's peak; 0: one chunk per "
+                                        "group; 'auto': the planner chooses (chunks only where that lets a faster plan fit)")
     plan: bool | None = spec(None, help="after the profile, fill the parameters not set by hand of prefetch and "
                                         "selective_unshard (adding offload_optimizer when nothing fits otherwise) from "
                                         "the profile and memory_limit_gib; default: on for the default ZeRO-3 plan")
 
     def validate(self, path: str = "config") -> None:
+        self.optimizer_chunk_mb = self._check_chunk_mb(self.optimizer_chunk_mb, f"{path}.optimizer_chunk_mb")
         first = "zero3" if self.zero_stage == 3 else "zero12"
         if self.zero_stage != 3 and [p if isinstance(p, str) else getattr(p, "name", p) for p in self.passes] == ["zero3"]:
             self.passes = ["zero12"]  # the default pass list names stage 3's lowering
@@ -140,6 +146,21 @@ class Config:
                 raise ConfigError(f"{path}.schedule[{i}].step: steps must increase and start above 0, got {e.step} after {last}")
             last = e.step
             e.passes = self._check_passes(e.passes, f"{path}.schedule[{i}].passes", first, self.zero_stage)
+
+    @staticmethod
+    def _check_chunk_mb(v: Any, path: str) -> "float | str":
+        """'auto' or a finite number of MiB in [0, 1e9] (the typed field is Any: a union of a string
+        choice and a number is not one of params' scalar types)."""
+        if isinstance(v, str) and v == "auto":
+            return v
+        if isinstance(v, str):
+            raise ConfigError(f"{path}: expected 'auto' or a number of MiB (0: no chunks), got {v!r}")
+        from dataclasses import fields
+
+        from deepcompile.params import _check_scalar
+
+        f = next(f for f in fields(Config) if f.name == "optimizer_chunk_mb")
+        return _check_scalar(path, v, float, f)
 
     @staticmethod
     def _check_passes(entries: list, path: str, first: str = "zero3", stage: int = 3) -> list:

@@ -17,7 +17,13 @@ optimizer step's peak. A plan differs from the profiled one only in what it adds
   to prefetch; adding the whole budget there over-predicted keep 448 MiB + prefetch 512 MiB by
   5.5% on 2 H200s (10.32 GiB against 9.78 measured; 9.82 with the bound);
 - optimizer state offloaded (``offload_optimizer``): off the device during forward and backward,
-  back for the step, so it lowers the forward/backward peak, not the step's.
+  back for the step, so it lowers the forward/backward peak, not the step's;
+- the optimizer step in chunks (``optimizer_chunk_mb``, :mod:`deepcompile.runtime.optim_chunks`):
+  the step's peak is shards + gradients + state + temporaries, and torch's foreach Adam/AdamW
+  allocates ``temp_factor`` state-sized copies of a whole param group at once (the profile measured
+  them for the groups as they were then). The temporaries are what the measured peak holds above
+  the known resident bytes; the share that scales (at most ``temp_factor`` x the largest group or
+  chunk profiled) scales with the largest chunk, the rest (other live buffers) stays.
 
 So ``peak = max(max over profiled nodes of (peak there + kept + min(prefetch, gathers still to come
 in its graph)) - offloaded, profiled optimizer peak)``.
@@ -58,6 +64,13 @@ class MemoryFacts:
     # other node beats on both, so a plan's peak is the max over them of peak + kept + what
     # prefetch can hold ahead there (empty: unknown, the whole budget is added to fb_peak)
     ahead: list[tuple[int, int]] = field(default_factory=list)
+    # the optimizer's param groups, each as its parameters' bytes in order (what chunks are cut
+    # from), the state-sized copies of a group its step allocates at once (0: none that scale:
+    # fused, foreach=False, an optimizer we do not know), and the chunk size in force when
+    # optimizer_peak was measured (0: the whole groups)
+    opt_groups: list[list[int]] = field(default_factory=list)
+    opt_temp_factor: float = 0.0
+    opt_profiled_chunk: int = 0
 
     @property
     def gathered_total(self) -> int:
@@ -130,9 +143,29 @@ def prefetch_bytes(facts: MemoryFacts, kept: int, budget_mb: float, fuse_mb: flo
     return max(0, min(ahead, facts.gathered_total - kept))
 
 
-def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0) -> PlanMemory:
+def optimizer_peak(facts: MemoryFacts, chunk_mb: float | None = None) -> int:
+    """The optimizer step's peak with its groups stepped in chunks of ``chunk_mb`` MiB (0: whole
+    groups; None: as profiled). See the module doc; where nothing is known to scale (no groups,
+    ``opt_temp_factor`` 0) it is the profiled peak."""
+    from deepcompile.runtime.optim_chunks import largest_chunk
+
+    if chunk_mb is None or not facts.opt_groups or facts.opt_temp_factor <= 0:
+        return facts.optimizer_peak
+    known = facts.shard_bytes + facts.grad_bytes + facts.state_bytes
+    temp = max(0, facts.optimizer_peak - known)
+    g0 = largest_chunk(facts.opt_groups, facts.opt_profiled_chunk)
+    g1 = largest_chunk(facts.opt_groups, int(chunk_mb * MIB))
+    if g0 <= 0:
+        return facts.optimizer_peak
+    scales = min(temp, int(facts.opt_temp_factor * g0))
+    return int(facts.optimizer_peak - scales + scales * g1 / g0)
+
+
+def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0,
+                chunk_mb: float | None = None) -> PlanMemory:
     """The predicted memory of a plan that keeps ``kept`` bytes gathered, prefetches up to
-    ``prefetch`` bytes and offloads ``offloaded`` bytes of optimizer state (see the module doc)."""
+    ``prefetch`` bytes, offloads ``offloaded`` bytes of optimizer state and steps the optimizer in
+    chunks of ``chunk_mb`` MiB (None: as profiled; see the module doc)."""
     offloaded = max(0, min(offloaded, facts.state_bytes))
     at, ahead = facts.fb_peak, prefetch
     if facts.ahead and prefetch > 0:
@@ -140,7 +173,7 @@ def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0
         shift = facts.fb_peak - max(p for p, _ in facts.ahead)
         at, ahead = max(((p + shift, min(prefetch, r)) for p, r in facts.ahead), key=lambda x: x[0] + x[1])
     fb = at + kept + ahead - offloaded
-    opt = facts.optimizer_peak
+    opt = optimizer_peak(facts, chunk_mb)
     grads = facts.grad_bytes + facts.reduce_bytes
     known = facts.shard_bytes + facts.state_bytes + grads
     return PlanMemory(parameter_shards=facts.shard_bytes, optimizer_state=facts.state_bytes - offloaded,
@@ -150,7 +183,8 @@ def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0
 
 
 def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, grad_bytes: int | None = None,
-                       reduce_bytes: int = 0) -> MemoryFacts:
+                       reduce_bytes: int = 0, opt_groups: list[list[int]] | None = None, opt_temp_factor: float = 0.0,
+                       opt_profiled_chunk: int = 0) -> MemoryFacts:
     """MemoryFacts of a run: the agreed profile's peaks, the parameters' sizes (``param_meta``:
     id -> ParamMeta) and the optimizer's state bytes. The plan's own offload points
     (``reload_optimizer_state``) are left out of the peak, as ``offload_optimizer`` does."""
@@ -186,7 +220,9 @@ def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, 
         opt_peak = shards + grads + state_bytes
     return MemoryFacts(fb_peak=int(best), optimizer_peak=opt_peak, shard_bytes=shards, grad_bytes=grads,
                        state_bytes=int(state_bytes), reduce_bytes=int(reduce_bytes), gathered=gathered,
-                       fb_peak_at=where, ahead=_frontier([(p + extra, r) for p, r in points]))
+                       fb_peak_at=where, ahead=_frontier([(p + extra, r) for p, r in points]),
+                       opt_groups=[list(map(int, g)) for g in (opt_groups or [])],
+                       opt_temp_factor=float(opt_temp_factor), opt_profiled_chunk=int(opt_profiled_chunk))
 
 
 def _waits(name: str) -> bool:

@@ -32,13 +32,21 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from deepcompile.plan.estimate import fmt_bytes
-from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes, resident_bytes
+from deepcompile.plan.memory import (GIB, MIB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory, prefetch_bytes,
+                                     resident_bytes)
 
 DEFAULT_LIMIT_FRACTION = 0.9
 PREFETCH_LEVELS_MB = (2048.0, 512.0, 64.0, 0.0)  # how far ahead gathers may run
 KEEP_FRACTIONS = (1.0, 0.5, 0.25, 0.0)           # of all parameters' gathered bytes
 KEEP_SMALL_MB = 64.0  # and the constant the default plan kept before the planner (its small parameters)
 FUSE_MB = 128.0                                  # coalesced group size, never above the prefetch budget
+# optimizer.step() in chunks (optimizer_chunk_mb 'auto'): the sizes tried, largest first, when the
+# step's unchunked peak is above the limit; each extra chunk group costs the host one more pass of
+# the optimizer's per-group Python and ~12 foreach launches: 0.04 ms a chunk measured on a CPU
+# (AdamW foreach, a 16-layer GPT's 180 shards, 1 vs 9 chunks: 3.0 -> 3.3 ms), taken as 0.1 ms with
+# CUDA's launches. Not negligible beside a host-bound 45 ms step, so chunks only where needed.
+CHUNK_LEVELS_MB = (2048.0, 1024.0, 512.0, 256.0, 128.0, 64.0, 32.0)
+CHUNK_HOST_MS = 0.1
 HOST_BYTES_PER_US = 38e3  # pinned host <-> device, both ranks of a host copying at once (2 H200s: 37.9 GB/s each)
 PLANNED = {"selective_unshard": ("budget_mb",), "prefetch": ("budget_mb", "fuse_mb"),
            "offload_optimizer": ("limit_mb", "plan_extra_mb", "final_reload")}
@@ -126,6 +134,7 @@ class Candidate:
     offloaded: int                   # optimizer state bytes offloaded
     memory: PlanMemory | None = None
     step_ms: float = math.inf
+    chunk_mb: float | None = None    # optimizer.step() chunk size (0: whole groups; None: as profiled)
 
     def params(self) -> dict[str, dict]:
         out = {"selective_unshard": {"budget_mb": self.keep_mb},
@@ -137,7 +146,7 @@ class Candidate:
         return out
 
     def summary(self) -> dict:
-        return {"params": self.params(), "step_ms": round(self.step_ms, 3),
+        return {"params": self.params(), "optimizer_chunk_mb": self.chunk_mb, "step_ms": round(self.step_ms, 3),
                 "peak_bytes": self.memory.peak, "peak_gib": round(self.memory.peak / GIB, 3),
                 "memory": self.memory.to_dict(), "kept_bytes": self.kept, "offloaded_bytes": self.offloaded}
 
@@ -175,6 +184,8 @@ class Plan:
              f"prefetch.budget_mb {p['prefetch']['budget_mb']:g}, fuse_mb {p['prefetch']['fuse_mb']:g}")
         if c.offload_limit_mb is not None:
             s += f", offload {fmt_bytes(c.offloaded)} of optimizer state (limit_mb {c.offload_limit_mb:g})"
+        if c.chunk_mb:
+            s += f", optimizer.step in chunks of {c.chunk_mb:g} MiB (optimizer_chunk_mb)"
         return s + (f"; predicted {c.step_ms:.1f} ms, peak {fmt_bytes(c.memory.peak)} "
                     f"of a {fmt_bytes(self.memory.limit)} limit ({self.memory.source})")
 
@@ -221,15 +232,48 @@ def candidates(facts: MemoryFacts, kept_bytes: Callable[[float], int], hand: dic
     return out
 
 
+def chunk_for(facts: MemoryFacts, limit: int, hand: dict | None = None) -> float | None:
+    """The optimizer step's chunk size (MiB) for a limit: hand-set (``hand["optimizer"]["chunk_mb"]``)
+    as it is; else 0 (whole groups, no host cost) where the unchunked step fits, else the largest
+    of ``CHUNK_LEVELS_MB`` whose predicted step peak fits; None where no chunk size is predicted
+    to fit (the model knows no temporaries that scale, or even the smallest chunk is too big).
+    The step's peak does not depend on the rest of the plan (kept copies are dropped before it),
+    so chunking never makes one plan fit and not another: it makes the step fit, or not."""
+    h = (hand or {}).get("optimizer", {})
+    if "chunk_mb" in h:
+        return float(h["chunk_mb"])
+    if optimizer_peak(facts, 0.0) <= limit + ALLOCATOR_SLACK:
+        return 0.0
+    if not facts.opt_groups or facts.opt_temp_factor <= 0:
+        return None
+    for mb in CHUNK_LEVELS_MB:
+        if optimizer_peak(facts, mb) <= limit + ALLOCATOR_SLACK:
+            return mb
+    return None
+
+
+def chunk_ms(facts: MemoryFacts, chunk_mb: float | None) -> float:
+    """Host time the chunk groups add to a step (``CHUNK_HOST_MS`` per group beyond the user's)."""
+    if not chunk_mb or not facts.opt_groups:
+        return 0.0
+    from deepcompile.runtime.optim_chunks import count_chunks
+
+    extra = count_chunks(facts.opt_groups, int(chunk_mb * MIB)) - sum(1 for g in facts.opt_groups if g)
+    return CHUNK_HOST_MS * max(0, extra)
+
+
 def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], int],
            step_ms: Callable[[Candidate], float], hand: dict | None = None, time_model: str = "",
            offload_headroom_mb: float = 1024.0, allow_offload: bool = True) -> Plan:
     """The fastest predicted candidate whose predicted peak is within ``mem.limit``; offload
-    only when no candidate fits without it. Raises PlanError when nothing fits."""
+    only when no candidate fits without it; the optimizer step in chunks only when its unchunked
+    peak is above the limit (:func:`chunk_for`). Raises PlanError when nothing fits."""
     hand = hand or {}
     cands = candidates(facts, kept_bytes, hand)
+    chunk = chunk_for(facts, mem.limit, hand)
     for c in cands:
-        c.memory = plan_memory(facts, c.kept, c.prefetch)
+        c.chunk_mb = chunk
+        c.memory = plan_memory(facts, c.kept, c.prefetch, chunk_mb=0.0 if chunk is None else chunk)
     fit = [c for c in cands if c.memory.peak <= mem.limit + ALLOCATOR_SLACK]
     offloading = False
     if not fit and allow_offload:
@@ -238,15 +282,15 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
         room = mem.limit - headroom
         for c in cands:
             need = c.memory.fb_peak - room
-            if 0 < need <= facts.state_bytes and facts.optimizer_peak <= mem.limit + ALLOCATOR_SLACK:
+            if 0 < need <= facts.state_bytes and c.memory.optimizer_peak <= mem.limit + ALLOCATOR_SLACK:
                 c.offloaded = int(need)
                 c.offload_limit_mb = hand.get("offload_optimizer", {}).get("limit_mb", round(mem.limit / MIB, 3))
-                c.memory = plan_memory(facts, c.kept, c.prefetch, c.offloaded)
+                c.memory = plan_memory(facts, c.kept, c.prefetch, c.offloaded, chunk_mb=c.chunk_mb)
                 fit.append(c)
         offloading = True
     if not fit:
         raise PlanError(_nothing_fits(facts, mem, cands, offload_headroom_mb))
-    priced = price(fit, step_ms)
+    priced = price(fit, _with_chunks(step_ms, facts))
     # fastest first; a tie goes to the plan that uses less memory. When the limit binds nothing
     # (every candidate fits), plans within HOST_TIE of the fastest are a tie for the cost model,
     # which prices the GPU's timeline, not the host's: there the tie goes to the plan that keeps
@@ -265,11 +309,22 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
     why = (f"fastest predicted of {len(fit)} plans within the limit (of {len(cands)} considered"
            + (f"; {priced} priced, the rest cut by the coarse-to-fine search" if priced < len(fit) else "") + ")"
            + ("; none fit without offloading optimizer state" if offloading else ""))
+    if chunk:
+        why += (f"; optimizer.step in chunks of {chunk:g} MiB: its whole-group peak "
+                f"{fmt_bytes(optimizer_peak(facts, 0.0))} is above the limit, chunked {fmt_bytes(best.memory.optimizer_peak)}")
     if runner is not None:
         why += (f"; runner-up {runner.step_ms:.1f} ms at {fmt_bytes(runner.memory.peak)} "
                 f"(keep {runner.keep_mb:g} MiB, prefetch {runner.prefetch_mb:g} MiB)")
     return Plan(best, runner, mem, facts, dict(hand),
                 time_model, len(cands), len(fit), why)
+
+
+def _with_chunks(step_ms: Callable[[Candidate], float], facts: MemoryFacts) -> Callable[[Candidate], float]:
+    """``step_ms`` plus the chunk groups' host time; keeps the timer's ``coarse_to_fine``."""
+    def timed(c: Candidate) -> float:
+        return float(step_ms(c)) + chunk_ms(facts, c.chunk_mb)
+    timed.coarse_to_fine = getattr(step_ms, "coarse_to_fine", False)
+    return timed
 
 
 REFINE_WITHIN = 0.10  # coarse-to-fine: a group's middle prefetch budgets are priced within this of the best
@@ -321,11 +376,18 @@ def price(fit: list[Candidate], step_ms: Callable[[Candidate], float]) -> int:
 def _nothing_fits(facts: MemoryFacts, mem: DeviceMemory, cands: list[Candidate], headroom_mb: float) -> str:
     smallest = min(cands, key=lambda c: c.memory.peak)
     fb_min = smallest.memory.fb_peak - facts.state_bytes + headroom_mb * MIB  # all state offloaded
-    need = max(min(smallest.memory.peak, max(fb_min, facts.optimizer_peak)), facts.optimizer_peak)
+    opt_peak = smallest.memory.optimizer_peak
+    chunked = ""
+    if smallest.chunk_mb is None and facts.opt_groups and facts.opt_temp_factor > 0:  # auto, none fit
+        opt_peak = optimizer_peak(facts, CHUNK_LEVELS_MB[-1])
+        chunked = f" in chunks of {CHUNK_LEVELS_MB[-1]:g} MiB"
+    elif smallest.chunk_mb:
+        chunked = f" in chunks of {smallest.chunk_mb:g} MiB"
+    need = max(min(smallest.memory.peak, max(fb_min, opt_peak)), opt_peak)
     short = need - mem.limit
     act = smallest.memory.activations
-    if facts.optimizer_peak > mem.limit:
-        where = (f"the optimizer step alone peaks at {facts.optimizer_peak / GIB:.2f} GiB (shards, gradients and "
+    if opt_peak > mem.limit:
+        where = (f"the optimizer step alone peaks at {opt_peak / GIB:.2f} GiB{chunked} (shards, gradients and "
                  f"{facts.state_bytes / GIB:.2f} GiB of state, which offloading cannot take off the step), and "
                  f"forward/backward needs {fb_min / GIB:.2f} GiB at least")
         knob = ("spread the model over more ranks (smaller shards and state) or raise memory_limit_gib"
@@ -450,9 +512,18 @@ def plan_model(model, entries: list) -> list:
     full = sum(m.chunk * b.world_size for m in b.param_meta.values() if m.requires_grad)
     reduce_bytes = (min(cfg.reduce_bucket_size * cfg.max_inflight_reduces, full)
                     * torch.empty((), dtype=rdt).element_size())  # buckets never outgrow the gradients
-    facts = facts_from_profile(prof, b.param_meta, b.world_size, state, reduce_bytes=reduce_bytes)
+    chunks = getattr(model, "dc_optim_chunks", None)   # runtime.optim_chunks (None: not chunkable, or off by hand)
+    opt_kw = {}
+    if chunks is not None:
+        from deepcompile.runtime import optim_chunks
+
+        opt_kw = dict(opt_groups=optim_chunks.group_sizes(chunks.opt), opt_temp_factor=optim_chunks.temp_factor(chunks.opt),
+                      opt_profiled_chunk=chunks.chunk_bytes)
+    facts = facts_from_profile(prof, b.param_meta, b.world_size, state, reduce_bytes=reduce_bytes, **opt_kw)
     mem = agree_memory(local_memory(device, cfg.device_memory_gib), cfg.memory_limit_gib, model.dc_group)
     hand = hand_set(entries)
+    if cfg.optimizer_chunk_mb != "auto":   # set by hand: planned around, as a pass parameter is
+        hand["optimizer"] = {"chunk_mb": float(cfg.optimizer_chunk_mb)}
 
     def ctx(gid, kind, name, params):
         from deepcompile.params import build
@@ -497,6 +568,8 @@ def plan_model(model, entries: list) -> list:
     with no_gc():
         plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom)
     plan.hand_set = hand
+    if chunks is not None and cfg.optimizer_chunk_mb == "auto":
+        chunks.set_chunk_mb(plan.chosen.chunk_mb or 0.0)   # from the next optimizer.step()
     out = apply(entries, plan)
     plan.passes = [{"name": e.name, "params": dict(e.params)} for e in out]
     d = plan.to_dict()

@@ -82,7 +82,12 @@ class OptimizerStateOffload:
         if self.opt is None:
             return []
         out = []
-        for gi, group in enumerate(self.opt.param_groups):
+        # keyed by the user's groups: during step() param_groups is the chunk view
+        # (runtime.optim_chunks), which leaves the user's list in ``dc_user_param_groups``; a
+        # tensor sent out in the post-step hook is found again by the same key from the graph
+        # and from a state_dict() hook
+        groups = getattr(self.opt, "dc_user_param_groups", None) or self.opt.param_groups
+        for gi, group in enumerate(groups):
             for pi, p in enumerate(group["params"]):
                 st = self.opt.state.get(p, {})
                 for name in sorted(st):

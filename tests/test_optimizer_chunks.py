@@ -1,0 +1,255 @@
+"""optimizer.step() in chunk groups (deepcompile.runtime.optim_chunks, config optimizer_chunk_mb).
+
+- Numerics: the chunked step equals the unchunked one bit for bit (foreach, single-tensor and fused
+  AdamW, two user groups, an LR scheduler), and on 2 gloo ranks (ZeRO-3, the tiny GPT) over several
+  steps, parameters and optimizer state alike.
+- The user's view: ``param_groups`` and ``state_dict()`` (and deepcompile's DCP state dict) are the
+  same objects and shapes as without chunks; an LR the user sets between steps reaches every chunk;
+  ``load_state_dict`` (which replaces the group dicts) is followed.
+- Offloaded optimizer state (runtime.optimizer_state) keyed alike inside and outside the step.
+- The planner's memory model: chunks lower the predicted optimizer peak by the scaling share of the
+  temporaries only; ``choose`` chunks under a limit the whole-group step exceeds, not otherwise, and a
+  hand-set size is kept.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepcompile.plan import planner as P
+from deepcompile.plan.cost_model import CommModel
+from deepcompile.plan.memory import GIB, MIB, MemoryFacts, optimizer_peak, plan_memory
+from deepcompile.runtime import optim_chunks as OC
+from tests.dist_utils import run_ranks
+
+
+def test_split_cuts_in_parameter_order():
+    assert OC.split([4, 4, 4, 4], 8) == [(0, 2), (2, 4)]
+    assert OC.split([4, 4, 4, 4], 0) == [(0, 4)]
+    assert OC.split([10, 1, 1], 4) == [(0, 1), (1, 3)]     # a parameter larger than a chunk is a chunk
+    assert OC.largest_chunk([[4, 4, 4, 4], [3]], 8) == 8
+    assert OC.count_chunks([[4, 4, 4, 4], [3]], 8) == 3
+
+
+# ------------------------------------------------------------------------------------ one process
+SIZES = [1000, 300, 5000, 20, 7000, 100] * 3
+
+
+def _train(chunk_bytes: int, steps: int = 4, lr_at: dict | None = None, **opt_kw):
+    torch.manual_seed(0)
+    qs = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
+    opt = torch.optim.AdamW([{"params": qs[:10]}, {"params": qs[10:], "lr": 1e-2}], lr=1e-3, weight_decay=0.1,
+                            **opt_kw)
+    seen = []   # the chunk view's learning rates, from inside the step
+    opt.register_step_pre_hook(lambda o, *_: seen.append([g["lr"] for g in o.param_groups]))
+    ch = OC.OptimizerChunks(opt, chunk_bytes) if chunk_bytes else None
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for i in range(steps):
+        for q in qs:
+            q.grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(100 * i + q.numel()))
+        if lr_at and i in lr_at:
+            opt.param_groups[0]["lr"] = lr_at[i]   # the user, between steps
+        opt.step()
+        sched.step()
+    return qs, opt, ch, seen
+
+
+@pytest.mark.parametrize("kw", [{"foreach": True}, {"foreach": False}, {"fused": True}],
+                         ids=["foreach", "single_tensor", "fused"])
+def test_chunked_step_is_bitwise_the_unchunked_one(kw):
+    a, oa, _, _ = _train(0, **kw)
+    b, ob, ch, seen = _train(8000, **kw)
+    assert ch.last_chunks > 2 and len(seen[-1]) == ch.last_chunks
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    sa, sb = oa.state_dict(), ob.state_dict()
+    assert sa["param_groups"] == sb["param_groups"] and len(ob.param_groups) == 2
+    for k in sa["state"]:
+        for n in sa["state"][k]:
+            assert torch.equal(sa["state"][k][n], sb["state"][k][n]), (k, n)
+
+
+def test_user_lr_and_load_state_dict_reach_every_chunk():
+    _, opt, ch, seen = _train(8000, steps=3, lr_at={2: 0.125})
+    first_group = len(OC.split([s * 4 for s in SIZES[:10]], 8000))
+    # step 2: the scheduler's own value (1e-3 * 0.5**2) replaced by the user's in every chunk of group 0
+    assert seen[2][:first_group] == [0.125] * first_group and first_group > 1
+    assert seen[2][first_group:] == [1e-2 * 0.25] * (len(seen[2]) - first_group)
+    assert [g["lr"] for g in opt.param_groups] == [0.0625, 1e-2 * 0.125]   # the scheduler's step after it
+    # load_state_dict builds new group dicts: the chunks follow them
+    sd = opt.state_dict()
+    sd["param_groups"][1]["lr"] = 7.0
+    opt.load_state_dict(sd)
+    seen.clear()
+    for g in opt.param_groups:
+        for p in g["params"]:
+            p.grad = torch.zeros_like(p)
+    opt.step()
+    assert seen[0][first_group:] == [7.0] * (len(seen[0]) - first_group)
+    assert len(opt.param_groups) == 2 and not hasattr(opt, "dc_user_param_groups")
+
+
+def test_step_failure_restores_the_user_groups():
+    qs = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
+    opt = torch.optim.AdamW(qs, lr=1e-3, foreach=True)
+    OC.OptimizerChunks(opt, 8000)
+    groups = opt.param_groups
+
+    def boom(*_):
+        raise RuntimeError("boom")
+    opt.register_step_pre_hook(boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    assert opt.param_groups is groups and len(groups) == 1
+
+
+def test_offloaded_state_keys_agree_inside_and_outside_the_step():
+    from deepcompile.runtime.optimizer_state import OptimizerStateOffload
+
+    qs = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
+    opt = torch.optim.AdamW(qs, lr=1e-3, foreach=True)
+    OC.OptimizerChunks(opt, 8000)
+    m = OptimizerStateOffload()
+    m.attach(opt)
+    try:
+        m.plan(None)   # everything, sent out by the post-step hook: inside the chunk view
+        for q in qs:
+            q.grad = torch.ones_like(q)
+        opt.step()
+        assert m.offloaded and all(k[1] == 0 for k, _ in m.offloaded)   # the user's one group
+        keys = [k for k, _ in m.offloaded]
+        assert keys == [k for k, _ in m.state_tensors()]               # the same keys outside the step
+        sd = opt.state_dict()                                           # its pre-hook brings them back
+        assert not m.offloaded and torch.isfinite(sd["state"][0]["exp_avg_sq"]).all()
+        opt.step()   # and the next step offloads and steps again
+    finally:
+        m.detach()
+
+
+def test_install_and_config():
+    from deepcompile import Config, ConfigError
+
+    assert Config.load({}).optimizer_chunk_mb == "auto"
+    assert Config.load({"optimizer_chunk_mb": 256}).optimizer_chunk_mb == 256.0
+    with pytest.raises(ConfigError, match=r"config.optimizer_chunk_mb: expected 'auto' or a number"):
+        Config.load({"optimizer_chunk_mb": "big"})
+    with pytest.raises(ConfigError, match=r"config.optimizer_chunk_mb: -1.0 is below the minimum"):
+        Config.load({"optimizer_chunk_mb": -1})
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert OC.install(torch.optim.LBFGS(p), "auto") is None                # not per-group: left alone
+    with pytest.raises(TypeError, match="LBFGS is not one of torch's per-group optimizers"):
+        OC.install(torch.optim.LBFGS(p), 64)
+    assert OC.install(torch.optim.AdamW(p), 0) is None
+    assert OC.install(torch.optim.AdamW(p), "auto").chunk_bytes == 0       # off until the planner says
+    assert OC.temp_factor(torch.optim.AdamW(p, foreach=True)) == 1.0
+    assert OC.temp_factor(torch.optim.Adam(p, foreach=True, weight_decay=0.1)) == 2.0
+    assert OC.temp_factor(torch.optim.AdamW(p, fused=True)) == 0.0
+    assert OC.temp_factor(torch.optim.AdamW(p, foreach=False)) == 0.0
+    assert OC.temp_factor(torch.optim.SGD(p, lr=0.1, foreach=True)) == 0.0
+
+
+# ------------------------------------------------------------------------------------ 2 gloo ranks
+def _ranks(rank: int, world: int):
+    import deepcompile
+    from deepcompile.checkpoint import get_state_dict
+    from tests.workloads import LOCAL_BATCH, global_batch, make_model
+
+    out = {}
+    for chunk in (0, 0.004):   # 0.004 MiB: ~1000 floats, every GPT block split in several chunks
+        model, opt = deepcompile.initialize(
+            make_model(), lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, foreach=True),
+            {"compiler": "aot_eager", "passes": ["zero3"], "optimizer_chunk_mb": chunk})
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        losses = []
+        for s in range(4):
+            x, y = global_batch(s, 0, world)
+            sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+            loss = model(x[sl], y[sl])
+            loss.backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        ch = model.dc_optim_chunks
+        _, osd = get_state_dict(model, opt)
+        out[chunk] = {"losses": losses, "chunks": ch.last_chunks if ch else len(opt.param_groups),
+                      "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                      "osd_groups": osd["param_groups"],
+                      "osd_state": {k: {n: _local(v) for n, v in d.items()} for k, d in osd["state"].items()},
+                      "params": [p.detach().clone() for p in model.parameters()]}
+        deepcompile.destroy(model)
+    return out
+
+
+def _local(v):
+    """A plain tensor of this rank's values (DCP's state dict holds DTensors: not for the parent)."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    return (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+
+
+def test_zero3_two_ranks_match_unchunked_bitwise():
+    for r in run_ranks(_ranks, 2, timeout=240):
+        a, b = r[0], r[0.004]
+        assert a["chunks"] == 1 and b["chunks"] > 4
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+        assert a["groups"] == b["groups"] and a["osd_groups"] == b["osd_groups"]
+        assert a["osd_state"].keys() == b["osd_state"].keys()
+        for k in a["osd_state"]:
+            for n, v in a["osd_state"][k].items():
+                w = b["osd_state"][k][n]
+                assert (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w), (k, n)
+
+
+# ------------------------------------------------------------------------------------ the planner
+# 8 GiB model state as the 953M Llama's on 2 H200s in shape: shards 1.78, gradients 1.78, AdamW
+# state 3.55, one group of 147 parameters; the step measured 9.065 GiB (foreach temporaries 1.78 +
+# 0.18 of other live buffers); forward/backward 8.5 GiB
+GROUP = [int(1.776 * GIB / 147)] * 147
+FACTS = MemoryFacts(fb_peak=int(8.5 * GIB), optimizer_peak=int(9.065 * GIB), shard_bytes=sum(GROUP),
+                    grad_bytes=sum(GROUP), state_bytes=2 * sum(GROUP), gathered={i: 64 * MIB for i in range(8)},
+                    opt_groups=[GROUP], opt_temp_factor=1.0)
+COMM = CommModel(alpha_us=50.0, bytes_per_us=20e3, copy_bytes_per_us=2e6)
+
+
+def _choose(limit_gib: float, hand=None, facts=FACTS):
+    mem = P.DeviceMemory(capacity=141 * GIB, available=141 * GIB, limit=int(limit_gib * GIB), source="test")
+    kept = lambda mb: min(8, int(mb * MIB // (64 * MIB))) * 64 * MIB  # noqa: E731
+    timer = lambda c: P.analytic_step_ms(c, facts, COMM, compute_ms=20.0, optimizer_ms=10.0)  # noqa: E731
+    return P.choose(facts, mem, kept, timer, hand or {}, "analytic")
+
+
+def test_memory_model_lowers_the_optimizer_peak_with_chunks():
+    known = FACTS.shard_bytes + FACTS.grad_bytes + FACTS.state_bytes
+    assert optimizer_peak(FACTS, None) == optimizer_peak(FACTS, 0.0) == FACTS.optimizer_peak
+    other = FACTS.optimizer_peak - known - sum(GROUP)        # the part that does not scale (0.18 GiB)
+    for mb in (1024.0, 256.0, 64.0):
+        chunk = OC.largest_chunk([GROUP], int(mb * MIB))
+        assert abs(optimizer_peak(FACTS, mb) - (known + other + chunk)) <= 1, mb
+    assert plan_memory(FACTS, 0, 0, chunk_mb=256.0).optimizer_peak < FACTS.optimizer_peak - GIB
+    # nothing known to scale (fused / foreach=False / unknown optimizer): no predicted gain
+    from dataclasses import replace
+
+    assert optimizer_peak(replace(FACTS, opt_temp_factor=0.0), 64.0) == FACTS.optimizer_peak
+    # profiled already in chunks of 256 MiB: the measured temporaries are a chunk's, scaled from there
+    prof256 = replace(FACTS, optimizer_peak=optimizer_peak(FACTS, 256.0), opt_profiled_chunk=256 * MIB)
+    assert abs(optimizer_peak(prof256, 0.0) - FACTS.optimizer_peak) <= 2
+    assert P.chunk_ms(FACTS, 256.0) == pytest.approx(P.CHUNK_HOST_MS * (len(OC.split(GROUP, 256 * MIB)) - 1))
+
+
+def test_planner_chunks_only_under_a_limit_the_whole_group_step_exceeds():
+    roomy = _choose(20.0)
+    assert roomy.chosen.chunk_mb == 0.0 and roomy.chosen.offload_limit_mb is None
+    fits = _choose(9.07)   # FSDP2's peak: the whole-group step (9.065) fits, no chunks, no host cost
+    assert fits.chosen.chunk_mb == 0.0
+    tight = _choose(8.8)   # below the whole-group step: the largest chunk that fits, nothing offloaded
+    assert tight.chosen.chunk_mb == 1024.0 and tight.chosen.offload_limit_mb is None
+    assert tight.chosen.memory.optimizer_peak <= 8.8 * GIB < FACTS.optimizer_peak
+    assert "optimizer.step in chunks of 1024 MiB" in tight.summary_line() and "chunks" in tight.why
+    assert tight.chosen.summary()["optimizer_chunk_mb"] == 1024.0
+    tighter = _choose(7.6)  # smaller chunks, and forward/backward offloads state
+    assert tighter.chosen.chunk_mb == 256.0 and tighter.chosen.offload_limit_mb is not None
+    hand = _choose(20.0, {"optimizer": {"chunk_mb": 64.0}})   # by hand: kept, priced with its host cost
+    assert hand.chosen.chunk_mb == 64.0
+    with pytest.raises(P.PlanError, match=r"optimizer step alone peaks at 7.\d\d GiB in chunks of 32 MiB"):
+        _choose(7.0)
