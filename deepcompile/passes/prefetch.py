@@ -166,6 +166,12 @@ def _hoist(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> int:
     lat = ({n.name: n.latency_ms * 1e3 for n in gp.nodes}
            if (gp is not None and comm is not None and ctx.params.cover > 0) else None)
     moved = 0
+    # the graph's order, taken once (not once per gather: quadratic in the graph's size). The
+    # loop moves only issue nodes (dc ops, which ``covered`` skips); the waits and every other
+    # node keep their relative order, so each slice below holds the same non-dc nodes as the
+    # graph of the moment, in the same order (the same sum).
+    order = list(g.nodes) if lat is not None else []
+    pos = {n: k for k, n in enumerate(order)}
     for i, x in enumerate(gathers):
         ahead, j_min = x.bytes, i
         while j_min > 0 and ahead + gathers[j_min - 1].bytes <= budget:
@@ -173,8 +179,6 @@ def _hoist(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> int:
             ahead += gathers[j_min].bytes
         j = j_min
         if lat is not None:
-            order = list(g.nodes)
-            pos = {n: k for k, n in enumerate(order)}
             need = comm.allgather_us(x.bytes) * ctx.params.cover
             end = pos[x.waits[0]]
             for cand in range(i, j_min - 1, -1):

@@ -47,9 +47,15 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
         if is_op(n, DC.unshard.default):
             groups.setdefault(int(n.args[1]), []).append(n)
     waits: dict[int, fx.Node] = {}
+    # node -> position, taken once (not once per parameter: quadratic in the graph's size, a
+    # second of a 32-layer compile). Every node compared below (an unshard's users, a wait's
+    # views and their users) was in the graph before the loop, and the nodes the loop inserts
+    # never reorder those, so their relative order is the graph's at every iteration.
+    order = {n: i for i, n in enumerate(g.nodes)}
     for pid, nodes in groups.items():
-        order = {n: i for i, n in enumerate(g.nodes)}
         users = [u for n in nodes for u in n.users]
+        if any(u not in order for u in users):  # (never seen; the positions of now, to be safe)
+            order = {n: i for i, n in enumerate(g.nodes)}
         anchor = min(users, key=order.__getitem__) if users else nodes[0]
         shard = nodes[0].args[0]
         with g.inserting_before(anchor):
@@ -67,19 +73,20 @@ def lower_gathers(gm: fx.GraphModule, ctx: PassContext) -> dict[int, fx.Node]:
             n.replace_all_uses_with(w)
             g.erase_node(n)
         waits[pid] = w
-        _insert_release(g, w, pid, ctx, views)
+        _insert_release(g, w, pid, ctx, views, order)
     return waits
 
 
 def _insert_release(g: fx.Graph, w: fx.Node, pid: int, ctx: PassContext,
-                    views: list[fx.Node] = ()) -> None:
+                    views: list[fx.Node] = (), order: dict | None = None) -> None:
     aliases = list(dict.fromkeys(alias_closure(w) + [a for v in views for a in alias_closure(v)]))
     users = {u for a in aliases for u in a.users} | set(aliases[1:])
     if any(u.op == "output" for u in users):
         name = ctx.param_meta[pid].name if pid in ctx.param_meta else pid
         ctx.notes.append(f"{name}: gathered value leaves the {ctx.kind} graph; not released here")
         return
-    order = {n: i for i, n in enumerate(g.nodes)}
+    if order is None or any(u not in order for u in users):  # a node the caller's positions lack
+        order = {n: i for i, n in enumerate(g.nodes)}
     last = max(users, key=order.__getitem__) if users else w
     with g.inserting_after(last):
         r = g.call_function(DC.release_param.default, (w, pid))

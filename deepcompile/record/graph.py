@@ -72,13 +72,32 @@ _OWN = re.compile(r"/deepcompile/(?!models/)|/torch/")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
+_SOURCES: dict[str, str | None] = {}  # stack trace -> source_line's answer (see source_line)
+_SOURCES_MAX = 20_000  # (a trace is a few KiB: tens of MiB at most)
+
+
 def source_line(n: fx.Node) -> str | None:
     """The innermost frame of the node's ``stack_trace`` (where in the user's code it came from):
-    ``"model.py:42 in forward: y = self.fc(x)"``; None without a stack trace."""
+    ``"model.py:42 in forward: y = self.fc(x)"``; None without a stack trace.
+
+    Answers are kept per trace text: the record serializes each graph after every pass (a dozen
+    times per compile at the default plan), and the same node carries the same trace string
+    each time; parsing it again was a tenth of the passes phase (issue 18)."""
     st = n.meta.get("stack_trace")
     if not st:
         return None
-    frames = _FRAME.findall(str(st))
+    st = str(st)
+    hit = _SOURCES.get(st, _FRAME)  # (_FRAME: a sentinel no answer can be)
+    if hit is not _FRAME:
+        return hit
+    if len(_SOURCES) >= _SOURCES_MAX:
+        _SOURCES.clear()
+    out = _SOURCES[st] = _source_line(st)
+    return out
+
+
+def _source_line(st: str) -> str | None:
+    frames = _FRAME.findall(st)
     if not frames:
         return None
     # the innermost frame of the user's code: a gathered parameter's innermost frame is
