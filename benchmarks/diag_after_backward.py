@@ -33,11 +33,11 @@ def main():
     model, opt, ac, _ = zero3.build_dc("dc_default", base, args, dev)
     x = torch.randint(0, 32000, (args.micro_batch, args.seq), device=dev)
     for s in range(a.steps):
-        out = model(input_ids=x, labels=x)
         last = s == a.steps - 1
-        if last:
+        if last:  # from before the forward: what the forward allocates and the backward leaves
             torch.cuda.synchronize()
             torch.cuda.memory._record_memory_history(max_entries=200000)
+        out = model(input_ids=x, labels=x)
         out.loss.backward()
         if last:
             torch.cuda.synchronize()
@@ -45,7 +45,8 @@ def main():
             torch.cuda.memory._record_memory_history(enabled=None)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        del out
+        if not last:
+            del out
     if rank == 0:
         sites = collections.Counter()
         total = 0
@@ -55,12 +56,13 @@ def main():
                     continue
                 total += b["size"]
                 frames = b.get("frames") or []
-                key = " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in frames
-                                  if not f["filename"].startswith("??") and "torch/utils" not in f["filename"])[:400]
+                py = [f for f in frames if f["filename"].endswith(".py")]
+                key = " <- ".join(f"{os.path.basename(f['filename'])}:{f['line']}:{f['name']}" for f in py[:4])
                 sites[key or "(no python frames)"] += b["size"]
         print(f"live after backward: {total / 2**30:.3f} GiB; allocated {torch.cuda.memory_allocated() / 2**30:.3f}")
         for k, v in sites.most_common(a.top):
             print(f"{v / 2**30:8.3f} GiB  {k}")
+        print("output object:", type(out).__name__, {k: type(v).__name__ for k, v in out.items()})
     dist.barrier()
     dist.destroy_process_group()
 

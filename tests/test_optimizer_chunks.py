@@ -253,3 +253,21 @@ def test_planner_chunks_only_under_a_limit_the_whole_group_step_exceeds():
     assert hand.chosen.chunk_mb == 64.0
     with pytest.raises(P.PlanError, match=r"optimizer step alone peaks at 7.\d\d GiB in chunks of 32 MiB"):
         _choose(7.0)
+
+
+def test_lr_scheduler_wraps_the_accumulating_and_chunked_step():
+    """torch's LRScheduler re-wraps ``optimizer.step`` through ``step.__func__``: deepcompile's
+    accumulation wrapper (api._wrap_optimizer) and the chunker must both be bound methods."""
+    from deepcompile.api import _wrap_optimizer
+
+    q = torch.nn.Parameter(torch.ones(4))
+    opt = torch.optim.AdamW([q], lr=1.0, foreach=True)
+    OC.OptimizerChunks(opt, 8)
+    opt = _wrap_optimizer(opt, 2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)   # raised AttributeError before
+    for _ in range(4):
+        q.grad = torch.ones_like(q)
+        opt.step()
+    assert opt.state[q]["step"].item() == 2 and opt._opt_called   # every 2nd call steps; the scheduler saw it
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.5
