@@ -37,8 +37,20 @@ def main():
         if last:  # from before the forward: what the forward allocates and the backward leaves
             torch.cuda.synchronize()
             torch.cuda.memory._record_memory_history(max_entries=200000)
+        G = 2 ** 30
+        torch.cuda.synchronize()
+        a0 = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         out = model(input_ids=x, labels=x)
+        torch.cuda.synchronize()
+        a1, p1 = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         out.loss.backward()
+        torch.cuda.synchronize()
+        a2, p2 = torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+        if rank == 0:
+            print(f"step {s}: allocated before {a0 / G:.2f}, after forward {a1 / G:.2f} (peak {p1 / G:.2f}), "
+                  f"after backward {a2 / G:.2f} (peak {p2 / G:.2f}) GiB", flush=True)
         if last:
             torch.cuda.synchronize()
             snap = torch.cuda.memory._snapshot()
