@@ -156,3 +156,47 @@ def test_record_parses_each_stack_trace_once():
     assert len(calls) == n_first, f"serializing the same graph again parsed {len(calls) - n_first} stack traces"
     assert all(v == first for v in again)
     assert first[3]["source"] == "model.py:13 in forward: x = x * self.w3"
+
+
+def _compile_counting_prints(monkeypatch) -> tuple[int, torch.Tensor]:
+    """Compile and run ``f`` forward and backward through compat.aot_compile (AOTAutograd with our
+    partitioner), counting AOTAutograd's graph prints (``GraphModule.print_readable``)."""
+    from deepcompile import compat
+    from deepcompile.runtime import ops
+
+    ops.ensure_registered()
+    prints = []
+    real = fx.GraphModule.print_readable
+    monkeypatch.setattr(fx.GraphModule, "print_readable", lambda self, *a, **k: prints.append(1) or real(self, *a, **k))
+
+    def backend(gm, inputs):
+        def one(g, _inputs):
+            return compat.boxed(g.forward)
+        return compat.aot_compile(gm, inputs, one, one, one)
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda x, w: torch.tanh(x @ w).sum(), backend=backend)
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g).requires_grad_()
+    f(x, w).backward()
+    return len(prints), w.grad
+
+
+def test_aot_graph_strings_printed_only_for_a_reader(monkeypatch):
+    from torch._functorch._aot_autograd import graph_compile
+
+    from deepcompile import compat
+
+    originals = [getattr(graph_compile, n) for n in compat._AOT_LOG_FNS]
+    skipped = compat.QUIET_SKIPPED[0]
+    quiet, g_quiet = _compile_counting_prints(monkeypatch)
+    assert quiet == 0, f"AOTAutograd printed {quiet} graphs nobody reads (issue 18: seconds at 32 layers)"
+    assert compat.QUIET_SKIPPED[0] - skipped == 2  # the joint graph, the forward and backward pair
+    assert [getattr(graph_compile, n) for n in compat._AOT_LOG_FNS] == originals, "left wrapped after the compile"
+    torch._logging.set_logs(aot_graphs=True)
+    try:
+        logged, g_logged = _compile_counting_prints(monkeypatch)
+    finally:
+        torch._logging.set_logs()
+    assert logged >= 2, "with TORCH_LOGS=aot_graphs the forward and backward are printed as before"
+    assert torch.equal(g_quiet, g_logged)
