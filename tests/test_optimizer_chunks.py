@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -201,6 +203,53 @@ def test_zero3_two_ranks_match_unchunked_bitwise():
                 assert (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w), (k, n)
 
 
+def _planned(rank: int, world: int):
+    """The default plan (profile at step 1, plan at step 2) with a limit that only the whole-group
+    optimizer step exceeds. A CPU profile measures no step peak, so the profiled one is set here:
+    the limit L has room for every keep/prefetch choice, the step peaks a quarter group above it."""
+    import deepcompile
+    from deepcompile.plan.memory import facts_from_profile
+    from deepcompile.plan.planner import ALLOCATOR_SLACK
+    from deepcompile.runtime import optimizer_state
+    from tests.workloads import LOCAL_BATCH, global_batch, make_model
+
+    model, opt = deepcompile.initialize(
+        make_model(), lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, foreach=True),
+        {"compiler": "aot_eager", "device_memory_gib": 1000.0})
+    ch = model.dc_optim_chunks
+    chunks, losses = [], []
+    for s in range(4):
+        x, y = global_batch(s, 0, world)
+        sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+        loss = model(x[sl], y[sl])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        chunks.append(ch.last_chunks)
+        losses.append(loss.item())
+        if s == 1:   # the profile is agreed now; the plan is made in step 2's forward
+            b = model.dc_backend
+            f = facts_from_profile(b.profile, b.param_meta, b.world_size, optimizer_state.MANAGER.total_bytes())
+            group = sum(OC.group_sizes(opt)[0])
+            limit = f.fb_peak + f.gathered_total + 64 * MIB
+            b.profile.optimizer_peak_bytes = limit + ALLOCATOR_SLACK + group // 4
+            model.dc_config.memory_limit_gib = limit / GIB
+    plan = model.dc_plan
+    deepcompile.destroy(model)
+    return {"chunks": chunks, "losses": losses, "chunk_mb": plan["chosen"]["optimizer_chunk_mb"],
+            "group_mb": group / MIB, "summary": plan["summary"], "offload": "offload_optimizer" in plan["chosen"]["params"]}
+
+
+def test_default_plan_chunks_the_step_when_only_the_step_exceeds_the_limit():
+    rs = run_ranks(_planned, 2, timeout=240)
+    for r in rs:
+        assert r["chunk_mb"] == pytest.approx(r["group_mb"] / 2, abs=1e-3), r["summary"]
+        assert r["chunks"][:2] == [1, 1] and r["chunks"][2] == r["chunks"][3] >= 2   # profiled whole, then chunked
+        assert not r["offload"] and "optimizer.step in chunks of" in r["summary"]
+        assert all(math.isfinite(v) for v in r["losses"])
+    assert rs[0]["chunk_mb"] == rs[1]["chunk_mb"]
+
+
 # ------------------------------------------------------------------------------------ the planner
 # 8 GiB model state as the 953M Llama's on 2 H200s in shape: shards 1.78, gradients 1.78, AdamW
 # state 3.55, one group of 147 parameters; the step measured 9.065 GiB (foreach temporaries 1.78 +
@@ -242,16 +291,18 @@ def test_planner_chunks_only_under_a_limit_the_whole_group_step_exceeds():
     assert roomy.chosen.chunk_mb == 0.0 and roomy.chosen.offload_limit_mb is None
     fits = _choose(9.07)   # FSDP2's peak: the whole-group step (9.065) fits, no chunks, no host cost
     assert fits.chosen.chunk_mb == 0.0
-    tight = _choose(8.8)   # below the whole-group step: the largest chunk that fits, nothing offloaded
-    assert tight.chosen.chunk_mb == 1024.0 and tight.chosen.offload_limit_mb is None
+    levels = P.chunk_levels(FACTS)
+    assert levels[0] == pytest.approx(sum(GROUP) / MIB / 2, abs=1e-3) and len(levels) == 6
+    tight = _choose(8.8)   # below the whole-group step: the largest chunk that fits (a half), nothing offloaded
+    assert tight.chosen.chunk_mb == levels[0] and tight.chosen.offload_limit_mb is None
     assert tight.chosen.memory.optimizer_peak <= 8.8 * GIB < FACTS.optimizer_peak
-    assert "optimizer.step in chunks of 1024 MiB" in tight.summary_line() and "chunks" in tight.why
-    assert tight.chosen.summary()["optimizer_chunk_mb"] == 1024.0
-    tighter = _choose(7.6)  # smaller chunks, and forward/backward offloads state
-    assert tighter.chosen.chunk_mb == 256.0 and tighter.chosen.offload_limit_mb is not None
+    assert f"optimizer.step in chunks of {levels[0]:g} MiB" in tight.summary_line() and "chunks" in tight.why
+    assert tight.chosen.summary()["optimizer_chunk_mb"] == levels[0]
+    tighter = _choose(7.6)  # smaller chunks (an eighth), and forward/backward offloads state
+    assert tighter.chosen.chunk_mb == levels[2] and tighter.chosen.offload_limit_mb is not None
     hand = _choose(20.0, {"optimizer": {"chunk_mb": 64.0}})   # by hand: kept, priced with its host cost
     assert hand.chosen.chunk_mb == 64.0
-    with pytest.raises(P.PlanError, match=r"optimizer step alone peaks at 7.\d\d GiB in chunks of 32 MiB"):
+    with pytest.raises(P.PlanError, match=rf"optimizer step alone peaks at 7.\d\d GiB in chunks of {levels[-1]:g} MiB"):
         _choose(7.0)
 
 

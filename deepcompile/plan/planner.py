@@ -42,10 +42,12 @@ KEEP_SMALL_MB = 64.0  # and the constant the default plan kept before the planne
 FUSE_MB = 128.0                                  # coalesced group size, never above the prefetch budget
 # optimizer.step() in chunks (optimizer_chunk_mb 'auto'): the sizes tried, largest first, when the
 # step's unchunked peak is above the limit; each extra chunk group costs the host one more pass of
-# the optimizer's per-group Python and ~12 foreach launches: 0.04 ms a chunk measured on a CPU
-# (AdamW foreach, a 16-layer GPT's 180 shards, 1 vs 9 chunks: 3.0 -> 3.3 ms), taken as 0.1 ms with
-# CUDA's launches. Not negligible beside a host-bound 45 ms step, so chunks only where needed.
-CHUNK_LEVELS_MB = (2048.0, 1024.0, 512.0, 256.0, 128.0, 64.0, 32.0)
+# the optimizer's per-group Python and ~12 foreach launches: 0.03-0.04 ms a chunk measured on this
+# CPU (benchmarks/optim_chunks.py --device cpu: AdamW foreach over the 16-layer Llama's 147 shards,
+# narrowed; 1 vs 9 chunks 2.6 -> 2.9 ms, +11%), taken as 0.1 ms with CUDA's launches (to be
+# measured on the GPU by the same script). Not negligible beside a host-bound 45 ms step whose
+# optimizer.step takes 8-11 ms of host, so chunks only where the whole-group step does not fit.
+CHUNK_FRACTIONS = (1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64)   # of the largest param group
 CHUNK_HOST_MS = 0.1
 HOST_BYTES_PER_US = 38e3  # pinned host <-> device, both ranks of a host copying at once (2 H200s: 37.9 GB/s each)
 PLANNED = {"selective_unshard": ("budget_mb",), "prefetch": ("budget_mb", "fuse_mb"),
@@ -244,12 +246,20 @@ def chunk_for(facts: MemoryFacts, limit: int, hand: dict | None = None) -> float
         return float(h["chunk_mb"])
     if optimizer_peak(facts, 0.0) <= limit + ALLOCATOR_SLACK:
         return 0.0
-    if not facts.opt_groups or facts.opt_temp_factor <= 0:
-        return None
-    for mb in CHUNK_LEVELS_MB:
+    for mb in chunk_levels(facts):
         if optimizer_peak(facts, mb) <= limit + ALLOCATOR_SLACK:
             return mb
     return None
+
+
+def chunk_levels(facts: MemoryFacts) -> list[float]:
+    """Chunk sizes (MiB) to try, largest first: halves of the largest param group down to 1/64
+    (the 953M Llama's 1.78 GiB group on 2 ranks: 909 MiB ... 28 MiB); none where the model knows
+    no temporaries that scale."""
+    if not facts.opt_groups or facts.opt_temp_factor <= 0:
+        return []
+    top = max(sum(g) for g in facts.opt_groups) / MIB
+    return [round(top * f, 3) for f in CHUNK_FRACTIONS]
 
 
 def chunk_ms(facts: MemoryFacts, chunk_mb: float | None) -> float:
@@ -378,9 +388,9 @@ def _nothing_fits(facts: MemoryFacts, mem: DeviceMemory, cands: list[Candidate],
     fb_min = smallest.memory.fb_peak - facts.state_bytes + headroom_mb * MIB  # all state offloaded
     opt_peak = smallest.memory.optimizer_peak
     chunked = ""
-    if smallest.chunk_mb is None and facts.opt_groups and facts.opt_temp_factor > 0:  # auto, none fit
-        opt_peak = optimizer_peak(facts, CHUNK_LEVELS_MB[-1])
-        chunked = f" in chunks of {CHUNK_LEVELS_MB[-1]:g} MiB"
+    if smallest.chunk_mb is None and chunk_levels(facts):  # auto, and no chunk size fits
+        opt_peak = optimizer_peak(facts, chunk_levels(facts)[-1])
+        chunked = f" in chunks of {chunk_levels(facts)[-1]:g} MiB"
     elif smallest.chunk_mb:
         chunked = f" in chunks of {smallest.chunk_mb:g} MiB"
     need = max(min(smallest.memory.peak, max(fb_min, opt_peak)), opt_peak)
@@ -517,8 +527,11 @@ def plan_model(model, entries: list) -> list:
     if chunks is not None:
         from deepcompile.runtime import optim_chunks
 
+        # the chunk size the profiled step ran with: 'auto' stays 0 until a plan sets it, and plans
+        # come after the one profiling step (a re-plan must not read back its own earlier choice)
+        auto = cfg.optimizer_chunk_mb == "auto"
         opt_kw = dict(opt_groups=optim_chunks.group_sizes(chunks.opt), opt_temp_factor=optim_chunks.temp_factor(chunks.opt),
-                      opt_profiled_chunk=chunks.chunk_bytes)
+                      opt_profiled_chunk=0 if auto else int(float(cfg.optimizer_chunk_mb) * MIB))
     facts = facts_from_profile(prof, b.param_meta, b.world_size, state, reduce_bytes=reduce_bytes, **opt_kw)
     mem = agree_memory(local_memory(device, cfg.device_memory_gib), cfg.memory_limit_gib, model.dc_group)
     hand = hand_set(entries)
