@@ -46,8 +46,15 @@ def model_config(layers: int, hidden: int) -> dict:
                 tie_word_embeddings=False, use_cache=False)
 
 
-def _rank(rank: int, world: int, layers: int, hidden: int, seq: int, real_inductor: bool, prof_path):
+def _rank(rank: int, world: int, layers: int, hidden: int, seq: int, real_inductor: bool, prof_path,
+          clock: str = "wall"):
     import cProfile
+
+    if clock == "cpu":
+        # every phase in this process's CPU seconds: deepcompile times its phases with
+        # time.perf_counter and Dynamo with time.time_ns (both looked up at each call), so on a
+        # shared CPU the phases count this process's work, not the other processes' turns
+        time.perf_counter, time.time_ns = time.process_time, time.process_time_ns
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -117,6 +124,25 @@ def top_functions(path: str, n: int = 25) -> dict:
     return {"by_own": sorted(rows, key=lambda r: -r["own_s"])[:n], "by_cum": sorted(rows, key=lambda r: -r["cum_s"])[:n]}
 
 
+def summary(path: str) -> str:
+    """Median phase seconds (rank 0) per (tag, layers, ranks) over every run recorded in ``path``."""
+    with open(path) as f:
+        runs = json.load(f)["runs"]
+    cells: dict = {}
+    for run in runs:
+        for e in run["results"]:
+            tag = run.get("tag", "") + ("/cpu" if run.get("clock") == "cpu" else "")
+            cells.setdefault((tag, e["layers"], e["ranks"]), []).extend(e["runs"])
+    lines = [f"{'tag':>11} {'layers':>6} {'ranks':>5} {'n':>2} {'cpu s':>7} {'wall s':>7}  " + " ".join(f"{p:>12}" for p in PHASES)]
+    for (tag, layers, world), reps in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        med = {p: statistics.median(r["phases_s"][p] for r in reps) for p in PHASES}
+        cpu = statistics.median(r.get("until_fast_step_cpu_s", float("nan")) for r in reps)
+        wall = statistics.median(r["until_fast_step_s"] for r in reps)
+        lines.append(f"{tag:>11} {layers:6d} {world:5d} {len(reps):2d} {cpu:7.2f} {wall:7.2f}  "
+                     + " ".join(f"{med[p]:12.2f}" for p in PHASES))
+    return "\n".join(lines)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, nargs="+", default=[16, 32])
@@ -129,7 +155,15 @@ def main(argv=None):
     p.add_argument("--tag", default="", help="label of this run in the JSON (e.g. before/after)")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "compile_cpu.json"))
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="phase seconds as wall time, or as each rank's process CPU time (a shared, loaded "
+                        "machine: the other processes' turns left out; the profiling step's node times too)")
+    p.add_argument("--summary", action="store_true",
+                   help="no run: medians per tag, layers and ranks over every run in --out (before/after tables)")
     args = p.parse_args(argv)
+    if args.summary:
+        print(summary(args.out))
+        return
 
     import torch
 
@@ -143,7 +177,8 @@ def main(argv=None):
     run = {"command": " ".join(["python", "benchmarks/compile_cpu.py", *(argv if argv is not None else sys.argv[1:])]),
            "tag": args.tag, "commit": commit, "torch": torch.__version__, "cpus": os.cpu_count(),
            "load_avg_before": os.getloadavg()[0], "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-           "hidden": args.hidden, "seq": args.seq, "real_inductor": args.real_inductor, "results": []}
+           "hidden": args.hidden, "seq": args.seq, "real_inductor": args.real_inductor, "clock": args.clock,
+           "results": []}
     print(f"{'layers':>6} {'ranks':>5} {'rep':>3} {'until fast s':>12}  phases (s, rank 0)", flush=True)
     for layers in args.layers:
         for world in args.ranks:
@@ -153,7 +188,7 @@ def main(argv=None):
                 if args.profile:
                     prof_path = os.path.splitext(args.out)[0] + f"_L{layers}_w{world}_r{r}{('_' + args.tag) if args.tag else ''}.prof"
                 res = run_ranks(_rank, world, layers, args.hidden, args.seq, args.real_inductor, prof_path,
-                                timeout=args.timeout)
+                                args.clock, timeout=args.timeout)
                 r0 = res[0]
                 if prof_path:
                     r0["profile_top"] = top_functions(prof_path)
