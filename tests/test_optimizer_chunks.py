@@ -152,33 +152,40 @@ def test_install_and_config():
 # ------------------------------------------------------------------------------------ 2 gloo ranks
 def _ranks(rank: int, world: int):
     import deepcompile
-    from deepcompile.checkpoint import get_state_dict
+    from deepcompile.checkpoint import get_state_dict, set_state_dict
+    from deepcompile.runtime import optimizer_state
     from tests.workloads import LOCAL_BATCH, global_batch, make_model
 
     out = {}
-    for chunk in (0, 0.004):   # 0.004 MiB: ~1000 floats, every GPT block split in several chunks
-        model, opt = deepcompile.initialize(
-            make_model(), lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, foreach=True),
-            {"compiler": "aot_eager", "passes": ["zero3"], "optimizer_chunk_mb": chunk})
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-        losses = []
-        for s in range(4):
-            x, y = global_batch(s, 0, world)
-            sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-            loss = model(x[sl], y[sl])
-            loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        ch = model.dc_optim_chunks
-        _, osd = get_state_dict(model, opt)
-        out[chunk] = {"losses": losses, "chunks": ch.last_chunks if ch else len(opt.param_groups),
-                      "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-                      "osd_groups": osd["param_groups"],
-                      "osd_state": {k: {n: _local(v) for n, v in d.items()} for k, d in osd["state"].items()},
-                      "params": [p.detach().clone() for p in model.parameters()]}
-        deepcompile.destroy(model)
+    for passes in (["zero3"], ["zero3", "offload_optimizer"]):
+        for chunk in (0, 0.004):   # 0.004 MiB: ~1000 floats, every GPT block split in several chunks
+            model, opt = deepcompile.initialize(
+                make_model(), lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, foreach=True),
+                {"compiler": "aot_eager", "passes": passes, "optimizer_chunk_mb": chunk})
+            sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+            losses = []
+            for s in range(4):
+                x, y = global_batch(s, 0, world)
+                sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+                loss = model(x[sl], y[sl])
+                loss.backward()
+                opt.step()
+                sched.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+                if s == 2:   # DCP's state dict round trip (what dcp.load + set_state_dict does), mid-run
+                    msd, osd = get_state_dict(model, opt)
+                    set_state_dict(model, opt, msd, osd)
+            ch = model.dc_optim_chunks
+            _, osd = get_state_dict(model, opt)
+            out[(len(passes), chunk)] = {
+                "losses": losses, "chunks": ch.last_chunks if ch else len(opt.param_groups),
+                "offloaded_steps": optimizer_state.MANAGER.stats["steps_offloaded"],
+                "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+                "osd_groups": osd["param_groups"],
+                "osd_state": {k: {n: _local(v) for n, v in d.items()} for k, d in osd["state"].items()},
+                "params": [p.detach().clone() for p in model.parameters()]}
+            deepcompile.destroy(model)
     return out
 
 
@@ -190,17 +197,21 @@ def _local(v):
 
 
 def test_zero3_two_ranks_match_unchunked_bitwise():
+    """ZeRO-3 and ZeRO-3 with offloaded optimizer state, each chunked and not, LR scheduler and a
+    DCP state-dict round trip on the way: the same losses, parameters and state, bit for bit."""
     for r in run_ranks(_ranks, 2, timeout=240):
-        a, b = r[0], r[0.004]
-        assert a["chunks"] == 1 and b["chunks"] > 4
-        assert a["losses"] == b["losses"]
-        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
-        assert a["groups"] == b["groups"] and a["osd_groups"] == b["osd_groups"]
-        assert a["osd_state"].keys() == b["osd_state"].keys()
-        for k in a["osd_state"]:
-            for n, v in a["osd_state"][k].items():
-                w = b["osd_state"][k][n]
-                assert (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w), (k, n)
+        for n in (1, 2):
+            a, b = r[(n, 0)], r[(n, 0.004)]
+            assert a["chunks"] == 1 and b["chunks"] > 4
+            assert (a["offloaded_steps"] > 0) == (b["offloaded_steps"] > 0) == (n == 2)
+            assert a["losses"] == b["losses"]
+            assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+            assert a["groups"] == b["groups"] and a["osd_groups"] == b["osd_groups"]
+            assert a["osd_state"].keys() == b["osd_state"].keys()
+            for k in a["osd_state"]:
+                for nm, v in a["osd_state"][k].items():
+                    w = b["osd_state"][k][nm]
+                    assert (torch.equal(v, w) if isinstance(v, torch.Tensor) else v == w), (n, k, nm)
 
 
 def _planned(rank: int, world: int):
