@@ -65,9 +65,11 @@ def main():
     args = zero3.parse_args(["--layers", str(a.layers), "--systems", "dc_default"])
     rank, world, dev = zero3.init_dist(args)
     base, _, _ = zero3.build_base_model(args)
-    layer0 = base.model.layers[0]
-    f0 = layer0.forward
-    layer0.forward = lambda hidden_states, *p, **k: f0(probe(hidden_states), *p, **k)
+    def pre(mod, a, k):  # a hook, not a patched forward: build_dc deep-copies the model
+        if a:
+            return (probe(a[0]), *a[1:]), k
+        return a, {**k, "hidden_states": probe(k["hidden_states"])}
+    base.model.layers[0].register_forward_pre_hook(pre, with_kwargs=True)
     model, opt, _, _ = zero3.build_dc("dc_default", base, args, dev)
     x = torch.randint(0, 32000, (args.micro_batch, args.seq), device=dev)
     G = 2 ** 30

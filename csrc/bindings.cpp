@@ -30,6 +30,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     dc::runtime().set_replicate_group(std::move(pg));
   });
   m.def("set_reduce_dtype", [](at::ScalarType d) { dc::runtime().set_reduce_dtype(d); });
+  // how a bucket of several gradients is reduced: "coalesced" or "cat" (DEEPCOMPILE_REDUCE_PACK
+  // sets it at init; tests switch it)
+  m.def("set_reduce_pack", [](const std::string& v) {
+    TORCH_CHECK(v == "coalesced" || v == "cat", "deepcompile: reduce pack '", v, "': use 'coalesced' or 'cat'");
+    dc::runtime().set_reduce_pack(v == "cat" ? dc::ReducePack::kCat : dc::ReducePack::kCoalesced);
+  });
+  m.def("reduce_pack", []() {
+    return std::string(dc::runtime().reduce_pack() == dc::ReducePack::kCat ? "cat" : "coalesced");
+  });
   m.def("live_gathered", []() { return dc::runtime().live_gathered(); });
   m.def("check_idle", []() { dc::runtime().check_idle(); });
   m.def("invalidate_persistent", []() { if (dc::has_runtime()) dc::runtime().invalidate_persistent(); });
@@ -60,6 +69,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["reduce_cats"] = s.reduce_cats;
     d["reduce_ops"] = s.reduce_ops;
     d["reduce_ops_flushing"] = s.reduce_ops_flushing;
+    d["reduce_packed"] = s.reduce_packed;
     return d;
   });
 }

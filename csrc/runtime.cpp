@@ -2,7 +2,10 @@
 // (init / register / reset / cleanup / stats). The graph-facing operators live in zero3.cpp.
 #include "runtime.h"
 
+#include <c10/util/strides.h>
+
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <sstream>
 #include <unordered_set>
@@ -18,6 +21,17 @@ bool g_copy_grads = false;
 
 void set_copy_grads(bool copy) { g_copy_grads = copy; }
 bool copy_grads() { return g_copy_grads; }
+
+ReducePack reduce_pack_from_env() {
+  const char* v = std::getenv("DEEPCOMPILE_REDUCE_PACK");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "coalesced") return ReducePack::kCoalesced;
+  if (s == "cat") return ReducePack::kCat;
+  TORCH_CHECK(false, "deepcompile: DEEPCOMPILE_REDUCE_PACK='", s, "' is not a reduce path: use 'coalesced' (one "
+              "coalesced reduce-scatter over a bucket's gradients, the default) or 'cat' (the bucket packed by one "
+              "copy kernel, one reduce-scatter), or unset it");
+  return ReducePack::kCoalesced;
+}
 
 Runtime& runtime() {
   TORCH_CHECK(g_runtime, "deepcompile runtime is not initialized: call deepcompile.initialize(...) first");
@@ -35,6 +49,7 @@ Runtime::Runtime(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems
   TORCH_CHECK(max_inflight_ > 0, "deepcompile: max in-flight reduces must be positive");
   rank_ = pg_->getRank();
   world_ = pg_->getSize();
+  reduce_pack_ = reduce_pack_from_env();
 }
 
 void Runtime::register_param(int64_t id, const std::string& name, at::Tensor shard,
@@ -60,6 +75,9 @@ void Runtime::register_param(int64_t id, const std::string& name, at::Tensor sha
   p.numel = numel;
   p.chunk = chunk;
   p.gather_dtype = gather_dtype;
+  const auto st = c10::contiguous_strides(c10::IntArrayRef(p.shape));
+  p.strides.assign(st.begin(), st.end());
+  p.flat_shard = shard.view({-1});
   params_.emplace(id, std::move(p));
 }
 
@@ -77,22 +95,32 @@ const Param& Runtime::param(int64_t id) const {
   return it->second;
 }
 
-void Runtime::track_live(const at::Tensor& buffer, int64_t id) {
-  live_.emplace_back(id, buffer.storage().getWeakStorageImpl());
+void Runtime::prune_live() {
+  // drop the expired entries in place (no copy of the weak references) and count the rest
   int64_t n = 0, bytes = 0;
-  std::vector<std::pair<int64_t, c10::weak_intrusive_ptr<c10::StorageImpl>>> keep;
-  for (auto& e : live_) {
-    auto strong = e.second.lock();
-    if (strong) {
-      ++n;
-      bytes += static_cast<int64_t>(strong->nbytes());
-      keep.push_back(e);
-    }
+  size_t w = 0;
+  for (size_t r = 0; r < live_.size(); ++r) {
+    auto strong = live_[r].second.lock();
+    if (!strong) continue;
+    ++n;
+    bytes += static_cast<int64_t>(strong->nbytes());
+    if (w != r) live_[w] = std::move(live_[r]);
+    ++w;
   }
-  live_.swap(keep);
+  live_.erase(live_.begin() + static_cast<std::ptrdiff_t>(w), live_.end());
   stats_.peak_live_gathered = std::max(stats_.peak_live_gathered, n);
   stats_.peak_live_gathered_bytes = std::max(stats_.peak_live_gathered_bytes, bytes);
   step_peak_gathered_ = std::max(step_peak_gathered_, bytes);  // gathered bytes only grow here
+}
+
+const at::Tensor& Runtime::flat_shard(Param& p, const at::Tensor& shard) {
+  // The view made at registration while the shard's memory is still where it was (the graph
+  // passes the registered tensor); a shard whose memory moved gets a new one, kept for next time.
+  const at::Tensor& f = p.flat_shard;
+  if (!(f.defined() && shard.const_data_ptr() == f.const_data_ptr() && shard.is_contiguous() &&
+        shard.scalar_type() == f.scalar_type() && shard.device() == f.device()))
+    p.flat_shard = shard.contiguous().view({-1});
+  return p.flat_shard;
 }
 
 std::vector<std::pair<int64_t, int64_t>> Runtime::reduce_storages() const {
@@ -140,17 +168,19 @@ std::vector<int64_t> Runtime::live_gathered() {
 }
 
 void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
-  const Param& p = param(id);
+  Param& p = mutable_param(id);
   TORCH_CHECK(shard.numel() == p.chunk, "deepcompile: allgather of '", p.name, "' got a shard of ",
               shard.numel(), " elements, the registry holds ", p.chunk);
   TORCH_CHECK(pending_.find(id) == pending_.end(), "deepcompile: allgather of '", p.name,
               "' started twice without wait_allgather in between");
-  at::Tensor src = shard.to(p.gather_dtype).contiguous().view({-1});
+  at::Tensor src = flat_shard(p, shard);
+  if (src.scalar_type() != p.gather_dtype) src = src.to(p.gather_dtype);
   at::Tensor buffer = at::empty({p.chunk * world_}, src.options());
   auto work = pg_->_allgather_base(buffer, src);
   issued_ += 1;
   pending_[id] = PendingGather{work, buffer};
   track_live(buffer, id);  // memory is taken when the collective is issued, not when waited
+  prune_live();
   stats_.allgathers += 1;
   stats_.allgather_bytes += buffer.nbytes();
 }
@@ -170,14 +200,14 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
   std::vector<at::Tensor> ins, outs, srcs;
   bool cast = inplace;
   for (size_t i = 0; i < ids.size(); ++i) {
-    const Param& p = param(ids[i]);
+    Param& p = mutable_param(ids[i]);
     TORCH_CHECK(shards[i].numel() == p.chunk, "deepcompile: allgather of '", p.name, "' got a shard of ",
                 shards[i].numel(), " elements, the registry holds ", p.chunk);
     TORCH_CHECK(pending_.find(ids[i]) == pending_.end(), "deepcompile: allgather of '", p.name,
                 "' started twice without wait_allgather in between");
     TORCH_CHECK(shards[i].device() == shards[0].device(), "deepcompile: fused allgather of '", p.name,
                 "': shard on ", shards[i].device(), ", the group's first on ", shards[0].device());
-    srcs.push_back(shards[i].contiguous().view({-1}));
+    srcs.push_back(flat_shard(p, shards[i]));
     outs.push_back(at::empty({p.chunk * world_}, srcs.back().options().dtype(p.gather_dtype)));
     cast = cast || srcs.back().scalar_type() != p.gather_dtype;
   }
@@ -186,7 +216,7 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
   } else {
     for (size_t i = 0; i < ids.size(); ++i) {
       const int64_t chunk = srcs[i].numel();
-      ins.push_back(inplace ? outs[i].narrow(0, rank_ * chunk, chunk) : at::empty({chunk}, outs[i].options()));
+      ins.push_back(inplace ? at::as_strided(outs[i], {chunk}, {1}, rank_ * chunk) : at::empty({chunk}, outs[i].options()));
     }
     at::_foreach_copy_(ins, srcs);
   }
@@ -197,8 +227,15 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
     track_live(outs[i], ids[i]);
     stats_.allgather_bytes += outs[i].nbytes();
   }
+  prune_live();
   stats_.allgathers += static_cast<int64_t>(ids.size());
   stats_.fused_allgathers += 1;
+}
+
+// A gathered flat buffer ([world * chunk], zero-padded) as the parameter: its first numel
+// elements in the full shape, one as_strided (narrow + view was three dispatcher calls).
+static at::Tensor as_param(const at::Tensor& buffer, const Param& p) {
+  return at::as_strided(buffer, p.shape, p.strides, buffer.storage_offset());
 }
 
 at::Tensor Runtime::finish_allgather(int64_t id) {
@@ -213,7 +250,7 @@ at::Tensor Runtime::finish_allgather(int64_t id) {
   stats_.allgather_waits += 1;
   // Ownership passes to the graph: the runtime keeps only a weak reference, so the memory is
   // returned as soon as the graph drops its last use (release_param marks that point).
-  return pg.buffer.narrow(0, 0, p.numel).view(p.shape);
+  return as_param(pg.buffer, p);
 }
 
 std::vector<at::Tensor> Runtime::finish_allgather_many(const std::vector<int64_t>& ids) {
@@ -239,7 +276,7 @@ std::vector<at::Tensor> Runtime::finish_allgather_many(const std::vector<int64_t
       stats_.allgather_waits += 1;
       waited = got[i].work.get();
     }
-    out.push_back(got[i].buffer.narrow(0, 0, p.numel).view(p.shape));
+    out.push_back(as_param(got[i].buffer, p));
   }
   return out;
 }
@@ -316,7 +353,8 @@ at::Tensor Runtime::padded_flat(const at::Tensor& grad, const Param& p, bool cop
   // a cast, zero padding (numel not a multiple of chunk), a non-contiguous gradient, or `copy`.
   TORCH_CHECK(grad.numel() == p.numel, "deepcompile: gradient of '", p.name, "' has ", grad.numel(),
               " elements, the parameter has ", p.numel);
-  at::Tensor flat = grad.reshape({-1});
+  // (view, not reshape, where it is one: reshape is two dispatcher calls)
+  at::Tensor flat = grad.dim() == 1 ? grad : grad.is_contiguous() ? grad.view({-1}) : grad.reshape({-1});
   bool own = !flat.is_alias_of(grad);
   if (!flat.is_contiguous()) {  // a 1-D view with a stride (e.g. [n, 1] with stride 2): collectives need dense
     flat = flat.contiguous();
@@ -410,13 +448,14 @@ void Runtime::flush(at::ScalarType dtype) {
     r.inputs.push_back(b.entries[0].flat);
     r.work = pg_->_reduce_scatter_base(r.output, r.inputs[0], opts);
   } else {
-    if (coalesced_rs_ != 0) {
+    if (coalesced_rs_ != 0 && reduce_pack_ == ReducePack::kCoalesced) {
       // One coalesced collective over the entries' own flat inputs (each already in the
       // [world * chunk] layout), each writing into its slice of the output: no packing copy.
       std::vector<at::Tensor> outs;
       int64_t off = 0;
+      outs.reserve(r.entries.size());
       for (auto& [id, chunk] : r.entries) {
-        outs.push_back(r.output.narrow(0, off, chunk));
+        outs.push_back(at::as_strided(r.output, {chunk}, {1}, off));
         off += chunk;
       }
       for (auto& e : b.entries) r.inputs.push_back(e.flat);
@@ -430,13 +469,16 @@ void Runtime::flush(at::ScalarType dtype) {
         r.inputs.clear();
       }
     }
-    if (coalesced_rs_ == 0) {
+    if (coalesced_rs_ == 0 || reduce_pack_ == ReducePack::kCat) {
       // [world, cols]: row k holds rank k's slice of every entry, so a reduce-scatter leaves each
-      // rank exactly its own shard of each gradient, side by side.
+      // rank exactly its own shard of each gradient, side by side. The bucket's gradients are
+      // free to go once the cat has read them (only the packed copy is held).
       std::vector<at::Tensor> parts;
+      parts.reserve(b.entries.size());
       for (auto& e : b.entries) parts.push_back(e.flat.view({world_, -1}));
       r.inputs.push_back(at::cat(parts, 1).view({-1}));
       stats_.reduce_cats += 1;
+      if (coalesced_rs_ != 0) stats_.reduce_packed += 1;
       r.work = pg_->_reduce_scatter_base(r.output, r.inputs[0], opts);
     }
   }
@@ -504,19 +546,22 @@ void Runtime::apply_grads(InFlightReduce& r) {
   if (scaled_all) cast.mul_(grad_scale_);
   std::vector<at::Tensor> dsts, srcs;
   int64_t off = 0;
+  const int64_t base = cast.storage_offset();
   for (size_t i = 0; i < ps.size(); ++i) {
     Param& p = *ps[i];
     const int64_t chunk = r.entries[i].second;
-    at::Tensor g = cast.narrow(0, off, chunk);
-    if (!uniform) g = g.to(p.shard.scalar_type());
+    const auto sizes = p.shard.sizes();
+    // its slice in the shard's shape: one as_strided (narrow + view was three dispatcher calls)
+    at::Tensor g = uniform ? at::as_strided(cast, sizes, c10::contiguous_strides(sizes), base + off)
+                           : cast.narrow(0, off, chunk).to(p.shard.scalar_type()).view(sizes);
     off += chunk;
     at::Tensor& dst = p.shard.mutable_grad();
     if (!dst.defined()) {
       if (scale && !scaled_all) g.mul_(grad_scale_);  // its own slice (or its own cast copy)
-      dst = g.view(p.shard.sizes());
+      dst = std::move(g);
     } else {
       dsts.push_back(dst);
-      srcs.push_back(g.view(dst.sizes()));
+      srcs.push_back(dst.sizes() == sizes ? std::move(g) : g.view(dst.sizes()));
     }
   }
   if (!dsts.empty()) at::_foreach_add_(dsts, srcs, grad_scale_);

@@ -29,6 +29,12 @@ struct Param {
   int64_t numel = 0;            // full numel
   int64_t chunk = 0;            // shard numel (a contiguous range of the flattened parameter)
   at::ScalarType gather_dtype;  // dtype the parameter travels and computes in
+  // Precomputed once (issue 16: host work per parameter per step): the full shape's contiguous
+  // strides (a gathered buffer becomes the parameter by one as_strided, not narrow + view) and a
+  // flat view of the shard (re-made only when the shard's memory changed, e.g. a load that
+  // replaced .data).
+  std::vector<int64_t> strides;
+  at::Tensor flat_shard;
 };
 
 struct PendingGather {
@@ -77,7 +83,17 @@ struct Stats {
   // gradients it calls for on their own)
   int64_t reduce_ops = 0;
   int64_t reduce_ops_flushing = 0;
+  // buckets of more than one gradient reduced as one packed (cat) reduce-scatter
+  // (reduce_pack "cat"; reduce_cats also counts the gloo fallback where coalescing is missing)
+  int64_t reduce_packed = 0;
 };
+
+// How a bucket of several gradients travels (DEEPCOMPILE_REDUCE_PACK, read at init):
+// kCoalesced: one coalesced reduce-scatter over the gradients themselves (no copy; the process
+// group's host work is per gradient); kCat: the gradients packed by one cat kernel into a
+// [world, cols] buffer and reduced by one _reduce_scatter_base (a copy on the device, host work
+// per bucket). Both reduce the same sums into the same output layout.
+enum class ReducePack { kCoalesced = 0, kCat = 1 };
 
 class Runtime {
  public:
@@ -88,6 +104,8 @@ class Runtime {
                       std::vector<int64_t> shape, at::ScalarType gather_dtype);
   void set_grad_scale(double scale) { grad_scale_ = scale; }
   void set_reduce_dtype(at::ScalarType dtype) { reduce_dtype_ = dtype; }
+  void set_reduce_pack(ReducePack pack) { reduce_pack_ = pack; }
+  ReducePack reduce_pack() const { return reduce_pack_; }
   // ZeRO-1: between accumulation boundaries gradients are summed locally, not communicated
   void set_grad_sync(bool sync) { grad_sync_ = sync; }
   // Hybrid sharding (config mesh.shard): pg_ is the shard group (gathers, reduce-scatters); each
@@ -191,7 +209,11 @@ class Runtime {
   void complete_replicated();
   void apply_grads(InFlightReduce& r);
   void allreduce_replicas(at::Tensor& t, const std::string& what);
-  void track_live(const at::Tensor& buffer, int64_t id);
+  // gathered buffers: weak references, pruned once per op (not once per buffer: the scan is over
+  // every live buffer, which made a group's start quadratic in its size)
+  void track_live(const at::Tensor& buffer, int64_t id) { live_.emplace_back(id, buffer.storage().getWeakStorageImpl()); }
+  void prune_live();
+  const at::Tensor& flat_shard(Param& p, const at::Tensor& shard);
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   c10::intrusive_ptr<c10d::ProcessGroup> rep_pg_;  // null: no replicas (plain ZeRO)
@@ -201,6 +223,7 @@ class Runtime {
   double grad_scale_ = 1.0;
   bool grad_sync_ = true;
   int coalesced_rs_ = -1;  // reduce_scatter_tensor_coalesced usable on pg_: -1 unknown, 0 no, 1 yes
+  ReducePack reduce_pack_ = ReducePack::kCoalesced;
   std::unordered_map<int64_t, at::Tensor> local_grads_;  // ZeRO-1 accumulation, full size
   at::ScalarType reduce_dtype_ = at::kFloat;
   std::unordered_map<int64_t, Param> params_;
@@ -239,5 +262,7 @@ void cleanup();
 // could not be installed. Process-wide (it describes the op's lowering), so it outlives init().
 void set_copy_grads(bool copy);
 bool copy_grads();
+// DEEPCOMPILE_REDUCE_PACK ("coalesced", the default, or "cat"); an error names a bad value
+ReducePack reduce_pack_from_env();
 
 }  // namespace dc

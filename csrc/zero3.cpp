@@ -8,10 +8,18 @@
 
 namespace {
 
+// The tensors the runtime makes (views of gathered buffers, bucket slices, .grad views, casts)
+// need no autograd: they are never differentiated (the graph around the op is, by AOTAutograd),
+// and the backward runs with grad mode off. Below the Autograd and ADInplaceOrView keys each
+// ATen call goes straight to its kernel (issue 16: the runtime's host time is mostly these
+// calls); a view made here shares its buffer's memory but is not an autograd view of it.
+using Below = at::AutoDispatchBelowADInplaceOrView;
+
 // -- the math-level ops that tracing sees (the `zero3` pass lowers them) ----------------------
 
 at::Tensor unshard(const at::Tensor& shard, int64_t id) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("unshard", id);
   rt.start_allgather(shard, id);
   return rt.finish_allgather(id);
@@ -19,6 +27,7 @@ at::Tensor unshard(const at::Tensor& shard, int64_t id) {
 
 at::Tensor shard_grad(const at::Tensor& grad, int64_t id) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("shard_grad", id);
   return rt.reduce_scatter_now(grad, id);
 }
@@ -27,6 +36,7 @@ at::Tensor shard_grad(const at::Tensor& grad, int64_t id) {
 
 at::Tensor allgather_param(const at::Tensor& shard, int64_t id) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("allgather_param", id);
   rt.start_allgather(shard, id);
   return at::empty({0}, shard.options());  // a handle: orders wait_allgather after this op
@@ -34,6 +44,7 @@ at::Tensor allgather_param(const at::Tensor& shard, int64_t id) {
 
 at::Tensor allgather_params(at::TensorList shards, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("allgather_params", ids.empty() ? -1 : ids[0]);
   rt.start_allgather_fused(shards.vec(), ids.vec());
   return at::empty({0}, shards[0].options());
@@ -41,24 +52,28 @@ at::Tensor allgather_params(at::TensorList shards, at::IntArrayRef ids) {
 
 at::Tensor wait_allgather(const at::Tensor& /*handle*/, int64_t id) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("wait_allgather", id);
   return rt.finish_allgather(id);
 }
 
 std::vector<at::Tensor> wait_allgather_many(const at::Tensor& /*handle*/, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("wait_allgather_many", ids.empty() ? -1 : ids[0]);
   return rt.finish_allgather_many(ids.vec());
 }
 
 at::Tensor gather_persistent(const at::Tensor& shard, int64_t id) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("gather_persistent", id);
   return rt.gather_persistent(shard, id);
 }
 
 std::vector<at::Tensor> gather_persistent_many(at::TensorList shards, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("gather_persistent_many", ids.empty() ? -1 : ids[0]);
   return rt.gather_persistent_many(shards.vec(), ids.vec());
 }
@@ -66,6 +81,7 @@ std::vector<at::Tensor> gather_persistent_many(at::TensorList shards, at::IntArr
 // kept parameters in need order (selective_unshard.group_mb): start at the top, wait at first use
 at::Tensor gather_persistent_start(at::TensorList shards, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("gather_persistent_start", ids.empty() ? -1 : ids[0]);
   TORCH_CHECK(!shards.empty(), "deepcompile: gather_persistent_start needs at least one shard");
   rt.start_persistent(shards.vec(), ids.vec());
@@ -74,14 +90,16 @@ at::Tensor gather_persistent_start(at::TensorList shards, at::IntArrayRef ids) {
 
 std::vector<at::Tensor> gather_persistent_wait(const at::Tensor& /*handle*/, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("gather_persistent_wait", ids.empty() ? -1 : ids[0]);
   return rt.finish_persistent(ids.vec());
 }
 
-void release_param(at::Tensor& /*gathered*/, int64_t id) { dc::runtime().release(id); }
+void release_param(at::Tensor& /*gathered*/, int64_t id) { dc::runtime().release(id); }  // no tensor work
 
 void reduce_grad(at::Tensor& grad, int64_t id) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("reduce_grad", id);
   const int64_t before = rt.stats().reduce_scatters;
   rt.add_grad(grad, id);
@@ -95,6 +113,7 @@ void reduce_grad(at::Tensor& grad, int64_t id) {
 // it, so the buckets, the moment each flushes and what it holds are unchanged.
 void reduce_grads(at::TensorList grads, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  Below below;
   TORCH_CHECK(grads.size() == ids.size(), "dc::reduce_grads: ", grads.size(), " gradients but ", ids.size(),
               " parameter ids; the pass must hand one id per gradient");
   const int64_t before = rt.stats().reduce_scatters;
@@ -107,6 +126,7 @@ void reduce_grads(at::TensorList grads, at::IntArrayRef ids) {
 
 void end_backward(at::TensorList /*grads*/, int64_t graph_id) {
   auto& rt = dc::runtime();
+  Below below;
   rt.enter("end_backward", graph_id);
   rt.end_backward(graph_id);
 }
