@@ -208,3 +208,131 @@ def test_never_reuse_inputs_keeps_inductor_from_reusing_the_held_buffer():
         for view in (False, True):
             intact, shared = _held_after_inductor(torch.ops.dctest_hold.kept.default, view=view)
             assert intact and not shared, f"view={view}"
+
+
+# -- the runtime's own dispatcher calls per gradient and per gathered parameter -----------------
+
+def _runtime_calls(prof) -> dict:
+    """{dc op: Counter(ATen op -> calls)} of the ATen calls each dc op makes itself (its direct
+    children in the profiler's tree): what the runtime's C++ asks of the dispatcher. The process
+    group's own work is left out: c10d:: ops, and gloo's reduce-scatter completion (a chunk and a
+    copy_ per gradient, run inside our wait, so the profiler parents them to the dc op)."""
+    import collections
+
+    lib = {"aten::chunk", "aten::copy_"}
+    out: dict = collections.defaultdict(collections.Counter)
+    for ev in prof.events():
+        p = ev.cpu_parent
+        if p is None or not p.name.startswith("dc::") or ev.name.startswith(("c10d::", "dc::")) or ev.name in lib:
+            continue
+        out[p.name][ev.name] += 1
+    return out
+
+
+def _op_counts(rank: int, world: int):
+    """The runtime ops called directly, as the compiled graphs call them, in the GPU run's shape
+    (bf16 gathers and reduces of fp32 shards, .grad set to None before the backward): a backward's
+    reduce_grads (one call per bucket) and end_backward, a forward's kept-parameter gathers in
+    groups; one step under the profiler. Then the same backward on both reduce paths
+    (DEEPCOMPILE_REDUCE_PACK coalesced / cat) for the reduced gradients."""
+    import os
+
+    import deepcompile
+    from deepcompile.runtime import ops
+
+    cfg = {"compiler": "aot_eager", "reduce_bucket_size": 6000,
+           "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}}
+    model, _ = deepcompile.initialize(make_model(), make_optimizer, cfg)
+    C, D = ops.C, torch.ops.dc
+    sps = list(model.dc_sharded)
+    shards = [sp.shard for sp in sps]
+    gen = torch.Generator().manual_seed(7)  # the same gradients on both ranks (any values do)
+    grads = [torch.randn(sp.meta.shape, generator=gen).to(torch.bfloat16) for sp in reversed(sps)]
+    ids = [sp.meta.id for sp in reversed(sps)]
+    calls = [(grads[i:i + 3], ids[i:i + 3]) for i in range(0, len(grads), 3)]
+    groups = [(shards[i:i + 4], [sp.meta.id for sp in sps[i:i + 4]]) for i in range(0, len(sps), 4)]
+
+    def backward():
+        for s in shards:
+            s.grad = None
+        for g, p in calls:
+            D.reduce_grads.default(g, p)
+        D.end_backward.default(grads[:1], 0)
+
+    def forward():
+        hs = [D.gather_persistent_start.default(s, p) for s, p in groups]
+        return [D.gather_persistent_wait.default(h, p) for h, (_, p) in zip(hs, groups)]
+
+    forward()  # warm
+    C.invalidate_persistent()
+    backward()
+    from torch.profiler import ProfilerActivity, profile
+
+    C.reset_stats()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        kept = forward()
+        C.invalidate_persistent()
+        backward()
+    st = dict(C.stats())
+    out = {"calls": {k: dict(v) for k, v in _runtime_calls(prof).items()}, "stats": st,
+           "n_grads": len(grads), "n_params": len(sps), "n_groups": len(groups),
+           "kept_ok": all(k.shape == sp.meta.shape and k.dtype == torch.bfloat16 for k, sp in
+                          zip([t for ks in kept for t in ks], sps))}
+    # the same gradients through both reduce paths: bit-identical shards' .grad
+    by_pack = {}
+    for pack in ("coalesced", "cat"):
+        C.set_reduce_pack(pack)
+        C.reset_stats()
+        backward()
+        by_pack[pack] = ([s.grad.clone() for s in shards], dict(C.stats()), C.reduce_pack())
+    out["same"] = all(torch.equal(a, b) for a, b in zip(by_pack["coalesced"][0], by_pack["cat"][0]))
+    out["packed"] = {k: (v[1]["reduce_packed"], v[1]["reduce_cats"], v[1]["reduce_scatters"], v[2])
+                     for k, v in by_pack.items()}
+    # the switch as a launch sets it, and a wrong value named
+    os.environ["DEEPCOMPILE_REDUCE_PACK"] = "cat"
+    try:
+        model, _ = deepcompile.initialize(make_model(), make_optimizer, cfg)
+        out["env"] = ops.C.reduce_pack()
+        os.environ["DEEPCOMPILE_REDUCE_PACK"] = "cats"
+        try:
+            deepcompile.initialize(make_model(), make_optimizer, cfg)
+            out["bad"] = None
+        except Exception as e:  # noqa: BLE001
+            out["bad"] = str(e)
+    finally:
+        del os.environ["DEEPCOMPILE_REDUCE_PACK"]
+    return out
+
+
+def test_runtime_dispatcher_calls_per_gradient_and_parameter():
+    """Host work per gradient (issue 16): counted, not timed. The reduce path makes one flat view
+    of each gradient (add_grad), one output slice of it (the coalesced reduce-scatter) and one
+    .grad slice (apply_grads), plus an empty, a cast and a scale per bucket; a gathered kept
+    parameter costs one output allocation (and here, gloo, one cast input) when started and one
+    view when waited. Before: narrow + view pairs and reshapes, 4 calls a gradient and 5 a
+    parameter. Both reduce paths give bit-identical gradients."""
+    r = run_ranks(_op_counts, 2, timeout=300)[0]
+    calls, n, m, groups, st = r["calls"], r["n_grads"], r["n_params"], r["n_groups"], r["stats"]
+    red = {}
+    for op in ("dc::reduce_grads", "dc::end_backward"):
+        for k, v in calls.get(op, {}).items():
+            red[k] = red.get(k, 0) + v
+    buckets = st["reduce_scatters"]
+    assert buckets > 3 and n > 2 * buckets, (st, n)  # several buckets of several gradients
+    assert not {"aten::narrow", "aten::reshape", "aten::slice"} & set(red), red
+    per_grad = {k: v for k, v in red.items() if k in ("aten::view", "aten::as_strided")}
+    assert sum(per_grad.values()) <= 3 * n, red
+    assert sum(red.values()) <= 3 * n + 3 * buckets, (red, n, buckets)
+    start, wait = calls["dc::gather_persistent_start"], calls["dc::gather_persistent_wait"]
+    assert wait == {"aten::as_strided": m}, wait
+    # per parameter its output and (gloo: no in-place cast) its cast input; per group the copy
+    # kernel and the op's handle
+    assert sum(start.values()) <= 2 * m + 2 * groups and "aten::view" not in start, start
+    assert r["kept_ok"]
+    # the packed path: one cat per bucket of several gradients, same reduced gradients
+    assert r["same"]
+    packed_cat, cats, rs, name = r["packed"]["cat"]
+    assert name == "cat" and 0 < packed_cat == cats <= rs, r["packed"]
+    assert r["packed"]["coalesced"][:2] == (0, 0) and r["packed"]["coalesced"][3] == "coalesced"
+    assert r["env"] == "cat"
+    assert r["bad"] and "DEEPCOMPILE_REDUCE_PACK='cats'" in r["bad"], r["bad"]
