@@ -68,7 +68,8 @@ def _probe_run(rank, world, compiler, device):
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
     torch.manual_seed(0)
     model, opt = deepcompile.initialize(Net().to(dev), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                                        {"zero_stage": 3, "compiler": compiler})
+                                        {"zero_stage": 3, "compiler": compiler,
+                                         "reduce_bucket_size": 40000})  # several reduce calls
     x = torch.randn(64, 32, device=dev)
     out = []
     for _ in range(4):  # 0: warm-up graphs, 1: profiling step, 2-3: the final compile
@@ -80,11 +81,27 @@ def _probe_run(rank, world, compiler, device):
         opt.step()
         opt.zero_grad()
         out.append((saved, seen[-1]))
-    return out
+    # end_backward's argument (an ordering use only) names the last reduce call's gradients,
+    # not every gradient: listing all of them kept the backward's unsharded gradients (1.78 GiB
+    # on the 953M Llama) alive to the end of the backward
+    held = []
+    for v in model.dc_graphs:
+        if v.kind == "backward" and v.after == "zero3":
+            reduces = [n for n in v.nodes if "reduce_grad" in str(n["target"])]
+            ends = [n for n in v.nodes if "end_backward" in str(n["target"])]
+            names = lambda a: {x["node"] for x in a if isinstance(x, dict)}  # noqa: E731
+            last = names(reduces[-1]["args"][0] if isinstance(reduces[-1]["args"][0], list) else [reduces[-1]["args"][0]])
+            held.append((len(reduces), len(names(ends[0]["args"][0])), len(names(ends[0]["args"][0]) - last)))
+    return out, held
 
 
 def _check(results):
-    for rank, steps in enumerate(results):
+    for rank, (steps, held) in enumerate(results):
+        assert held, f"rank {rank}: no backward graph after the zero3 pass"
+        for calls, listed, beyond_last in held:
+            assert calls >= 2 and listed >= 1 and beyond_last == 0, (
+                f"rank {rank}: end_backward lists {listed} gradients, {beyond_last} of them not from the last of "
+                f"{calls} reduce calls")
         for step, (saved, alive) in enumerate(steps):
             # each block saves its linear's input and the GELU's input; at the first block's
             # backward every block's are gone and only what lives anyway may remain (the
