@@ -392,6 +392,9 @@ def build_dc(name, base_model, args, dev, extra=None):
     if getattr(args, "accumulation", 1) > 1:
         cfg["gradient_accumulation_steps"] = args.accumulation
     cfg.update(copy.deepcopy(extra or {}))
+    # BENCH_DC_CONFIG='{"optimizer_chunk_mb": 256}': config keys for every dc system of this run (A/B
+    # runs of one setting; recorded in the system's notes with the rest of its config)
+    cfg.update(json.loads(os.environ.get("BENCH_DC_CONFIG", "{}")))
     model = copy.deepcopy(base_model)
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), cfg)
     notes = {"config": cfg, "optimizer": f"torch.optim.AdamW(lr={args.lr}) over the fp32 flat shards",
