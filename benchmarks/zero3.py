@@ -651,6 +651,7 @@ def train_steps(model, opt, autocast, batches, args):
     sync(args)
     acc = getattr(args, "accumulation", 1)
     dc = hasattr(model, "dc_backend")  # deepcompile's optimizer steps itself every acc-th step() call
+    split = os.environ.get("BENCH_PEAK_SPLIT") == "1" and args.device == "cuda"
     for s in range(total):
         t0 = time.perf_counter()
         for j in range(acc):
@@ -660,7 +661,19 @@ def train_steps(model, opt, autocast, batches, args):
             loss = out.loss
             if dc or acc == 1:
                 loss.backward()
+                if split:  # BENCH_PEAK_SPLIT=1: forward/backward's peak and optimizer.step()'s apart
+                    fb = torch.cuda.max_memory_allocated()
+                    torch.cuda.reset_peak_memory_stats()
                 opt.step()
+                if split:
+                    peaks = getattr(args, "peak_split", None) or {"fb": 0, "opt": 0, "fb_steps": [], "opt_steps": []}
+                    op = torch.cuda.max_memory_allocated()
+                    if s >= args.warmup:
+                        peaks["fb"], peaks["opt"] = max(peaks["fb"], fb), max(peaks["opt"], op)
+                    peaks["fb_steps"].append(round(fb / GIB, 3))
+                    peaks["opt_steps"].append(round(op / GIB, 3))
+                    args.peak_split = peaks
+                    torch.cuda.reset_peak_memory_stats()
                 opt.zero_grad(set_to_none=True)
             else:
                 (loss / acc).backward()
@@ -794,9 +807,17 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
             if args.device == "cuda":
                 res["warmup_peak_gib"] = getattr(args, "warmup_peak", 0) / GIB
                 args.warmup_peak = 0
+                ps = getattr(args, "peak_split", None)
+                if ps:  # the per-phase peaks reset the allocator's peak: the timed peak is their max
+                    res["peak_split_gib"] = {"forward_backward": ps["fb"] / GIB, "optimizer": ps["opt"] / GIB,
+                                             "fb_by_step": ps["fb_steps"], "opt_by_step": ps["opt_steps"]}
+                    w = args.warmup
+                    res["warmup_peak_gib"] = max([res["warmup_peak_gib"], *ps["fb_steps"][:w], *ps["opt_steps"][:w]])
+                    args.peak_split = None
             res["losses"] = losses
             if args.device == "cuda":
-                res["peak_alloc_gib"] = torch.cuda.max_memory_allocated() / GIB
+                split_peaks = [v for k, v in (res.get("peak_split_gib") or {}).items() if not k.endswith("step")]
+                res["peak_alloc_gib"] = max([torch.cuda.max_memory_allocated() / GIB, *split_peaks])
                 res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
             res["process_after_train"] = process_state(args)
             if after_train is not None:
@@ -893,6 +914,8 @@ def summarise(name, per_rank, args, world) -> dict:
         entry["peak_mem_net_gib"] = max(r["peak_alloc_gib"] - r["alloc_before_gib"] for r in ran)
         entry["warmup_peak_mem_gib"] = max(r.get("warmup_peak_gib", 0.0) for r in ran)
         entry["run_peak_mem_gib"] = max(entry["peak_mem_gib"], entry["warmup_peak_mem_gib"])
+        if any(r.get("peak_split_gib") for r in ran):
+            entry["peak_split_gib_by_rank"] = {str(r["rank"]): r.get("peak_split_gib") for r in ran}
         entry["peak_reserved_gib_by_rank"] = {str(r["rank"]): r["peak_reserved_gib"] for r in ran}
         entry["setup_peak_gib_by_rank"] = {str(r["rank"]): r["setup_peak_gib"] for r in ran}
         entry["alloc_before_gib_by_rank"] = {str(r["rank"]): r["alloc_before_gib"] for r in ran}

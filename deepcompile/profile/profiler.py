@@ -632,7 +632,8 @@ HOST_KEYS = ("dispatch_us", "python_us")   # Profile.host's measured numbers (ag
 
 
 def agree(profile: Profile, group=None) -> Profile:
-    """Element-wise maximum of every rank's measurements, so all ranks decide alike.
+    """Every rank's measurements combined element-wise, so all ranks decide alike: memory by
+    the maximum, node latencies by the minimum (see below).
 
     Graphs are matched by key and structure. Ranks can profile different graphs for the same
     model: with per-rank dynamic padding one rank may run a static graph while another runs a
@@ -658,8 +659,14 @@ def agree(profile: Profile, group=None) -> Profile:
             "profiling step to profile them.", stacklevel=2)
         for k in dropped:
             profile.graphs.pop(k, None)
+    # Latencies are agreed by their MINIMUM (carried negated through the one MAX all-reduce),
+    # memory by its maximum. A node's work is the same on every rank, but on GPU a rank's
+    # wait can absorb the *other* rank's profiler spin (_GpuLead parks each rank's compute stream
+    # at its own moments, and a collective runs only when both ranks reach it): 2 H200s, 953M
+    # Llama, one profiling step had 29 nodes at ~40 ms (SPIN_MS) and one at 654 ms on the slower
+    # rank, and the maximum made the predicted step 192 ms against a measured 43.
     flat = [x for k in keys for n in profile.graphs[k].nodes
-            for x in (n.latency_ms, float(n.mem_after_bytes), float(n.peak_bytes), float(n.out_bytes))]
+            for x in (-n.latency_ms, float(n.mem_after_bytes), float(n.peak_bytes), float(n.out_bytes))]
     flat.append(float(profile.optimizer_peak_bytes))
     flat.append(float(profile.optimizer_ms))
     backend = dist.get_backend(group)
@@ -686,7 +693,7 @@ def agree(profile: Profile, group=None) -> Profile:
     for k in keys:
         for n in profile.graphs[k].nodes:
             n.latency_ms, n.mem_after_bytes, n.peak_bytes, n.out_bytes = (
-                vals[i], int(vals[i + 1]), int(vals[i + 2]), int(vals[i + 3]))
+                -vals[i], int(vals[i + 1]), int(vals[i + 2]), int(vals[i + 3]))
             i += 4
     if profile.comm is not None:
         c = torch.tensor([profile.comm.alpha_us, 1.0 / profile.comm.bytes_per_us], dtype=torch.float64, device=dev)
