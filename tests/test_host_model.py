@@ -137,3 +137,21 @@ def test_ranks_agree_on_measured_ops():
 
     a, b = run_ranks(_agree_ops, 2, timeout=120)
     assert a == b and a["ops_us"] == {"reduce_grad": 41.0}
+
+
+def test_stalled_node_latencies_are_replaced_by_their_family_median():
+    """A profiling step on GPU can charge a node with another rank's spin (40 ms, or several):
+    2 H200s measured a ``convert_element_type`` at 654 ms among siblings at 0.03 ms, and the
+    predicted step went from 45 to 192 ms. Such a node takes its family's median; a node that is
+    merely slower than its family, or a family too small to judge, keeps what was measured."""
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile, drop_stalls
+
+    conv = [NodeProfile(f"convert_element_type_{i}", 0.03, 0, 0, 0) for i in range(10)]
+    conv[4].latency_ms = 654.7      # a stall
+    conv[7].latency_ms = 0.5        # slower, but below STALL_MIN_MS: kept
+    mm = [NodeProfile(f"mm_{i}", 40.0, 0, 0, 0) for i in range(3)]   # long, but only 3: kept
+    prof = Profile(graphs={(0, "forward"): GraphProfile(0, "forward", conv + mm)})
+    found = drop_stalls(prof)
+    assert [f[1] for f in found] == ["convert_element_type_4"], found
+    assert conv[4].latency_ms == 0.03 and conv[7].latency_ms == 0.5
+    assert all(m.latency_ms == 40.0 for m in mm)
