@@ -122,3 +122,55 @@ def test_saved_activations_freed_during_backward_gpu():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     _check(run_ranks(_probe_run, 2, "inductor", "cuda", backend="nccl", timeout=400))
+
+
+def _inductor_code_run(rank, world):
+    import re
+
+    import torch
+    import torch.nn as nn
+    from torch._inductor.codecache import PyCodeCache
+
+    import deepcompile
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4))
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x.pow(2).mean()
+
+    torch.manual_seed(0)
+    model, opt = deepcompile.initialize(Net(), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                        {"zero_stage": 3, "compiler": "inductor", "reduce_bucket_size": 10000})
+    x = torch.randn(32, 64)
+    for _ in range(4):
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+    out = []
+    for mod in list(PyCodeCache.modules):
+        src = open(mod.__file__).read()
+        if "dc.reduce_grads" not in src:
+            continue
+        lines = src.splitlines()
+        for i, line in enumerate(lines):
+            if "dc.reduce_grads.default(" in line:
+                bufs = set(re.findall(r"\b(buf\d+)\b", line.split("], [")[0]))
+                later = "\n".join(lines[i + 1:])
+                out.append(sorted(b for b in bufs if not re.search(rf"\bdel {b}\b", later)))
+    return out
+
+
+def test_inductor_drops_gradients_after_their_reduce():
+    """Inductor wrote no ``del`` for a buffer it must never reuse (the gradients handed to
+    ``dc.reduce_grads``: the runtime's bucket reads them without a copy), so the compiled
+    backward kept every gradient to its end: 0.86 GiB of the 953M Llama's forward/backward
+    peak over what the profiled graph predicted. compat.free_never_reused writes the ``del``
+    (no reuse: the runtime still holds the memory until its reduce-scatter has read it)."""
+    res = run_ranks(_inductor_code_run, 1, timeout=400)[0]
+    assert res, "no compiled backward with dc.reduce_grads found"
+    assert all(not kept for kept in res), f"gradients never deleted after their reduce_grads call: {res}"
