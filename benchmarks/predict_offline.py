@@ -25,7 +25,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from deepcompile.plan.cost_model import predict  # noqa: E402
-from deepcompile.profile.profiler import Profile  # noqa: E402
+from deepcompile.profile.profiler import Profile, drop_stalls  # noqa: E402
 from deepcompile.plan.estimate import comm_kind, op_class  # noqa: E402
 from deepcompile.record.reader import read_run  # noqa: E402
 
@@ -89,6 +89,7 @@ def main(argv=None) -> int:
         print(f"{a.record}: no profile in this record (the system ran no profiling step)", file=sys.stderr)
         return 2
     prof = Profile.from_records(rec.profile)
+    drop_stalls(prof)  # records from before the profiler dropped stalls (session 9) still carry them
     versions = [vars(g) for g in rec.graphs]
     out = {}
     for fused in (True, False):

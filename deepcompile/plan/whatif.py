@@ -288,7 +288,7 @@ def load_base(run_dir, rank: int = 0) -> _Base:
 def _build_base(root: Path, rank: int) -> _Base:
     from deepcompile.plan.estimate import profiled_version, static_costs
     from deepcompile.plan.memory import facts_from_profile
-    from deepcompile.profile.profiler import Profile
+    from deepcompile.profile.profiler import Profile, drop_stalls
     from deepcompile.record import schema as S
     from deepcompile.record.reader import load_json, read_run
     from deepcompile.runtime import ops
@@ -303,6 +303,9 @@ def _build_base(root: Path, rank: int) -> _Base:
                           "the profiled latencies and memory: run with profile_step set (the default ZeRO-3 plan "
                           "profiles step 1), e.g. `python -m deepcompile demo --profile-step 1`")
     prof = Profile.from_records(rec.profile)
+    # records written before the profiler dropped stalls (session 9) still carry them: a wait or
+    # node charged with the other rank's profiler spin would price every plan ~4x too slow
+    drop_stalls(prof)
     graphs, base, profiled, scope = {}, {}, {}, {}
     by_key: dict = {}
     gdir = root / S.rank_dir_name(rank) / S.GRAPHS_DIR
