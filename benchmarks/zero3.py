@@ -652,6 +652,8 @@ def train_steps(model, opt, autocast, batches, args):
     acc = getattr(args, "accumulation", 1)
     dc = hasattr(model, "dc_backend")  # deepcompile's optimizer steps itself every acc-th step() call
     split = os.environ.get("BENCH_PEAK_SPLIT") == "1" and args.device == "cuda"
+    peaks = {"fb": 0, "opt": 0, "fb_steps": [], "opt_steps": []}
+    args.peak_split = peaks if split else None
     for s in range(total):
         t0 = time.perf_counter()
         for j in range(acc):
@@ -666,13 +668,11 @@ def train_steps(model, opt, autocast, batches, args):
                     torch.cuda.reset_peak_memory_stats()
                 opt.step()
                 if split:
-                    peaks = getattr(args, "peak_split", None) or {"fb": 0, "opt": 0, "fb_steps": [], "opt_steps": []}
                     op = torch.cuda.max_memory_allocated()
                     if s >= args.warmup:
                         peaks["fb"], peaks["opt"] = max(peaks["fb"], fb), max(peaks["opt"], op)
                     peaks["fb_steps"].append(round(fb / GIB, 3))
                     peaks["opt_steps"].append(round(op / GIB, 3))
-                    args.peak_split = peaks
                     torch.cuda.reset_peak_memory_stats()
                 opt.zero_grad(set_to_none=True)
             else:

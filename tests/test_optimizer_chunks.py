@@ -154,7 +154,7 @@ def _ranks(rank: int, world: int):
     import deepcompile
     from deepcompile.checkpoint import get_state_dict, set_state_dict
     from deepcompile.runtime import optimizer_state
-    from tests.workloads import LOCAL_BATCH, global_batch, make_model
+    from tests.workloads import make_model, rank_step
 
     out = {}
     for passes in (["zero3"], ["zero3", "offload_optimizer"]):
@@ -165,14 +165,8 @@ def _ranks(rank: int, world: int):
             sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
             losses = []
             for s in range(4):
-                x, y = global_batch(s, 0, world)
-                sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-                loss = model(x[sl], y[sl])
-                loss.backward()
-                opt.step()
+                losses.append(rank_step(model, opt, rank, world, s))
                 sched.step()
-                opt.zero_grad()
-                losses.append(loss.item())
                 if s == 2:   # DCP's state dict round trip (what dcp.load + set_state_dict does), mid-run
                     msd, osd = get_state_dict(model, opt)
                     set_state_dict(model, opt, msd, osd)
@@ -222,7 +216,7 @@ def _planned(rank: int, world: int):
     from deepcompile.plan.memory import facts_from_profile
     from deepcompile.plan.planner import ALLOCATOR_SLACK
     from deepcompile.runtime import optimizer_state
-    from tests.workloads import LOCAL_BATCH, global_batch, make_model
+    from tests.workloads import make_model, rank_step
 
     model, opt = deepcompile.initialize(
         make_model(), lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, foreach=True),
@@ -230,14 +224,8 @@ def _planned(rank: int, world: int):
     ch = model.dc_optim_chunks
     chunks, losses = [], []
     for s in range(4):
-        x, y = global_batch(s, 0, world)
-        sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-        loss = model(x[sl], y[sl])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        losses.append(rank_step(model, opt, rank, world, s))
         chunks.append(ch.last_chunks)
-        losses.append(loss.item())
         if s == 1:   # the profile is agreed now; the plan is made in step 2's forward
             b = model.dc_backend
             f = facts_from_profile(b.profile, b.param_meta, b.world_size, optimizer_state.MANAGER.total_bytes())

@@ -30,6 +30,17 @@ def global_batch(step: int, micro: int, world: int, device="cpu"):
     return x.to(device), y.to(device)
 
 
+def rank_step(model, opt, rank: int, world: int, step: int, micro: int = 0) -> float:
+    """One plain-loop step of ``rank`` on its slice of the global batch; returns the loss."""
+    x, y = global_batch(step, micro, world, next(model.parameters()).device)
+    sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    loss = model(x[sl], y[sl])
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
 def train_reference(world: int, steps: int, accumulation: int, device="cpu"):
     """One process, no sharding: each micro-batch is the concatenation of every rank's."""
     model = make_model().to(device)

@@ -665,6 +665,12 @@ def drop_stalls(profile: Profile) -> list[tuple]:
                 if n.latency_ms >= STALL_MIN_MS and n.latency_ms > STALL_FACTOR * med:
                     out.append((key, n.name, round(n.latency_ms, 3), round(med, 4)))
                     n.latency_ms = med
+    if out:
+        import logging
+
+        logging.getLogger("deepcompile").info(
+            "profiler: %d node latencies looked stalled (the other rank's profiler spin) and were replaced by "
+            "their op family's median, e.g. %s", len(out), out[:3])
     return out
 
 
@@ -679,7 +685,7 @@ def agree(profile: Profile, group=None) -> Profile:
     every rank still decides alike. The communication model and the optimizer's time are always
     agreed."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        _note_stalls(drop_stalls(profile))
+        drop_stalls(profile)
         return profile
     mine = {k: _signature(g) for k, g in profile.graphs.items()}
     every: list = [None] * dist.get_world_size(group)
@@ -747,21 +753,9 @@ def agree(profile: Profile, group=None) -> Profile:
         profile.replicate = ReplicateLink(CommModel(alpha_us=a, bytes_per_us=1.0 / inv_b,
                                                     copy_bytes_per_us=rc.copy_bytes_per_us),
                                           profile.replicate.shard_world)
-    _note_stalls(drop_stalls(profile))   # on the agreed values: every rank replaces the same nodes
+    drop_stalls(profile)   # on the agreed values: every rank replaces the same nodes
     return profile
 
-
-STALLS: list = []   # the last profile's replaced stalls (graph key, node, measured ms, used ms)
-
-
-def _note_stalls(found: list) -> None:
-    STALLS[:] = found
-    if found:
-        import logging
-
-        logging.getLogger("deepcompile").info(
-            "profiler: %d node latencies looked stalled (the other rank's profiler spin) and were replaced by "
-            "their op family's median, e.g. %s", len(found), found[:3])
 
 
 def benchmark_comm(group=None, device=None, sizes=None, reps: int = 3) -> CommModel:
