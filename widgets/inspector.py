@@ -1208,9 +1208,7 @@ class Inspector:
         took = time.perf_counter() - t0
         if gen is not None and gen != self._whatif_gen:   # a newer edit is on its way
             return None
-        self.p_wstatus.value = ""
         with self._lock:
-            self.last_whatif = w
             self.p_whatif.value = self.whatif_html(w, took)
             if m.schedule is not None:
                 m.schedule.set_whatif(w.schedule)
@@ -1218,6 +1216,10 @@ class Inspector:
                     self._render_schedule()
                 except Exception:
                     pass
+            # published last: whoever sees the status cleared or the new result (a person, a test on
+            # another thread) sees the schedule already re-drawn, not its traces mid-replacement
+            self.last_whatif = w
+            self.p_wstatus.value = ""
         return w
 
     def whatif_html(self, w, took: float | None = None) -> str:
