@@ -819,6 +819,14 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
                 split_peaks = [v for k, v in (res.get("peak_split_gib") or {}).items() if not k.endswith("step")]
                 res["peak_alloc_gib"] = max([torch.cuda.max_memory_allocated() / GIB, *split_peaks])
                 res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+                pool = getattr(getattr(model, "dc_backend", None), "graph_pool", None)
+                if pool is not None:
+                    # CUDA graphs (runtime/cudagraphs.py): after the capture step the graphs' memory
+                    # is the pool's, held for good and not counted by max_memory_allocated; the
+                    # honest peak is what was allocated outside it plus all of it
+                    res["cuda_graphs"] = pool.summary()
+                    res["peak_alloc_outside_pool_gib"] = res["peak_alloc_gib"]
+                    res["peak_alloc_gib"] += res["cuda_graphs"]["pool_bytes"] / GIB
             res["process_after_train"] = process_state(args)
             if after_train is not None:
                 after_train(model, opt, res)
@@ -917,6 +925,8 @@ def summarise(name, per_rank, args, world) -> dict:
         if any(r.get("peak_split_gib") for r in ran):
             entry["peak_split_gib_by_rank"] = {str(r["rank"]): r.get("peak_split_gib") for r in ran}
         entry["peak_reserved_gib_by_rank"] = {str(r["rank"]): r["peak_reserved_gib"] for r in ran}
+        if any(r.get("cuda_graphs") for r in ran):
+            entry["cuda_graphs_by_rank"] = {str(r["rank"]): r.get("cuda_graphs") for r in ran}
         entry["setup_peak_gib_by_rank"] = {str(r["rank"]): r["setup_peak_gib"] for r in ran}
         entry["alloc_before_gib_by_rank"] = {str(r["rank"]): r["alloc_before_gib"] for r in ran}
         entry["alloc_after_gib_by_rank"] = {str(r["rank"]): r["alloc_after_gib"] for r in ran}

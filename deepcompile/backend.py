@@ -100,7 +100,12 @@ class Backend:
         # instead of tracing again; DEEPCOMPILE_TRACE_ONCE=0 turns it off (re-trace, as before)
         self.trace_once = os.environ.get("DEEPCOMPILE_TRACE_ONCE", "1") != "0"
         self.kept: list[_Kept] = []
+        # CUDA graphs around the compute between runtime ops (runtime/cudagraphs.py): the pool
+        # of the graphs compiled now, and every pool of this model (their summaries for reports)
+        self.graph_pool = None
+        self.graph_pools: list = []
         self.trace_once_log: list[dict] = []   # one entry per scheduled re-compile: reused or why not
+        self.plan_cache = None          # deepcompile.plan.cache.PlanCache (initialize sets it), or None: off
         # compile seconds per optimizer step and phase (PHASES); see add_phase
         self.phases: dict[int, dict[str, float]] = {}
         self.call_seconds = 0.0         # total seconds inside __call__ (Dynamo's time excludes it)
@@ -131,6 +136,7 @@ class Backend:
         self.next_graph_id = 0
         self.compiled.clear()
         self.kept.clear()  # Dynamo traces again: the graphs kept from the last trace are gone with it
+        self.graph_pool = None  # a new compile's graphs capture into a new pool
 
     def profile_in_place(self) -> bool:
         """Make the graphs compiled now run through the profiler, without compiling again.
@@ -178,9 +184,28 @@ class Backend:
         self.add_phase("passes", time.perf_counter() - t0)  # the record's serialization included
         return gm
 
-    def _inductor(self, gm: fx.GraphModule, inputs, kw: dict):
+    def _graph_pool(self, kw: dict):
+        """The CUDA graph pool of this compile's training graphs (runtime/cudagraphs.py), or None:
+        config ``cuda_graphs`` off, no CUDA, an inference graph, or the profiling interpreter."""
+        if kw.get("is_inference") or self.profiling or getattr(self.config, "cuda_graphs", None) is False:
+            return None
+        import torch
+
+        if not torch.cuda.is_available():
+            return None
+        if self.graph_pool is None:
+            from deepcompile.runtime.cudagraphs import Pool
+
+            self.graph_pool = Pool(torch.device("cuda", torch.cuda.current_device()))
+            self.graph_pools.append(self.graph_pool)
+        return self.graph_pool
+
+    def _inductor(self, gm: fx.GraphModule, inputs, kw: dict, label: str = "graph"):
         t0 = time.perf_counter()
         try:
+            pool = self._graph_pool(kw)
+            if pool is not None:
+                kw = {**kw, "dc_graph_pool": pool, "dc_graph_label": label}
             return compat.inductor_inner(gm, inputs, **kw)
         finally:
             self.add_phase("inductor", time.perf_counter() - t0)
@@ -205,7 +230,7 @@ class Backend:
     def _keep_traces(self, compiler: str) -> bool:
         """Keep this compile's graphs for trace-once: a Python (warm-up) compile that a scheduled
         re-compile will follow."""
-        return (self.trace_once and compiler != "inductor"
+        return (self.trace_once and compiler != "inductor" and not (self.plan_cache and self.plan_cache.hit)
                 and any(e.step > self.step for e in self.config.schedule))
 
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]):
@@ -216,12 +241,16 @@ class Backend:
         why = next((e["why"] for e in self.trace_once_log if e["step"] == self.step and not e["reused"]), None)
         notes = [f"trace once: not reused, re-traced: {why}"] if why else []
         self._observe(GraphVersion(graph_id, "dynamo", "input", dynamo_nodes, notes, step=self.step))
+        if self.plan_cache is not None and self.step == 0:
+            self.plan_cache.on_graph(self, graph_id, gm, example_inputs)  # a hit sets the stored passes and profile
         compiler = self.config.compiler_at(self.step)
+        if self.plan_cache is not None and self.plan_cache.hit:
+            compiler = self.config.compiler  # the stored plan, compiled at step 0 with the final compiler
         if self.profiling:
             compiler = "profile"
         if compiler == "inductor":
             def compile_inductor(g, inputs, kind, kw):
-                return self._inductor(self.run_passes(g, graph_id, kind), inputs, kw)
+                return self._inductor(self.run_passes(g, graph_id, kind), inputs, kw, f"g{graph_id}.{kind}")
             # timed per graph: a backward is compiled at its first run, outside __call__
             return compat.inductor_compile(gm, example_inputs,
                                            lambda g, inputs, kind, kw: self._timed(compile_inductor, g, inputs, kind, kw))
@@ -277,6 +306,7 @@ class Backend:
         t_start = time.perf_counter()
         old = (self.passes, self.step, self.profiling, dict(self.compiled))
         self.passes, self.step, self.profiling = passes, step, False
+        self.graph_pool = None  # the re-compiled graphs capture into a new pool
         self.compiled.clear()
         compiler = self.config.compiler_at(step)
         buffered: list[GraphVersion] = []
@@ -316,10 +346,10 @@ class Backend:
                             raise _Mismatch("the warm-up graphs were not traced for Inductor")
                         if k.kind == "forward":
                             with compat.report_output_strides() as strides:
-                                fn = self._inductor(g, inputs, tg.kw)
+                                fn = self._inductor(g, inputs, tg.kw, f"g{k.graph_id}.{k.kind}")
                             fw_strides[k.graph_id] = (tg.gm, list(strides or []))
                         else:
-                            fn = self._inductor(g, inputs, tg.kw)
+                            fn = self._inductor(g, inputs, tg.kw, f"g{k.graph_id}.{k.kind}")
                     elif compiler == "eager":
                         fn = compat.interpret(g)
                     else:

@@ -174,6 +174,13 @@ def inductor_inner(gm: fx.GraphModule, example_inputs, **kw):
 
     from deepcompile import blocks
 
+    pool = kw.pop("dc_graph_pool", None)
+    label = kw.pop("dc_graph_label", "graph")
+    if pool is not None:
+        why = cuda_graph_unsuitable(gm)
+        if why is None:
+            return _compile_partitioned(gm, example_inputs, pool, label, kw)
+        pool.reasons[f"{label}: not captured: {why}"] += 1
     cudagraphs = kw.get("cudagraphs")
     if blocks.enabled() and not (cudagraphs is not None and bool(getattr(cudagraphs, "value", cudagraphs))):
         fn = blocks.compile_graph(gm, example_inputs, cfx.compile_fx_inner, **kw)
@@ -842,6 +849,104 @@ def fast_graph_copy(src: fx.Graph) -> fx.Graph:
         out = fx.Graph()
         out.output(out.graph_copy(src, {}))
         return out
+
+
+# --- cuda graphs (runtime/cudagraphs.py, issue 16) ---
+def dc_op_names() -> list[str]:
+    """Every registered ``dc::`` operator (the runtime's ops, zero3.cpp and offload.py)."""
+    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dc::"))
+
+
+def cuda_graph_unsuitable(gm: fx.GraphModule) -> str | None:
+    """Why a graph's partitions cannot be CUDA graphs, or None. Random ops draw their seeds on
+    the host per call, which a replay would not (each step would repeat the first one's
+    numbers); a graph on the CPU has nothing to capture."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
+            if torch.Tag.nondeterministic_seeded in n.target.tags:
+                return f"random op {n.target} ({n.name})"
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+            return None
+    return "no CUDA tensors"
+
+
+def _compile_partitioned(gm: fx.GraphModule, example_inputs, pool, label: str, kw: dict):
+    """``compile_fx_inner`` with the graph cut into partitions at our runtime ops, each partition
+    then wrapped in a ``runtime.cudagraphs.PartitionGraph``.
+
+    Inductor writes partitions (``Runner.partitions``, ``recursively_apply_fns``,
+    ``CompiledFxGraph.partition_maps``: 2.11 and 2.13) when ``graph_partition`` is on and
+    ``triton.cudagraphs`` is set in its config; ``custom_should_partition_ops`` (2.10+) names the
+    ops to cut at. ``triton.cudagraphs`` is set in the config *only*: the ``cudagraphs`` flag
+    compile_fx hands its inner compile stays False, so Inductor's own CUDA graph trees never wrap
+    the graph (their static-input copies would double the gathered parameters' memory) and its
+    post-compile still reports output strides and realigns inputs as usual. Inductor's
+    partition reordering (``reorder_for_reducing_graph_partitions``) is off: it moves the runtime
+    ops, and where communication happens is the passes' decision."""
+    from torch._inductor import compile_fx as cfx
+    from torch._inductor import config as iconfig
+
+    from deepcompile.runtime import cudagraphs
+
+    patch = {"graph_partition": True, "triton.cudagraphs": True,
+             "triton.reorder_for_reducing_graph_partitions": False,
+             "custom_should_partition_ops": dc_op_names()}
+    with iconfig.patch(patch):
+        compiled = cfx.compile_fx_inner(gm, example_inputs, **kw)
+    runner = getattr(compiled, "compiled_fn_runner", None)
+    maps = getattr(compiled, "partition_maps", None)
+    if runner is None or not maps or getattr(compiled, "recursively_apply_fns", None) is None:
+        pool.reasons[f"{label}: compiled without partitions"] += 1
+        return compiled
+    # a module loaded again from Inductor's code cache is the same module: unwrap, never nest
+    runner.partitions = [getattr(f, "fn", f) if isinstance(f, cudagraphs.PartitionGraph) else f
+                         for f in runner.partitions]
+    cudagraphs.wrap_partitions(runner, maps, getattr(compiled, "mutated_input_idxs", ()), pool, label)
+    return compiled
+
+
+def tensor_metadata(t: torch.Tensor) -> dict:
+    """What ``_construct_CUDA_Tensor_From_Storage_And_Metadata`` takes (the layout of Inductor's
+    cudagraph_trees ``_tensor_metadata``, 2.11 and 2.13)."""
+    s = t.untyped_storage()
+    return {"nbytes": s.nbytes(), "data_ptr": s.data_ptr(), "size": t.shape, "stride": t.stride(),
+            "dtype": t.dtype, "device": t.device, "storage_offset": t.storage_offset()}
+
+
+def storage_from_pointer(meta: dict):
+    """A storage over memory it does not own (the graph pool's): dies without freeing it."""
+    return torch._C._construct_storage_from_data_pointer(meta["data_ptr"], meta["device"], meta["nbytes"])
+
+
+def tensor_from_storage(meta: dict, storage) -> torch.Tensor:
+    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storage)
+
+
+def storage_ref(t: torch.Tensor):
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return StorageWeakRef(t.untyped_storage())
+
+
+def storage_ref_of(storage):
+    from torch.multiprocessing.reductions import StorageWeakRef
+    return StorageWeakRef(storage)
+
+
+def invalidate_storage(t: torch.Tensor, msg: str) -> None:
+    """Make any later access to ``t``'s storage raise ``msg`` (what CUDA graph trees do to an
+    output whose memory the next replay reuses)."""
+    torch._C._set_storage_access_error_msg(t, msg)
+
+
+def pool_reserved_bytes(handle) -> int:
+    """Bytes of the segments the caching allocator holds for one graph pool."""
+    total = 0
+    for seg in torch.cuda.memory_snapshot():
+        if tuple(seg.get("segment_pool_id", ())) == tuple(handle):
+            total += seg["total_size"]
+    return total
 
 
 # --- inductor compile workers ---

@@ -130,12 +130,21 @@ class Config:
                                         "parameters (the user's param_groups and state dict do not change): bounds the "
                                         "foreach optimizers' group-sized temporaries, the step's peak; 0: one chunk per "
                                         "group; 'auto': the planner chooses (chunks only where that lets a faster plan fit)")
+    cuda_graphs: bool | None = spec(None, help="run the compute between the runtime's ops as CUDA graphs (Inductor "
+                                               "partitions, captured at the third step after a compile); default: on "
+                                               "for Inductor on CUDA, false turns it off")
     plan: bool | None = spec(None, help="after the profile, fill the parameters not set by hand of prefetch and "
                                         "selective_unshard (adding offload_optimizer when nothing fits otherwise) from "
                                         "the profile and memory_limit_gib; default: on for the default ZeRO-3 plan")
+    plan_cache: Any = spec(True, help="reuse the profile and plan of an earlier run of the same job (same graphs, config, "
+                                      "world size, device, versions): compile the planned passes at step 0, no "
+                                      "profiling step; true: under Inductor's cache dir (deepcompile_plans/), a path: "
+                                      "that directory, false: off (deepcompile.plan.cache)")
 
     def validate(self, path: str = "config") -> None:
         self.optimizer_chunk_mb = self._check_chunk_mb(self.optimizer_chunk_mb, f"{path}.optimizer_chunk_mb")
+        if not (isinstance(self.plan_cache, bool) or (isinstance(self.plan_cache, str) and self.plan_cache.strip())):
+            raise ConfigError(f"{path}.plan_cache: expected true, false or a directory path, got {self.plan_cache!r}")
         first = "zero3" if self.zero_stage == 3 else "zero12"
         if self.zero_stage != 3 and [p if isinstance(p, str) else getattr(p, "name", p) for p in self.passes] == ["zero3"]:
             self.passes = ["zero12"]  # the default pass list names stage 3's lowering
