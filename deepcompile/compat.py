@@ -863,13 +863,34 @@ def cuda_graph_unsuitable(gm: fx.GraphModule) -> str | None:
     numbers); a graph on the CPU has nothing to capture."""
     for n in gm.graph.nodes:
         if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            if torch.Tag.nondeterministic_seeded in n.target.tags:
+            if torch.Tag.nondeterministic_seeded in n.target.tags and not _no_dropout(n):
                 return f"random op {n.target} ({n.name})"
     for n in gm.graph.nodes:
         v = n.meta.get("val")
         if isinstance(v, torch.Tensor) and v.device.type == "cuda":
             return None
     return "no CUDA tensors"
+
+
+def _no_dropout(n: fx.Node) -> bool:
+    """An attention op is tagged random for its dropout; with ``dropout_p`` 0 it draws nothing."""
+    names = [a.name for a in n.target._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    v = n.kwargs.get("dropout_p", n.args[i] if i < len(n.args) else n.target._schema.arguments[i].default_value)
+    return isinstance(v, (int, float)) and v == 0
+
+
+def _dc_ops_in_partitions(source: str) -> list[str]:
+    """Runtime ops the generated code calls from inside a partition function (there they would
+    be captured once and never run their host logic again): must be none."""
+    import re
+
+    bad = []
+    for m in re.finditer(r"^def (partition_\d+)\(args\):\n(.*?)(?=^\S)", source, re.S | re.M):
+        bad += [f"{m.group(1)}: {op}" for op in sorted(set(re.findall(r"torch\.ops\.dc\.\w+", m.group(2))))]
+    return bad
 
 
 def _compile_partitioned(gm: fx.GraphModule, example_inputs, pool, label: str, kw: dict):
@@ -899,6 +920,10 @@ def _compile_partitioned(gm: fx.GraphModule, example_inputs, pool, label: str, k
     maps = getattr(compiled, "partition_maps", None)
     if runner is None or not maps or getattr(compiled, "recursively_apply_fns", None) is None:
         pool.reasons[f"{label}: compiled without partitions"] += 1
+        return compiled
+    bad = _dc_ops_in_partitions(getattr(compiled, "source_code", "") or "")
+    if bad:
+        pool.reasons[f"{label}: runtime ops inside partitions, not captured: {bad[:3]}"] += 1
         return compiled
     # a module loaded again from Inductor's code cache is the same module: unwrap, never nest
     runner.partitions = [getattr(f, "fn", f) if isinstance(f, cudagraphs.PartitionGraph) else f

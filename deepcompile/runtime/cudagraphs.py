@@ -211,7 +211,13 @@ class PartitionGraph:
 
     @staticmethod
     def _key(a) -> Any:
-        return a.data_ptr() if isinstance(a, torch.Tensor) else a
+        if isinstance(a, torch.Tensor):
+            return a.data_ptr()
+        if isinstance(a, (list, tuple)):
+            return tuple(PartitionGraph._key(x) for x in a)
+        if a is None or isinstance(a, (int, float, bool, str)):
+            return a
+        return ("id", id(a))
 
     def _observe(self, args: list) -> None:
         keys = [self._key(a) for a in args]
@@ -222,7 +228,7 @@ class PartitionGraph:
         for i in moving:
             a = args[i]
             if not isinstance(a, torch.Tensor):
-                self.off = f"input {i} is a number that changes between steps ({self.seen[i]} then {keys[i]})"
+                self.off = f"input {i} ({type(a).__name__}) changes between steps"
             elif compat.tensor_nbytes(a) > COPY_LIMIT:
                 self.off = (f"input {i} ({tuple(a.shape)}, {a.dtype}) moves between steps and is larger than "
                             f"{COPY_LIMIT >> 20} MiB to copy")
@@ -321,9 +327,10 @@ class PartitionGraph:
     def _replay(self, args: list):
         pool = self.pool
         keys = self.keys
+        key = self._key
         for i, a in enumerate(args):
             k = keys[i]
-            if k is not None and (a.data_ptr() if isinstance(a, torch.Tensor) else a) != k:
+            if k is not None and (a.data_ptr() if isinstance(a, torch.Tensor) else key(a)) != k:
                 pool.stats["moved_input"] += 1
                 pool.break_cycle(f"an input of partition {self.name} is not where it was when captured")
                 pool.stats["eager_calls"] += 1
