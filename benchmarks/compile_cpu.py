@@ -21,6 +21,12 @@ the phases this measures. ``--real-inductor`` keeps it.
 
 ``--profile``: rank 0 runs under cProfile; the top functions (own and cumulative time) of each run go
 into the JSON and a ``.prof`` file per run beside it (``python -m pstats``).
+
+``--warm``: each measurement is followed by a second fresh set of processes for the same job, sharing
+the first one's plan cache (config ``plan_cache``, :mod:`deepcompile.plan.cache`): a re-run, which
+compiles the stored plan at step 0 (no warm-up, no profiling step, no planner). Every measurement
+gets its own empty cache directory, so a cold run is always cold. ``--no-plan-cache`` turns the
+cache off (``plan_cache: false``): the warm run then does what a re-run did before the cache.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,7 +54,7 @@ def model_config(layers: int, hidden: int) -> dict:
 
 
 def _rank(rank: int, world: int, layers: int, hidden: int, seq: int, real_inductor: bool, prof_path,
-          clock: str = "wall"):
+          clock: str = "wall", plan_cache=False):
     import cProfile
 
     if clock == "cpu":
@@ -72,7 +79,7 @@ def _rank(rank: int, world: int, layers: int, hidden: int, seq: int, real_induct
     model = LlamaForCausalLM(cfg).float().train()
     t0 = time.perf_counter()
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                                        {"compiler": "inductor"})
+                                        {"compiler": "inductor", "plan_cache": plan_cache})
     init_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 256, (2, seq), generator=g)
@@ -110,7 +117,8 @@ def _rank(rank: int, world: int, layers: int, hidden: int, seq: int, real_induct
     return {"init_s": round(init_s, 3), "step_s": [round(t, 3) for t in step_s], "until_fast_step_s": round(until_fast, 3),
             "until_fast_step_cpu_s": round(until_fast_cpu, 3),
             "phases_s": phases, "phases_by_step": model.dc_compile_phases, "trace_once": model.dc_trace_once,
-            "losses": losses, "nodes_at_step0": nodes, "gc_s_by_generation": {str(k): round(v, 3) for k, v in gc_s.items()}}
+            "losses": losses, "nodes_at_step0": nodes, "plan_cache": (model.dc_plan or {}).get("cache"),
+            "planned_params": ((model.dc_plan or {}).get("chosen") or {}).get("params"), "gc_s_by_generation": {str(k): round(v, 3) for k, v in gc_s.items()}}
 
 
 def top_functions(path: str, n: int = 25) -> dict:
@@ -133,9 +141,11 @@ def summary(path: str) -> str:
         for e in run["results"]:
             tag = run.get("tag", "") + ("/cpu" if run.get("clock") == "cpu" else "")
             cells.setdefault((tag, e["layers"], e["ranks"]), []).extend(e["runs"])
+            if e.get("warm_runs"):
+                cells.setdefault((tag + "/warm", e["layers"], e["ranks"]), []).extend(e["warm_runs"])
     lines = [f"{'tag':>11} {'layers':>6} {'ranks':>5} {'n':>2} {'cpu s':>7} {'wall s':>7}  " + " ".join(f"{p:>12}" for p in PHASES)]
     for (tag, layers, world), reps in sorted(cells.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
-        med = {p: statistics.median(r["phases_s"][p] for r in reps) for p in PHASES}
+        med = {p: statistics.median(r["phases_s"].get(p, 0.0) for r in reps) for p in PHASES}
         cpu = statistics.median(r.get("until_fast_step_cpu_s", float("nan")) for r in reps)
         wall = statistics.median(r["until_fast_step_s"] for r in reps)
         lines.append(f"{tag:>11} {layers:6d} {world:5d} {len(reps):2d} {cpu:7.2f} {wall:7.2f}  "
@@ -152,6 +162,9 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=2, help="fresh processes per (layers, ranks); medians reported")
     p.add_argument("--profile", action="store_true", help="rank 0 under cProfile (slows the run ~1.5-2x)")
     p.add_argument("--real-inductor", action="store_true", help="keep Inductor's back end (CPU C++ compile)")
+    p.add_argument("--warm", action="store_true",
+                   help="after each measurement, a re-run of the same job with its plan cache (fresh processes)")
+    p.add_argument("--no-plan-cache", action="store_true", help="config plan_cache false (the warm run re-plans)")
     p.add_argument("--tag", default="", help="label of this run in the JSON (e.g. before/after)")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "compile_cpu.json"))
     p.add_argument("--timeout", type=float, default=900.0)
@@ -182,28 +195,39 @@ def main(argv=None):
     print(f"{'layers':>6} {'ranks':>5} {'rep':>3} {'until fast s':>12}  phases (s, rank 0)", flush=True)
     for layers in args.layers:
         for world in args.ranks:
-            reps = []
+            reps, warm_reps = [], []
             for r in range(args.repeats):
                 prof_path = None
                 if args.profile:
                     prof_path = os.path.splitext(args.out)[0] + f"_L{layers}_w{world}_r{r}{('_' + args.tag) if args.tag else ''}.prof"
-                res = run_ranks(_rank, world, layers, args.hidden, args.seq, args.real_inductor, prof_path,
-                                args.clock, timeout=args.timeout)
-                r0 = res[0]
-                if prof_path:
-                    r0["profile_top"] = top_functions(prof_path)
-                    r0["profile_file"] = os.path.relpath(prof_path, REPO)
-                reps.append(r0)
-                ph = " ".join(f"{k} {v:.2f}" for k, v in r0["phases_s"].items() if v)
-                ph += f" | gc {sum(r0['gc_s_by_generation'].values()):.2f} | cpu {r0['until_fast_step_cpu_s']:.2f}"
-                print(f"{layers:6d} {world:5d} {r:3d} {r0['until_fast_step_s']:12.2f}  {ph}", flush=True)
-            med = {k: round(statistics.median(x["phases_s"][k] for x in reps), 3) for k in PHASES}
-            entry = {"layers": layers, "ranks": world, "median_phases_s": med,
-                     "median_until_fast_step_s": round(statistics.median(x["until_fast_step_s"] for x in reps), 3),
-                     "runs": reps}
+                # an empty plan cache per measurement: the first run is cold, the warm re-run finds its plan
+                with tempfile.TemporaryDirectory(prefix="dc_plans_") as plans:
+                    cache = False if args.no_plan_cache else plans
+                    for warm in ((False, True) if args.warm else (False,)):
+                        res = run_ranks(_rank, world, layers, args.hidden, args.seq, args.real_inductor,
+                                        None if warm else prof_path, args.clock, cache, timeout=args.timeout)
+                        r0 = res[0]
+                        if prof_path and not warm:
+                            r0["profile_top"] = top_functions(prof_path)
+                            r0["profile_file"] = os.path.relpath(prof_path, REPO)
+                        (warm_reps if warm else reps).append(r0)
+                        ph = " ".join(f"{k} {v:.2f}" for k, v in r0["phases_s"].items() if v)
+                        ph += f" | gc {sum(r0['gc_s_by_generation'].values()):.2f} | cpu {r0['until_fast_step_cpu_s']:.2f}"
+                        hit = " | plan cache hit" if (r0.get("plan_cache") or {}).get("hit") else ""
+                        print(f"{layers:6d} {world:5d} {r:3d}{'w' if warm else ' '}{r0['until_fast_step_s']:11.2f}  {ph}{hit}",
+                              flush=True)
+            entry = {"layers": layers, "ranks": world}
+            for name, rs in (("", reps), ("warm_", warm_reps)):
+                if not rs:
+                    continue
+                med = {k: round(statistics.median(x["phases_s"][k] for x in rs), 3) for k in PHASES}
+                entry.update({f"{name}median_phases_s": med,
+                              f"{name}median_until_fast_step_s": round(statistics.median(x["until_fast_step_s"] for x in rs), 3),
+                              f"{name}runs": rs})
+                ph = " ".join(f"{k} {v:.2f}" for k, v in med.items() if v)
+                print(f"{layers:6d} {world:5d} {'med' if not name else 'mdw'} {entry[f'{name}median_until_fast_step_s']:11.2f}  {ph}",
+                      flush=True)
             run["results"].append(entry)
-            ph = " ".join(f"{k} {v:.2f}" for k, v in med.items() if v)
-            print(f"{layers:6d} {world:5d} med {entry['median_until_fast_step_s']:12.2f}  {ph}", flush=True)
     old = []
     if os.path.exists(args.out):
         try:

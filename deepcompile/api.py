@@ -48,6 +48,8 @@ class DeepCompileModel(nn.Module):
     def forward(self, *args, **kwargs):
         passes = self.dc_config.passes_at(self.dc_step)
         profiling = self.dc_step == self.dc_config.profile_step
+        if self.dc_backend.plan_cache is not None and self.dc_backend.plan_cache.hit:
+            passes, profiling = self._dc_passes, False  # the stored plan, compiled at step 0 (plan.cache)
         if passes is not self._dc_passes or profiling != self.dc_backend.profiling:
             # dims that became dynamic: the graphs compiled so far may be static on some ranks and
             # symbolic on others; the profiling step must profile one graph every rank shares
@@ -78,6 +80,8 @@ class DeepCompileModel(nn.Module):
 
             planned = plan_model(self, passes)  # budgets from the profile and the memory limit
             self.dc_backend.add_phase("planner", (self.dc_plan or {}).get("seconds", 0.0), self.dc_step)
+            if self.dc_backend.plan_cache is not None:  # for the next run of this job (plan.cache)
+                self.dc_backend.plan_cache.store(self, planned, dynamic_changed)
         if not profiling:
             # trace once: the new passes and the final compiler on the warm-up's partitioned graphs,
             # swapped in under the guarded code Dynamo already has (backend.retarget)
@@ -379,6 +383,9 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     object.__setattr__(wrapped, "dc_shard_group", shard_group)  # == group unless mesh.shard (HSDP)
     object.__setattr__(wrapped, "dc_replicate_group", replicate_group)  # None unless mesh.shard
     object.__setattr__(wrapped, "dc_seqcheck", seqcheck.SequenceCheck.create(group, cfg.collective_timeout_s))
+    from deepcompile.plan.cache import PlanCache
+
+    backend.plan_cache = PlanCache.create(wrapped)  # a re-run of this job reuses its plan (config plan_cache)
     for sp in sharded:
         # who owns a shard: deepcompile.clip_grad_norm_ (and torch's, routed there) finds the
         # model's group and accumulation window from the parameters alone

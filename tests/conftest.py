@@ -1,14 +1,29 @@
 """Shared fixtures: one real 2-rank CPU demo run for the record, report and CLI tests."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+
+# deepcompile's plan cache (deepcompile/plan/cache.py, on by default) would let a default-plan run
+# reuse the plan an earlier test (or an earlier pytest run) stored, and skip the warm-up and the
+# profiling step that test is about: the suite never touches the user's cache, and each test gets
+# its own (the autouse fixture below); ranks are spawned with this environment
+os.environ["DEEPCOMPILE_PLAN_CACHE_DIR"] = tempfile.mkdtemp(prefix="dc_plans_session_")
+atexit.register(shutil.rmtree, os.environ["DEEPCOMPILE_PLAN_CACHE_DIR"], True)
+
+
+@pytest.fixture(autouse=True)
+def _own_plan_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("DEEPCOMPILE_PLAN_CACHE_DIR", str(tmp_path_factory.mktemp("plans")))
 
 
 def run_cli(*args: str, timeout: float = 300, cwd: Path | None = None) -> subprocess.CompletedProcess:
