@@ -136,21 +136,25 @@ void end_backward(at::TensorList /*grads*/, int64_t graph_id) {
 // The ids that compiled graphs pass are SymInt (the kernels still take int64_t; the dispatcher
 // hands them concrete values): a decoder-block region compiled once takes each layer's ids as
 // inputs (deepcompile/blocks.py); with `int` the dispatcher would pin them to one layer's ids.
+// Every op is tagged cudagraph_unsafe: Inductor cuts its graph into partitions at them
+// (graph_partition), and only the compute between them becomes a CUDA graph
+// (deepcompile/runtime/cudagraphs.py); an op captured into a graph would never run its host
+// logic (buckets, in-flight lists, collectives) again.
 TORCH_LIBRARY(dc, m) {
-  m.def("unshard(Tensor shard, int id) -> Tensor");
-  m.def("shard_grad(Tensor grad, int id) -> Tensor");
-  m.def("allgather_param(Tensor shard, SymInt id) -> Tensor");
-  m.def("allgather_params(Tensor[] shards, SymInt[] ids) -> Tensor");
-  m.def("wait_allgather(Tensor handle, SymInt id) -> Tensor");
-  m.def("wait_allgather_many(Tensor handle, SymInt[] ids) -> Tensor[]");
-  m.def("gather_persistent(Tensor shard, SymInt id) -> Tensor");
-  m.def("gather_persistent_many(Tensor[] shards, SymInt[] ids) -> Tensor[]");
-  m.def("gather_persistent_start(Tensor[] shards, SymInt[] ids) -> Tensor");
-  m.def("gather_persistent_wait(Tensor handle, SymInt[] ids) -> Tensor[]");
-  m.def("release_param(Tensor(a!) gathered, SymInt id) -> ()");
-  m.def("reduce_grad(Tensor(a!) grad, SymInt id) -> ()");
-  m.def("reduce_grads(Tensor(a!)[] grads, SymInt[] ids) -> ()");
-  m.def("end_backward(Tensor(a!)[] grads, int graph_id) -> ()");
+  m.def("unshard(Tensor shard, int id) -> Tensor", {at::Tag::cudagraph_unsafe});
+  m.def("shard_grad(Tensor grad, int id) -> Tensor", {at::Tag::cudagraph_unsafe});
+  m.def("allgather_param(Tensor shard, SymInt id) -> Tensor", {at::Tag::cudagraph_unsafe});
+  m.def("allgather_params(Tensor[] shards, SymInt[] ids) -> Tensor", {at::Tag::cudagraph_unsafe});
+  m.def("wait_allgather(Tensor handle, SymInt id) -> Tensor", {at::Tag::cudagraph_unsafe});
+  m.def("wait_allgather_many(Tensor handle, SymInt[] ids) -> Tensor[]", {at::Tag::cudagraph_unsafe});
+  m.def("gather_persistent(Tensor shard, SymInt id) -> Tensor", {at::Tag::cudagraph_unsafe});
+  m.def("gather_persistent_many(Tensor[] shards, SymInt[] ids) -> Tensor[]", {at::Tag::cudagraph_unsafe});
+  m.def("gather_persistent_start(Tensor[] shards, SymInt[] ids) -> Tensor", {at::Tag::cudagraph_unsafe});
+  m.def("gather_persistent_wait(Tensor handle, SymInt[] ids) -> Tensor[]", {at::Tag::cudagraph_unsafe});
+  m.def("release_param(Tensor(a!) gathered, SymInt id) -> ()", {at::Tag::cudagraph_unsafe});
+  m.def("reduce_grad(Tensor(a!) grad, SymInt id) -> ()", {at::Tag::cudagraph_unsafe});
+  m.def("reduce_grads(Tensor(a!)[] grads, SymInt[] ids) -> ()", {at::Tag::cudagraph_unsafe});
+  m.def("end_backward(Tensor(a!)[] grads, int graph_id) -> ()", {at::Tag::cudagraph_unsafe});
 }
 
 #define DC_IMPLS(m)                                   \

@@ -281,7 +281,7 @@ def define_ops() -> None:
     }
     for schema, fn in defs.items():
         name = schema.split("(")[0]
-        lib.define(schema)
+        lib.define(schema, tags=(torch.Tag.cudagraph_unsafe,))  # never inside a CUDA graph (runtime/cudagraphs.py)
         lib.impl(name, fn, "CompositeExplicitAutograd")
         torch.library.register_fake(f"dc::{name}", lambda *a, **k: None, lib=lib)
         compat.mark_side_effect(getattr(torch.ops.dc, name).default)
