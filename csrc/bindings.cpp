@@ -41,7 +41,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("live_gathered", []() { return dc::runtime().live_gathered(); });
   m.def("check_idle", []() { dc::runtime().check_idle(); });
-  m.def("invalidate_persistent", []() { if (dc::has_runtime()) dc::runtime().invalidate_persistent(); });
+  m.def("invalidate_persistent", [](bool keep_memory) { if (dc::has_runtime()) dc::runtime().invalidate_persistent(keep_memory); },
+        pybind11::arg("keep_memory") = false);
+  m.def("persistent_ptrs", []() { return dc::runtime().persistent_ptrs(); });
   m.def("local_grad_bytes", []() { return dc::runtime().local_grad_bytes(); });
   m.def("persistent_bytes", []() { return dc::runtime().persistent_bytes(); });
   // memory by category (issue 17): the gradient storages the runtime holds, and the step's
@@ -58,6 +60,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["allgather_bytes"] = s.allgather_bytes;
     d["releases"] = s.releases;
     d["persistent_hits"] = s.persistent_hits;
+    d["reused_buffers"] = s.reused_buffers;
     d["local_accumulations"] = s.local_accumulations;
     d["reduce_calls"] = s.reduce_calls;
     d["reduce_scatters"] = s.reduce_scatters;

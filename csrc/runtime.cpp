@@ -167,6 +167,35 @@ std::vector<int64_t> Runtime::live_gathered() {
   return ids;
 }
 
+void Runtime::invalidate_persistent(bool keep_memory) {
+  if (!keep_memory) {
+    spare_.clear();
+  } else {
+    for (auto& kv : persistent_) {
+      const Param& p = param(kv.first);
+      const at::Tensor& v = kv.second;  // as_param's view: the flat buffer starts where it starts
+      spare_[kv.first] = at::as_strided(v, {p.chunk * world_}, {1}, v.storage_offset());
+    }
+  }
+  persistent_.clear();
+}
+
+at::Tensor Runtime::take_spare(int64_t id, int64_t numel, at::ScalarType dtype, const at::Device& device) {
+  // The collective is ordered after everything already queued on the compute stream (NCCL's
+  // stream waits on it at issue), so the last step's reads of this buffer are done before it
+  // is overwritten.
+  auto it = spare_.find(id);
+  if (it != spare_.end()) {
+    at::Tensor b = std::move(it->second);
+    spare_.erase(it);
+    if (b.numel() == numel && b.scalar_type() == dtype && b.device() == device) {
+      stats_.reused_buffers += 1;
+      return b;
+    }
+  }
+  return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
+}
+
 void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
   Param& p = mutable_param(id);
   TORCH_CHECK(shard.numel() == p.chunk, "deepcompile: allgather of '", p.name, "' got a shard of ",
@@ -175,7 +204,7 @@ void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
               "' started twice without wait_allgather in between");
   at::Tensor src = flat_shard(p, shard);
   if (src.scalar_type() != p.gather_dtype) src = src.to(p.gather_dtype);
-  at::Tensor buffer = at::empty({p.chunk * world_}, src.options());
+  at::Tensor buffer = take_spare(id, p.chunk * world_, src.scalar_type(), src.device());
   auto work = pg_->_allgather_base(buffer, src);
   issued_ += 1;
   pending_[id] = PendingGather{work, buffer};
@@ -208,7 +237,7 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
     TORCH_CHECK(shards[i].device() == shards[0].device(), "deepcompile: fused allgather of '", p.name,
                 "': shard on ", shards[i].device(), ", the group's first on ", shards[0].device());
     srcs.push_back(flat_shard(p, shards[i]));
-    outs.push_back(at::empty({p.chunk * world_}, srcs.back().options().dtype(p.gather_dtype)));
+    outs.push_back(take_spare(ids[i], p.chunk * world_, p.gather_dtype, srcs.back().device()));
     cast = cast || srcs.back().scalar_type() != p.gather_dtype;
   }
   if (!cast) {

@@ -72,6 +72,7 @@ struct Stats {
   int64_t peak_live_gathered = 0;
   int64_t peak_live_gathered_bytes = 0;
   int64_t persistent_hits = 0;
+  int64_t reused_buffers = 0;  // gathers into a stale kept buffer (invalidate_persistent(true))
   int64_t local_accumulations = 0;
   // host work per step (issue 16): copies add_grad made of a gradient (padding, dtype cast, the
   // clone where the graph could reuse the memory), host waits on allgathers, cat-packed buckets
@@ -129,7 +130,17 @@ class Runtime {
   // on that group alone, no host sync), so compute starts when the first group has arrived.
   void start_persistent(const std::vector<at::Tensor>& shards, const std::vector<int64_t>& ids);
   std::vector<at::Tensor> finish_persistent(const std::vector<int64_t>& ids);
-  void invalidate_persistent() { persistent_.clear(); }
+  // The kept gathered parameters go stale when the optimizer changes the shards. With
+  // keep_memory their buffers stay allocated and the next gather of each parameter writes into
+  // the same memory (CUDA graphs read them at fixed addresses, runtime/cudagraphs.py); without
+  // it they are freed, so the optimizer step's peak does not carry them.
+  void invalidate_persistent(bool keep_memory = false);
+  at::Tensor take_spare(int64_t id, int64_t numel, at::ScalarType dtype, const at::Device& device);
+  std::unordered_map<int64_t, int64_t> persistent_ptrs() const {
+    std::unordered_map<int64_t, int64_t> out;
+    for (auto& kv : persistent_) out[kv.first] = reinterpret_cast<int64_t>(kv.second.data_ptr());
+    return out;
+  }
   int64_t persistent_bytes() const;
   int64_t local_grad_bytes() const {
     int64_t b = 0;
@@ -229,6 +240,7 @@ class Runtime {
   std::unordered_map<int64_t, Param> params_;
   std::unordered_map<int64_t, PendingGather> pending_;
   std::unordered_map<int64_t, at::Tensor> persistent_;
+  std::unordered_map<int64_t, at::Tensor> spare_;  // stale kept buffers, reused by the next gather
   std::unordered_map<int, Bucket> buckets_;  // by reduce dtype
   std::deque<InFlightReduce> inflight_;      // reduce-scatters issued, not yet waited
   std::deque<InFlightReduce> replicating_;  // HSDP: reduced in the shard group, all-reduce across replicas in flight

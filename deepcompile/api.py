@@ -111,7 +111,9 @@ class DeepCompileModel(nn.Module):
         # The step changes the shards, so kept gathered copies go stale; they are dropped before
         # the step, not after it: the step does not read them and would otherwise carry them at
         # its peak (the planner's memory model counts on this).
-        ops.C.invalidate_persistent()
+        # With CUDA graphs on, their buffers stay allocated and are gathered into again: the
+        # graphs read kept parameters at the addresses they were captured with
+        ops.C.invalidate_persistent(bool(self.dc_config.cuda_graphs))
         # the profiling step times optimizer.step() too (and its peak memory): the cost model
         # predicts whole steps
         if self.dc_backend.profiling and self.dc_backend.measured:

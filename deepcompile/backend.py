@@ -187,7 +187,7 @@ class Backend:
     def _graph_pool(self, kw: dict):
         """The CUDA graph pool of this compile's training graphs (runtime/cudagraphs.py), or None:
         config ``cuda_graphs`` off, no CUDA, an inference graph, or the profiling interpreter."""
-        if kw.get("is_inference") or self.profiling or getattr(self.config, "cuda_graphs", None) is False:
+        if kw.get("is_inference") or self.profiling or not getattr(self.config, "cuda_graphs", False):
             return None
         import torch
 

@@ -130,9 +130,10 @@ class Config:
                                         "parameters (the user's param_groups and state dict do not change): bounds the "
                                         "foreach optimizers' group-sized temporaries, the step's peak; 0: one chunk per "
                                         "group; 'auto': the planner chooses (chunks only where that lets a faster plan fit)")
-    cuda_graphs: bool | None = spec(None, help="run the compute between the runtime's ops as CUDA graphs (Inductor "
-                                               "partitions, captured at the third step after a compile); default: on "
-                                               "for Inductor on CUDA, false turns it off")
+    cuda_graphs: bool = spec(False, help="run the compute between the runtime's ops as CUDA graphs (Inductor "
+                                         "partitions, captured at the third step after a compile; Inductor on CUDA "
+                                         "only); kept gathered parameters then stay allocated through the optimizer "
+                                         "step. Experimental, off by default (see runtime/cudagraphs.py)")
     plan: bool | None = spec(None, help="after the profile, fill the parameters not set by hand of prefetch and "
                                         "selective_unshard (adding offload_optimizer when nothing fits otherwise) from "
                                         "the profile and memory_limit_gib; default: on for the default ZeRO-3 plan")
