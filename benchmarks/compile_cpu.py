@@ -204,12 +204,13 @@ def main(argv=None):
                 with tempfile.TemporaryDirectory(prefix="dc_plans_") as plans:
                     cache = False if args.no_plan_cache else plans
                     for warm in ((False, True) if args.warm else (False,)):
+                        pp = prof_path and (prof_path[:-5] + "_warm.prof" if warm else prof_path)
                         res = run_ranks(_rank, world, layers, args.hidden, args.seq, args.real_inductor,
-                                        None if warm else prof_path, args.clock, cache, timeout=args.timeout)
+                                        pp, args.clock, cache, timeout=args.timeout)
                         r0 = res[0]
-                        if prof_path and not warm:
-                            r0["profile_top"] = top_functions(prof_path)
-                            r0["profile_file"] = os.path.relpath(prof_path, REPO)
+                        if pp:
+                            r0["profile_top"] = top_functions(pp)
+                            r0["profile_file"] = os.path.relpath(pp, REPO)
                         (warm_reps if warm else reps).append(r0)
                         ph = " ".join(f"{k} {v:.2f}" for k, v in r0["phases_s"].items() if v)
                         ph += f" | gc {sum(r0['gc_s_by_generation'].values()):.2f} | cpu {r0['until_fast_step_cpu_s']:.2f}"

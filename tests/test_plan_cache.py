@@ -43,7 +43,8 @@ def _run(rank: int, world: int, cache_dir, extra: dict):
     out = {"losses": losses, "frames": frames, "warnings": caught, "phases": model.dc_compile_phases,
            "cache": plan.get("cache"), "chosen": (plan.get("chosen") or {}).get("params"),
            "runner_up": (plan.get("runner_up") or {}).get("params"), "why": plan.get("why", ""),
-           "passes": plan.get("passes"), "key": pc.key if pc else None,
+           "passes": plan.get("passes"), "key": pc.key if pc else None, "path": pc.path if pc else None,
+           "cache_warnings": pc.warnings if pc else [], "plan": plan,
            "profiled_graphs": sorted(model.dc_profile.graphs) if model.dc_profile else [],
            "step0_passes": sorted({v.after for v in model.dc_graphs if v.step == 0 and v.kind != "dynamo"})}
     deepcompile.destroy(model)
@@ -59,13 +60,13 @@ def test_rerun_hits_and_trains_the_same(tmp_path):
     first = run_ranks(_run, 2, d, {}, timeout=180)
     files = _files(d)
     assert len(files) == 2 and all(f.endswith(("r0of2.json", "r1of2.json")) for f in files), files
-    for r in first:
-        assert r["cache"]["hit"] is False and r["cache"]["stored"] in files, r["cache"]
+    for rank, r in enumerate(first):
+        assert r["cache"]["hit"] is False and r["cache"]["stored"].format(rank=rank) in files, r["cache"]
         assert r["phases"][1].get("profiling", 0) > 0 and r["phases"][2].get("planner", 0) > 0, r["phases"]
     again = run_ranks(_run, 2, d, {}, timeout=180)
-    for a, b in zip(first, again):
+    for rank, (a, b) in enumerate(zip(first, again)):
         c = b["cache"]
-        assert c["hit"] is True and c["file"] in files and c["key"] == a["key"], c
+        assert c["hit"] is True and c["file"].format(rank=rank) in files and c["key"] == a["key"], c
         # the same decision, its "why" kept, and the same losses bit for bit
         assert b["chosen"] == a["chosen"] and b["runner_up"] == a["runner_up"] and b["passes"] == a["passes"]
         assert b["why"].startswith("from the plan cache") and a["why"] in b["why"]
@@ -77,6 +78,9 @@ def test_rerun_hits_and_trains_the_same(tmp_path):
         assert b["frames"][0] >= 1 and b["frames"][1:] == [0] * (STEPS - 1), b["frames"]
         assert {"prefetch", "selective_unshard"} <= set(b["step0_passes"]), b["step0_passes"]
         assert not b["warnings"], b["warnings"]
+    for run in (first, again):   # the plan (its cache entry included) is the same on every rank
+        p0, p1 = (dict(r["plan"]) for r in run)
+        assert p0.pop("seconds") >= 0 and p1.pop("seconds") >= 0 and p0 == p1
 
     # a changed config (the memory limit) is another key: a miss, stored beside the first
     changed = run_ranks(_run, 2, d, {"memory_limit_gib": 6.0}, timeout=180)
@@ -86,21 +90,21 @@ def test_rerun_hits_and_trains_the_same(tmp_path):
     assert len(_files(d)) == 4
 
     # one rank's file lost: the ranks disagree, both plan afresh (and say why), nothing hangs
-    os.unlink(first[1]["cache"]["stored"])
+    os.unlink(first[1]["path"])
     split = run_ranks(_run, 2, d, {}, timeout=180)
     for r in split:
         assert r["cache"]["hit"] is False and "rank 1: no stored plan" in r["cache"]["why"], r["cache"]
         assert r["phases"][1].get("profiling", 0) > 0
     # (the warning, as the record keeps it: warnings.catch_warnings in the rank missed it once, 1 run in 3)
-    assert any("not every rank has the stored plan" in w for w in split[0]["cache"]["warnings"]), split
+    assert any("not every rank has the stored plan" in w for w in split[0]["cache_warnings"]), split
     assert [r["losses"] for r in split] == [r["losses"] for r in first]
 
     # a half-written file: ignored with a warning, a miss on every rank, then stored again whole
-    path = first[0]["cache"]["stored"]
+    path = first[0]["path"]
     with open(path, "r+b") as f:
         f.truncate(os.path.getsize(path) // 2)
     torn = run_ranks(_run, 2, d, {}, timeout=180)
-    assert any("ignoring" in w and path in w for w in torn[0]["cache"]["warnings"]), torn[0]["cache"]
+    assert any("ignoring" in w and path in w for w in torn[0]["cache_warnings"]), torn[0]["cache_warnings"]
     for r in torn:
         assert r["cache"]["hit"] is False and r["cache"]["stored"], r["cache"]
     assert [r["losses"] for r in torn] == [r["losses"] for r in first]

@@ -161,7 +161,7 @@ class PlanCache:
         self.path: str | None = None
         self.why: str = ""               # why it missed (for the record)
         self.stored: str | None = None
-        self.warnings: list[str] = []    # what this cache warned about (also in the record's plan.cache)
+        self.warnings: list[str] = []    # what this cache warned about, on this rank
 
     def _warn(self, msg: str, stacklevel: int) -> None:
         self.warnings.append(msg)
@@ -201,6 +201,14 @@ class PlanCache:
                 "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DEEPCOMPILE_")
                         and not k.startswith("DEEPCOMPILE_RECORD_") and k != "DEEPCOMPILE_PLAN_CACHE_DIR"},
                 "torch": torch.__version__, "deepcompile": deepcompile.__version__, "source": source_digest()}
+
+    def files(self) -> str:
+        """This entry's files, ``{rank}`` standing for the rank: what ``model.dc_plan["cache"]`` names,
+        the same on every rank (the plan is; tests compare it across ranks)."""
+        import torch.distributed as dist
+
+        w = dist.get_world_size(self._model().dc_group)
+        return os.path.join(self.dir, f"plan-{self.key}-r{{rank}}of{w}.json")
 
     def file_for(self, key: str) -> str:
         model = self._model()
@@ -333,11 +341,9 @@ class PlanCache:
         if chunks is not None and model.dc_config.optimizer_chunk_mb == "auto":
             chunks.set_chunk_mb(entry["chunk_mb"] or 0.0)
         plan = dict(entry["plan"])
-        plan["cache"] = {"hit": True, "file": self.path, "key": self.key, "written_utc": entry["written_utc"],
-                         "planned_at_step": plan.get("step"), "planner_seconds": plan.get("seconds"),
-                         "lookup_seconds": round(seconds, 3)}
+        plan["cache"] = {"hit": True, "file": self.files(), "key": self.key, "planned_at_step": plan.get("step")}
         plan["step"], plan["seconds"] = 0, round(seconds, 3)
-        plan["why"] = f"from the plan cache ({self.path}): " + str(plan.get("why", ""))
+        plan["why"] = f"from the plan cache ({self.files()}): " + str(plan.get("why", ""))
         object.__setattr__(model, "dc_plan", plan)
         backend.add_phase("planner", seconds, 0)
         LOG.info("deepcompile plan cache: hit %s", self.path)
@@ -360,8 +366,7 @@ class PlanCache:
             why = "no profile or no graph"
         if why is not None:
             if plan is not None and not self.hit:
-                plan["cache"] = {"hit": False, "why": self.why, "stored": None, "not_stored": why,
-                                 "warnings": self.warnings}
+                plan["cache"] = {"hit": False, "why": self.why, "stored": None, "not_stored": why}
             return
         prof = b.profile
         planned_d = [{"name": e.name, "params": dict(e.params)} for e in planned]
@@ -380,9 +385,7 @@ class PlanCache:
         except (OSError, TypeError, ValueError) as ex:
             self._warn(f"deepcompile plan cache: could not write {self.path}: {ex}; the next run plans "
                        "afresh (config plan_cache: a writable directory, or false)", stacklevel=3)
-            plan["cache"] = {"hit": False, "why": self.why, "stored": None, "not_stored": str(ex),
-                             "warnings": self.warnings}
+            plan["cache"] = {"hit": False, "why": self.why, "stored": None, "not_stored": str(ex)}
             return
         self.stored = self.path
-        plan["cache"] = {"hit": False, "why": self.why, "stored": self.path, "key": self.key,
-                         "warnings": self.warnings}
+        plan["cache"] = {"hit": False, "why": self.why, "stored": self.files(), "key": self.key}
