@@ -22,14 +22,16 @@ STEPS = 4
 BASE = {"compiler": "aot_eager", "memory_limit_gib": 8.0}   # a fixed limit: the CPU's free memory moves
 
 
-def _run(rank: int, world: int, cache_dir, extra: dict):
+def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None):
     import warnings
 
     import deepcompile
     from deepcompile import compat
+    from deepcompile.record.writer import RunRecorder
 
     cfg = {**BASE, "plan_cache": cache_dir, **extra}
     model, opt = deepcompile.initialize(make_model(), make_optimizer, cfg)
+    rec = RunRecorder(record_dir, rank, world, model.dc_config) if record_dir else None
     losses, frames, caught = [], [], []
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -37,6 +39,11 @@ def _run(rank: int, world: int, cache_dir, extra: dict):
             before = compat.dynamo_frames_compiled()
             losses.append(rank_step(model, opt, rank, world, s))
             frames.append(compat.dynamo_frames_compiled() - before)
+            if rec is not None:
+                rec.step(s + 1, 0.1, losses[-1])
+    if rec is not None:   # the record gets the stored profile and plan, as a planned run's
+        rec.model(model)
+        rec.close()
     caught = [str(m.message) for m in w if "plan cache" in str(m.message)]
     plan = model.dc_plan or {}
     pc = model.dc_backend.plan_cache
@@ -63,7 +70,7 @@ def test_rerun_hits_and_trains_the_same(tmp_path):
     for rank, r in enumerate(first):
         assert r["cache"]["hit"] is False and r["cache"]["stored"].format(rank=rank) in files, r["cache"]
         assert r["phases"][1].get("profiling", 0) > 0 and r["phases"][2].get("planner", 0) > 0, r["phases"]
-    again = run_ranks(_run, 2, d, {}, timeout=180)
+    again = run_ranks(_run, 2, d, {}, str(tmp_path / "record"), timeout=180)
     for rank, (a, b) in enumerate(zip(first, again)):
         c = b["cache"]
         assert c["hit"] is True and c["file"].format(rank=rank) in files and c["key"] == a["key"], c
@@ -78,6 +85,12 @@ def test_rerun_hits_and_trains_the_same(tmp_path):
         assert b["frames"][0] >= 1 and b["frames"][1:] == [0] * (STEPS - 1), b["frames"]
         assert {"prefetch", "selective_unshard"} <= set(b["step0_passes"]), b["step0_passes"]
         assert not b["warnings"], b["warnings"]
+    from deepcompile.record.reader import read_plan, read_run
+
+    recorded = read_plan(tmp_path / "record", 1)
+    assert recorded["cache"]["hit"] is True and recorded["chosen"]["params"] == first[1]["chosen"]
+    assert recorded["why"].startswith("from the plan cache") and recorded["cache"]["file"].startswith(d)
+    assert read_run(tmp_path / "record", 1, load_graphs=False).profile["graphs"], "the stored profile, recorded"
     for run in (first, again):   # the plan (its cache entry included) is the same on every rank
         p0, p1 = (dict(r["plan"]) for r in run)
         assert p0.pop("seconds") >= 0 and p1.pop("seconds") >= 0 and p0 == p1
@@ -88,6 +101,9 @@ def test_rerun_hits_and_trains_the_same(tmp_path):
         assert c["cache"]["hit"] is False and c["key"] != a["key"], c["cache"]
         assert c["phases"][1].get("profiling", 0) > 0
     assert len(_files(d)) == 4
+    # another world size is another key (and another file name): one rank alone misses
+    (solo,) = run_ranks(_run, 1, d, {}, timeout=180)
+    assert solo["cache"]["hit"] is False and solo["key"] not in (first[0]["key"], changed[0]["key"]), solo["cache"]
 
     # one rank's file lost: the ranks disagree, both plan afresh (and say why), nothing hangs
     os.unlink(first[1]["path"])
