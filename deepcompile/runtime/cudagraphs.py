@@ -230,8 +230,8 @@ class PartitionGraph:
             if not isinstance(a, torch.Tensor):
                 self.off = f"input {i} ({type(a).__name__}) changes between steps"
             elif compat.tensor_nbytes(a) > COPY_LIMIT:
-                self.off = (f"input {i} ({tuple(a.shape)}, {a.dtype}) moves between steps and is larger than "
-                            f"{COPY_LIMIT >> 20} MiB to copy")
+                self.off = (f"input {i} ({tuple(a.shape)}, {a.dtype}, {_what(a)}) moves between steps and is "
+                            f"larger than {COPY_LIMIT >> 20} MiB to copy")
             elif i in self.mutated:
                 self.off = f"input {i} moves between steps and the partition writes into it"
         if self.off is not None:
@@ -374,6 +374,22 @@ class PartitionGraph:
                 src = inputs[o[1]] if o[1] not in self.static else self.static[o[1]]
                 result.append(src.as_strided(o[2]["size"], o[2]["stride"], o[2]["storage_offset"]))
         return result
+
+
+def _what(t: torch.Tensor) -> str:
+    """Whose memory a moving input is, for the reason that names it (a kept gathered parameter
+    should never move with CUDA graphs on: see ``invalidate_persistent(keep_memory)``)."""
+    try:
+        from deepcompile.runtime import ops
+
+        kept = {v: k for k, v in dict(ops.C.persistent_ptrs()).items()} if ops.C is not None else {}
+    except Exception:  # noqa: BLE001 - a diagnostic only
+        kept = {}
+    pid = kept.get(t.data_ptr())
+    if pid is None:
+        return "not a kept gathered parameter"
+    meta = getattr(__import__("deepcompile.runtime.ops", fromlist=["PARAMS"]), "PARAMS", {}).get(pid)
+    return f"kept parameter {meta.name if meta else pid}"
 
 
 def wrap_partitions(runner, maps: list, mutated_graph_inputs, pool: Pool, label: str) -> int:
