@@ -54,7 +54,7 @@ def model_config(layers: int, hidden: int) -> dict:
 
 
 def _rank(rank: int, world: int, layers: int, hidden: int, seq: int, real_inductor: bool, prof_path,
-          clock: str = "wall", plan_cache=False):
+          clock: str = "wall", plan_cache=False, threads: int = 0):
     import cProfile
 
     if clock == "cpu":
@@ -65,6 +65,11 @@ def _rank(rank: int, world: int, layers: int, hidden: int, seq: int, real_induct
 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    if threads:
+        # N ranks x torch's default intra-op threads on a small shared CPU: OpenMP's spin-waits made
+        # single optimizer steps take 2+ s at random (AdamW's per-tensor sqrt: 1.2-2.3 s of 4 steps)
+        torch.set_num_threads(threads)
 
     import deepcompile
     from deepcompile import compat
@@ -139,7 +144,8 @@ def summary(path: str) -> str:
     cells: dict = {}
     for run in runs:
         for e in run["results"]:
-            tag = run.get("tag", "") + ("/cpu" if run.get("clock") == "cpu" else "")
+            tag = (run.get("tag", "") + ("/cpu" if run.get("clock") == "cpu" else "")
+                   + (f"/t{run['threads']}" if run.get("threads") else ""))
             cells.setdefault((tag, e["layers"], e["ranks"]), []).extend(e["runs"])
             if e.get("warm_runs"):
                 cells.setdefault((tag + "/warm", e["layers"], e["ranks"]), []).extend(e["warm_runs"])
@@ -164,6 +170,9 @@ def main(argv=None):
     p.add_argument("--real-inductor", action="store_true", help="keep Inductor's back end (CPU C++ compile)")
     p.add_argument("--warm", action="store_true",
                    help="after each measurement, a re-run of the same job with its plan cache (fresh processes)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch.set_num_threads in each rank (0: torch's default); 1 keeps OpenMP's spin-waits "
+                        "between ranks out of the step times on a small shared CPU")
     p.add_argument("--no-plan-cache", action="store_true", help="config plan_cache false (the warm run re-plans)")
     p.add_argument("--tag", default="", help="label of this run in the JSON (e.g. before/after)")
     p.add_argument("--out", default=os.path.join(REPO, "benchmarks", "results", "compile_cpu.json"))
@@ -191,7 +200,7 @@ def main(argv=None):
            "tag": args.tag, "commit": commit, "torch": torch.__version__, "cpus": os.cpu_count(),
            "load_avg_before": os.getloadavg()[0], "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
            "hidden": args.hidden, "seq": args.seq, "real_inductor": args.real_inductor, "clock": args.clock,
-           "results": []}
+           "threads": args.threads, "results": []}
     print(f"{'layers':>6} {'ranks':>5} {'rep':>3} {'until fast s':>12}  phases (s, rank 0)", flush=True)
     for layers in args.layers:
         for world in args.ranks:
@@ -206,7 +215,7 @@ def main(argv=None):
                     for warm in ((False, True) if args.warm else (False,)):
                         pp = prof_path and (prof_path[:-5] + "_warm.prof" if warm else prof_path)
                         res = run_ranks(_rank, world, layers, args.hidden, args.seq, args.real_inductor,
-                                        pp, args.clock, cache, timeout=args.timeout)
+                                        pp, args.clock, cache, args.threads, timeout=args.timeout)
                         r0 = res[0]
                         if pp:
                             r0["profile_top"] = top_functions(pp)

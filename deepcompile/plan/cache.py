@@ -246,13 +246,17 @@ class PlanCache:
         t0 = time.perf_counter()
         model = self._model()
         self.decided = True
-        self.parts = self.key_parts(digest)
-        self.key = hashlib.sha256(json.dumps(self.parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
-        self.path = self.file_for(self.key)
-        entry, why = self._load(self.path)
-        fits = ""
-        if entry is not None:
-            fits = self._fits(model, entry["plan"])
+        entry, why, fits = None, "", ""
+        try:
+            self.parts = self.key_parts(digest)
+            self.key = hashlib.sha256(json.dumps(self.parts, sort_keys=True, default=str).encode()).hexdigest()[:24]
+            self.path = self.file_for(self.key)
+            entry, why = self._load(self.path)
+            if entry is not None:
+                fits = self._fits(model, entry["plan"])
+        except Exception as ex:  # noqa: BLE001 - this rank must still reach the agreement below, or the others hang
+            entry, why = None, f"lookup failed ({type(ex).__name__}: {ex})"
+            self._warn(f"deepcompile plan cache: {why}; planning afresh", stacklevel=3)
         mine = (self.key, entry["digest"] if entry is not None and not fits else None, why or fits)
         every = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size(model.dc_group) > 1:
@@ -354,8 +358,8 @@ class PlanCache:
         plan = model.dc_plan
         b = model.dc_backend
         why = None
-        if self.hit or not self.decided or plan is None:
-            why = "nothing planned here"
+        if self.hit or not self.decided or plan is None or self.key is None:
+            why = "nothing planned here, or no key"
         elif model.dc_step != model.dc_config.schedule[-1].step:
             why = "not the last scheduled compile"
         elif dynamic_changed:
