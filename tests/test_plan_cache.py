@@ -160,3 +160,22 @@ def test_off_switch(tmp_path):
     r = run_ranks(_run, 2, False, {}, timeout=180)
     assert all(x["key"] is None and x["cache"] is None for x in r)
     assert not os.path.exists(d)
+
+
+def test_key_ignores_the_ranks_device_index():
+    """Each rank runs on its own GPU, and Dynamo writes a created tensor's device into the graph's
+    code: the key must not differ by rank (on 2 H200s every warm re-run missed for this)."""
+    import torch.fx as fx
+
+    from deepcompile.plan.cache import graph_digest
+
+    def graph(index):
+        g = fx.Graph()
+        x = g.placeholder("x")
+        ones = g.call_function(torch.ones, (2,), {"device": torch.device("cuda", index)})
+        g.output(g.call_function(torch.add, (x, ones)))
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    assert "index=1" in graph(1).code
+    assert graph_digest(graph(0), [torch.zeros(2)]) == graph_digest(graph(1), [torch.zeros(2)])
+    assert graph_digest(graph(0), [torch.zeros(2)]) != graph_digest(graph(0), [torch.zeros(3)])

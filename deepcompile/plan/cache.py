@@ -103,7 +103,12 @@ def graph_digest(gm, example_inputs) -> str:
     """The Dynamo graph's code and its inputs' metadata (shape, stride, dtype, device type)."""
     import torch
 
-    h = hashlib.sha256(gm.code.encode())
+    # rank r runs on cuda:r, and Dynamo writes the device of a tensor it creates into the code
+    # (``device(type='cuda', index=1)``): on 2 H200s every rank's key differed and every warm
+    # re-run missed ("rank 1: another key"). The index is the rank's own, not part of the job.
+    code = re.sub(r"index=\d+", "index=_", gm.code)
+    code = re.sub(r"(['\"](?:cuda|xpu|hpu|mps)):\d+(['\"])", r"\1\2", code)
+    h = hashlib.sha256(code.encode())
     for x in example_inputs:
         if isinstance(x, torch.Tensor):
             h.update(repr((tuple(x.shape), tuple(x.stride()), str(x.dtype), x.device.type,
