@@ -135,3 +135,38 @@ def test_kept_parameters_keep_their_addresses_for_graphs_cpu():
         assert r_on["losses"] == r_off["losses"]
         assert r_on["ptrs"][0] and all(p == r_on["ptrs"][0] for p in r_on["ptrs"]), r_on["ptrs"]
         assert r_on["reused"] == 3 * len(r_on["ptrs"][0]) and r_off["reused"] == 0
+
+
+def test_warm_up_tells_moving_inputs_from_partition_outputs_cpu():
+    """Two warm-up steps decide which inputs must be copied at each replay. An input that an
+    earlier partition of the same step returned is not one of them, even though the allocator
+    puts it elsewhere each step while the partitions run as code: once captured it lives in the
+    pool. A large input from outside (here a fresh 20 MB tensor each step) is, and its partition
+    is left uncaptured with the reason."""
+    from deepcompile.runtime import cudagraphs as cg
+
+    pool = cg.Pool(torch.device("cpu"))
+    big = 5 << 20   # float32 elements: 20 MiB, over COPY_LIMIT
+
+    def first(args):
+        (x,) = args
+        args.clear()
+        return [torch.full((big,), float(x.sum()))]        # a fresh buffer every step
+
+    def second(args):
+        (h, w) = args
+        args.clear()
+        return [h[:4] * w[:4]]
+
+    a = cg.PartitionGraph(first, pool, "a")
+    b = cg.PartitionGraph(second, pool, "b")
+    c = cg.PartitionGraph(second, pool, "c")
+    w = torch.ones(big)                                      # same tensor every step (a kept parameter)
+    for step in range(cg.WARM_CYCLES):
+        x = torch.full((3,), float(step))
+        (h,) = a([x])
+        b([h, w])
+        c([h, torch.ones(big)])                              # a fresh large input every step
+    assert a.off is None and a.moving == {0}                 # the small batch input: copied
+    assert b.off is None and b.moving == set() and b.from_parts == {0}
+    assert c.off is not None and "input 1" in c.off and "moves between steps" in c.off

@@ -79,6 +79,7 @@ class Pool:
         self.disabled: str | None = None            # why the pool is off for good
         self.handed: list[tuple[Any, Any]] = []     # this cycle's pool outputs: (StorageWeakRef, tensor weakref)
         self.replay_refs: list[list | None] = []    # per seq position: this cycle's output storage refs
+        self.produced: set[int] = set()             # warm-up step: storages partitions returned
         self.stats: Counter = Counter()
         self.reasons: Counter = Counter()
         self._warned: set[str] = set()
@@ -116,6 +117,7 @@ class Pool:
         self.pos = 0
         self.broken = None
         self.replay_refs = [None] * len(self.seq)
+        self.produced = set()
 
     def _retire_handed(self) -> None:
         """The previous step's outputs: any still referenced is about to be overwritten."""
@@ -132,6 +134,11 @@ class Pool:
             else:  # only a view is left and cannot be marked: run this step as Inductor's code
                 self.break_cycle("a view of an earlier step's graph output is still referenced")
         self.handed = []
+
+    def note_outputs(self, outs) -> None:
+        for t in (outs if isinstance(outs, (list, tuple)) else [outs]):
+            if isinstance(t, torch.Tensor):
+                self.produced.add(t.untyped_storage().data_ptr())
 
     def break_cycle(self, why: str) -> None:
         self.broken = why
@@ -178,6 +185,7 @@ class PartitionGraph:
         self.last_cycle = 0
         self.seen: list | None = None       # per input: data_ptr (tensor) or value, first warm call
         self.moving: set[int] = set()       # inputs whose address changes: copied into static buffers
+        self.from_parts: set[int] = set()   # inputs that earlier partitions of the step produce
         self.off: str | None = None
         self.graph = None
         self.keys: list = []                # per input: captured data_ptr / value (None for moving)
@@ -202,7 +210,10 @@ class PartitionGraph:
             return self._replay(args)
         if mode == "warm" and self.off is None:
             self._observe(args)
-        elif mode == "capture":
+            out = self.fn(args)
+            self.pool.note_outputs(out)
+            return out
+        if mode == "capture":
             return self._capture(args)
         self.pool.stats["eager_calls"] += 1
         return self.fn(args)
@@ -221,10 +232,17 @@ class PartitionGraph:
 
     def _observe(self, args: list) -> None:
         keys = [self._key(a) for a in args]
+        # an output of an earlier partition of this step lives wherever the allocator put it
+        # while the partitions run as code, but in the pool at a fixed address once captured:
+        # not a moving input (on 2 H200s every MLP activation between two partitions was
+        # taken for one, and those partitions were never captured)
+        produced = self.pool.produced
+        self.from_parts |= {i for i, a in enumerate(args)
+                            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() in produced}
         if self.seen is None:
             self.seen = keys
             return
-        moving = {i for i, (a, b) in enumerate(zip(self.seen, keys)) if a != b}
+        moving = {i for i, (a, b) in enumerate(zip(self.seen, keys)) if a != b and i not in self.from_parts}
         for i in moving:
             a = args[i]
             if not isinstance(a, torch.Tensor):
