@@ -136,7 +136,7 @@ class Backend:
         self.next_graph_id = 0
         self.compiled.clear()
         self.kept.clear()  # Dynamo traces again: the graphs kept from the last trace are gone with it
-        self.graph_pool = None  # a new compile's graphs capture into a new pool
+        self._release_pool()  # a new compile's graphs capture into a new pool
 
     def profile_in_place(self) -> bool:
         """Make the graphs compiled now run through the profiler, without compiling again.
@@ -199,6 +199,14 @@ class Backend:
             self.graph_pool = Pool(torch.device("cuda", torch.cuda.current_device()))
             self.graph_pools.append(self.graph_pool)
         return self.graph_pool
+
+    def _release_pool(self) -> None:
+        """Drop the current pool's CUDA graphs (and their memory, once nothing uses it): the
+        generated module that calls them stays in Inductor's code cache, and would keep them."""
+        if self.graph_pool is not None:
+            for p in self.graph_pool.parts:
+                p.release()
+            self.graph_pool = None
 
     def _inductor(self, gm: fx.GraphModule, inputs, kw: dict, label: str = "graph"):
         t0 = time.perf_counter()
@@ -306,7 +314,7 @@ class Backend:
         t_start = time.perf_counter()
         old = (self.passes, self.step, self.profiling, dict(self.compiled))
         self.passes, self.step, self.profiling = passes, step, False
-        self.graph_pool = None  # the re-compiled graphs capture into a new pool
+        old_pool, self.graph_pool = self.graph_pool, None  # the re-compiled graphs capture into a new pool
         self.compiled.clear()
         compiler = self.config.compiler_at(step)
         buffered: list[GraphVersion] = []
@@ -370,6 +378,10 @@ class Backend:
                 o(v)
         for k, fn in new:
             k.slot.fn = fn
+        if old_pool is not None:  # the graphs it served are not called any more
+            self.graph_pool, old = old_pool, self.graph_pool
+            self._release_pool()
+            self.graph_pool = old
         self.trace_once_log.append({
             "step": step, "reused": True, "graphs": len(new), "restrided_inputs": restrided,
             "seconds": round(time.perf_counter() - t_start, 3)})
