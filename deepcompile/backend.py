@@ -52,6 +52,14 @@ class _Slot:
         return self.fn(args)
 
 
+def _release(pool) -> None:
+    """Drop a pool's CUDA graphs (and their memory, once nothing uses it): the generated module
+    that calls them stays in Inductor's code cache, and would keep them."""
+    if pool is not None:
+        for p in pool.parts:
+            p.release()
+
+
 def _no_recompile() -> None:
     """GraphModule.recompile while passes run (Backend.run_passes generates the code once, after them)."""
 
@@ -136,7 +144,8 @@ class Backend:
         self.next_graph_id = 0
         self.compiled.clear()
         self.kept.clear()  # Dynamo traces again: the graphs kept from the last trace are gone with it
-        self._release_pool()  # a new compile's graphs capture into a new pool
+        _release(self.graph_pool)  # a new compile's graphs capture into a new pool
+        self.graph_pool = None
 
     def profile_in_place(self) -> bool:
         """Make the graphs compiled now run through the profiler, without compiling again.
@@ -199,14 +208,6 @@ class Backend:
             self.graph_pool = Pool(torch.device("cuda", torch.cuda.current_device()))
             self.graph_pools.append(self.graph_pool)
         return self.graph_pool
-
-    def _release_pool(self) -> None:
-        """Drop the current pool's CUDA graphs (and their memory, once nothing uses it): the
-        generated module that calls them stays in Inductor's code cache, and would keep them."""
-        if self.graph_pool is not None:
-            for p in self.graph_pool.parts:
-                p.release()
-            self.graph_pool = None
 
     def _inductor(self, gm: fx.GraphModule, inputs, kw: dict, label: str = "graph"):
         t0 = time.perf_counter()
@@ -369,6 +370,8 @@ class Backend:
             self.passes, self.step, self.profiling = old[:3]
             self.compiled.clear()
             self.compiled.update(old[3])
+            _release(self.graph_pool)  # graphs of the discarded compile
+            self.graph_pool = old_pool  # the running graphs' pool stays theirs
             self.trace_once_log.append({"step": step, "reused": False, "why": why})
             return why
         finally:
@@ -378,10 +381,7 @@ class Backend:
                 o(v)
         for k, fn in new:
             k.slot.fn = fn
-        if old_pool is not None:  # the graphs it served are not called any more
-            self.graph_pool, old = old_pool, self.graph_pool
-            self._release_pool()
-            self.graph_pool = old
+        _release(old_pool)  # the graphs it served are not called any more
         self.trace_once_log.append({
             "step": step, "reused": True, "graphs": len(new), "restrided_inputs": restrided,
             "seconds": round(time.perf_counter() - t_start, 3)})

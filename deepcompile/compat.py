@@ -852,11 +852,6 @@ def fast_graph_copy(src: fx.Graph) -> fx.Graph:
 
 
 # --- cuda graphs (runtime/cudagraphs.py, issue 16) ---
-def dc_op_names() -> list[str]:
-    """Every registered ``dc::`` operator (the runtime's ops, zero3.cpp and offload.py)."""
-    return sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("dc::"))
-
-
 def cuda_graph_unsuitable(gm: fx.GraphModule) -> str | None:
     """Why a graph's partitions cannot be CUDA graphs, or None. Random ops draw their seeds on
     the host per call, which a replay would not (each step would repeat the first one's
@@ -899,8 +894,10 @@ def _compile_partitioned(gm: fx.GraphModule, example_inputs, pool, label: str, k
 
     Inductor writes partitions (``Runner.partitions``, ``recursively_apply_fns``,
     ``CompiledFxGraph.partition_maps``: 2.11 and 2.13) when ``graph_partition`` is on and
-    ``triton.cudagraphs`` is set in its config; ``custom_should_partition_ops`` (2.10+) names the
-    ops to cut at. ``triton.cudagraphs`` is set in the config *only*: the ``cudagraphs`` flag
+    ``triton.cudagraphs`` is set in its config, and cuts at every op tagged ``cudagraph_unsafe``
+    (all ``dc`` ops: csrc/zero3.cpp, runtime/offload.py; 2.11 ignores the
+    ``custom_should_partition_ops`` config, seen on the GPU). ``triton.cudagraphs`` is set in the
+    config *only*: the ``cudagraphs`` flag
     compile_fx hands its inner compile stays False, so Inductor's own CUDA graph trees never wrap
     the graph (their static-input copies would double the gathered parameters' memory) and its
     post-compile still reports output strides and realigns inputs as usual. Inductor's
@@ -912,8 +909,7 @@ def _compile_partitioned(gm: fx.GraphModule, example_inputs, pool, label: str, k
     from deepcompile.runtime import cudagraphs
 
     patch = {"graph_partition": True, "triton.cudagraphs": True,
-             "triton.reorder_for_reducing_graph_partitions": False,
-             "custom_should_partition_ops": dc_op_names()}
+             "triton.reorder_for_reducing_graph_partitions": False}
     with iconfig.patch(patch):
         compiled = cfx.compile_fx_inner(gm, example_inputs, **kw)
     runner = getattr(compiled, "compiled_fn_runner", None)
@@ -949,12 +945,8 @@ def tensor_from_storage(meta: dict, storage) -> torch.Tensor:
     return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storage)
 
 
-def storage_ref(t: torch.Tensor):
-    from torch.multiprocessing.reductions import StorageWeakRef
-    return StorageWeakRef(t.untyped_storage())
-
-
-def storage_ref_of(storage):
+def storage_ref(storage):
+    """A weak reference to a storage (``expired()`` once nothing uses its memory)."""
     from torch.multiprocessing.reductions import StorageWeakRef
     return StorageWeakRef(storage)
 

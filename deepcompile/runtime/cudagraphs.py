@@ -8,8 +8,8 @@ the runtime's ops), so every slow moment of a shared host landed on the step. A 
 a whole run of kernels with one launch. The runtime's ops (gathers, reduce-scatters, waits) stay
 outside the graphs: they run host logic every step (buckets, in-flight lists, the collectives on
 their own stream), so Inductor cuts each compiled graph into *partitions* at them
-(``config.graph_partition``; the ``dc`` ops are named in ``custom_should_partition_ops``, see
-``compat.cuda_graph_partitions``) and each partition becomes one :class:`PartitionGraph` here.
+(``config.graph_partition``; the ``dc`` ops are tagged ``cudagraph_unsafe``, see
+``compat._compile_partitioned``) and each partition becomes one :class:`PartitionGraph` here.
 
 How one partition runs
 ----------------------
@@ -196,6 +196,7 @@ class PartitionGraph:
         self.seq_pos = -1
         self._cap_refs: list = []           # capture step: weak refs to this partition's pool storages
         self.storage_meta: list = []
+        self.aliases_input = False          # an output is a view of an input (the replay keeps the inputs)
         pool.parts.append(self)
 
     def release(self) -> None:
@@ -329,7 +330,7 @@ class PartitionGraph:
             else:
                 if sptr not in storages:
                     storages[sptr] = len(storages)
-                    refs.append(compat.storage_ref(t))
+                    refs.append(compat.storage_ref(t.untyped_storage()))
                     pool.handed.append((refs[-1], weakref.ref(t)))
                 self.outs.append(("pool", storages[sptr], meta))
                 result.append(t)
@@ -338,6 +339,7 @@ class PartitionGraph:
         for kind, s, meta in (o for o in self.outs if o[0] == "pool"):
             self.storage_meta[s] = meta
         self._cap_refs = refs
+        self.aliases_input = any(o[0] == "input" for o in self.outs)
         return result
 
     # --- replay ------------------------------------------------------------------------------
@@ -363,14 +365,12 @@ class PartitionGraph:
                 return self.fn(args)
         for i, buf in self.static.items():
             buf.copy_(args[i])
-        inputs = args if not self.outs or all(o[0] != "input" for o in self.outs) else list(args)
+        inputs = list(args) if self.aliases_input else args
         args.clear()
         self.graph.replay()
         pool.stats["replays"] += 1
         storages = [compat.storage_from_pointer(m) for m in self.storage_meta]
-        out_refs = []
-        for s in storages:
-            out_refs.append(compat.storage_ref_of(s))
+        out_refs = [compat.storage_ref(s) for s in storages]
         refs[pool.pos] = out_refs
         pool.pos += 1
         result = []
@@ -397,16 +397,16 @@ class PartitionGraph:
 def _what(t: torch.Tensor) -> str:
     """Whose memory a moving input is, for the reason that names it (a kept gathered parameter
     should never move with CUDA graphs on: see ``invalidate_persistent(keep_memory)``)."""
-    try:
-        from deepcompile.runtime import ops
+    from deepcompile.runtime import ops
 
+    try:
         kept = {v: k for k, v in dict(ops.C.persistent_ptrs()).items()} if ops.C is not None else {}
     except Exception:  # noqa: BLE001 - a diagnostic only
         kept = {}
     pid = kept.get(t.data_ptr())
     if pid is None:
         return "not a kept gathered parameter"
-    meta = getattr(__import__("deepcompile.runtime.ops", fromlist=["PARAMS"]), "PARAMS", {}).get(pid)
+    meta = ops.PARAMS.get(pid)
     return f"kept parameter {meta.name if meta else pid}"
 
 
