@@ -654,7 +654,19 @@ def train_steps(model, opt, autocast, batches, args):
     split = os.environ.get("BENCH_PEAK_SPLIT") == "1" and args.device == "cuda"
     peaks = {"fb": 0, "opt": 0, "fb_steps": [], "opt_steps": []}
     args.peak_split = peaks if split else None
+    # BENCH_CPROFILE=PATH: rank 0 runs the warm-up (every compile) under cProfile and writes the
+    # stats to PATH, to see where a phase's seconds go on the machine that measures them
+    cprof_path = os.environ.get("BENCH_CPROFILE") if os.environ.get("RANK", "0") == "0" else None
+    cprof = None
+    if cprof_path:
+        import cProfile
+        cprof = cProfile.Profile()
+        cprof.enable()
     for s in range(total):
+        if cprof is not None and s == args.warmup:
+            cprof.disable()
+            cprof.dump_stats(cprof_path)
+            cprof = None
         t0 = time.perf_counter()
         for j in range(acc):
             x = batches[(s * acc + j) % len(batches)]
