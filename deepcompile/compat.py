@@ -924,7 +924,10 @@ def _compile_partitioned(gm: fx.GraphModule, example_inputs, pool, label: str, k
     # a module loaded again from Inductor's code cache is the same module: unwrap, never nest
     runner.partitions = [getattr(f, "fn", f) if isinstance(f, cudagraphs.PartitionGraph) else f
                          for f in runner.partitions]
-    cudagraphs.wrap_partitions(runner, maps, getattr(compiled, "mutated_input_idxs", ()), pool, label)
+    # AOTAutograd names the gradients it hands a backward graph ``tangents_N`` (2.11 and 2.13)
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    tangents = [i for i, n in enumerate(names) if n.startswith("tangents")]
+    cudagraphs.wrap_partitions(runner, maps, getattr(compiled, "mutated_input_idxs", ()), pool, label, tangents)
     return compiled
 
 

@@ -169,3 +169,27 @@ def test_warm_up_tells_moving_inputs_from_partition_outputs_cpu():
     assert a.off is None and a.moving == {0}                 # the small batch input: copied
     assert b.off is None and b.moving == set() and b.from_parts == {0}
     assert c.off is not None and "input 1" in c.off and "moves between steps" in c.off
+
+
+def test_gradients_and_small_graph_inputs_are_always_copied_cpu():
+    """The loss's seed gradient sat at one address through both warm-up steps on the GPU and
+    moved at the first replay (the capture step changes what the allocator holds), so every step
+    fell back to code. Gradients handed to a backward graph and small graph inputs are copied at
+    each replay whatever the warm-up saw; a graph input the partition writes into is not (its
+    writes would land in the copy), nor is a large one that keeps its address."""
+    from deepcompile.runtime import cudagraphs as cg
+
+    pool = cg.Pool(torch.device("cpu"))
+
+    def f(args):
+        vals = list(args)
+        args.clear()
+        return [sum(float(v.sum()) for v in vals) * torch.ones(2)]
+
+    seed, big_grad, big_in, state = torch.ones(()), torch.ones(1 << 19), torch.ones(1 << 19), torch.zeros(4)
+    p = cg.PartitionGraph(f, pool, "bw.p0", mutated=frozenset({3}), graph_inputs=frozenset({0, 1, 2, 3}),
+                          tangents=frozenset({1}))
+    for _ in range(cg.WARM_CYCLES):
+        p([seed, big_grad, big_in, state])       # the same tensors every step: no address moves
+    assert p.off is None
+    assert p.moving == {0, 1}, p.moving          # the small seed and the 2 MiB gradient; not big_in, not state

@@ -15,9 +15,12 @@ How one partition runs
 ----------------------
 1. **Warm-up cycles** (two steps): the partition runs as Inductor's code, and the data pointer of
    every input is recorded. Inputs whose address changed between the two calls are *copied*
-   inputs (the batch, autograd's seed gradient); they must be small (``COPY_LIMIT``), otherwise
-   the partition stays uncaptured. Every other input must keep its address: shards, kept
-   gathered parameters, and the outputs of earlier partitions (which live in the graph pool).
+   inputs; they must be small (``COPY_LIMIT``), otherwise the partition stays uncaptured. The
+   gradients autograd hands a backward graph and the graph's small inputs (the batch, the
+   loss's seed gradient: ``SMALL_COPY``) are copied inputs even if they kept their address, as
+   the capture step changes where the allocator puts them. Every other input must keep its
+   address: shards, kept gathered parameters, and the outputs of earlier partitions (which live
+   in the graph pool).
 2. **Capture cycle** (the third step): each partition is captured in the order the step calls
    it, all into one memory pool, on a side stream, then replayed once. The pool's allocator
    hands a partition the memory that is free *at that point of the step*, so partitions share
@@ -60,6 +63,11 @@ log = logging.getLogger("deepcompile.cudagraphs")
 
 WARM_CYCLES = 2          # steps run as Inductor's code before the capture step
 COPY_LIMIT = 16 << 20    # bytes of copied (moving) inputs a partition may have
+# graph inputs up to this size are copied at every replay even when the warm-up saw them keep
+# their address: the batch and autograd's seed gradient come from the general allocator, whose
+# small blocks are handed out differently once the capture step has run (on 2 H200s the loss's
+# seed gradient sat still through the warm-up and moved at the first replay, every step)
+SMALL_COPY = 1 << 20
 
 
 class Pool:
@@ -177,11 +185,14 @@ class Pool:
 class PartitionGraph:
     """One Inductor partition (a boxed callable over a list of inputs) run as a CUDA graph."""
 
-    def __init__(self, fn: Callable, pool: Pool, name: str, mutated: frozenset[int] = frozenset()):
+    def __init__(self, fn: Callable, pool: Pool, name: str, mutated: frozenset[int] = frozenset(),
+                 graph_inputs: frozenset[int] = frozenset(), tangents: frozenset[int] = frozenset()):
         self.fn = fn
         self.pool = pool
         self.name = name
         self.mutated = mutated
+        self.graph_inputs = graph_inputs    # inputs that are the compiled graph's own inputs
+        self.tangents = tangents            # ... and of those, the gradients autograd hands the backward
         self.last_cycle = 0
         self.seen: list | None = None       # per input: data_ptr (tensor) or value, first warm call
         self.moving: set[int] = set()       # inputs whose address changes: copied into static buffers
@@ -244,6 +255,11 @@ class PartitionGraph:
             self.seen = keys
             return
         moving = {i for i, (a, b) in enumerate(zip(self.seen, keys)) if a != b and i not in self.from_parts}
+        # what comes from outside the compiled graphs may land anywhere once the capture step has
+        # changed what the allocator holds: copy gradients handed in and small graph inputs always
+        moving |= {i for i in self.graph_inputs - self.mutated - self.from_parts
+                   if isinstance(args[i], torch.Tensor)
+                   and (i in self.tangents or compat.tensor_nbytes(args[i]) <= SMALL_COPY)}
         for i in moving:
             a = args[i]
             if not isinstance(a, torch.Tensor):
@@ -410,14 +426,20 @@ def _what(t: torch.Tensor) -> str:
     return f"kept parameter {meta.name if meta else pid}"
 
 
-def wrap_partitions(runner, maps: list, mutated_graph_inputs, pool: Pool, label: str) -> int:
+def wrap_partitions(runner, maps: list, mutated_graph_inputs, pool: Pool, label: str,
+                    tangent_inputs=()) -> int:
     """Put a :class:`PartitionGraph` around each partition of ``runner`` (Inductor's generated
-    ``Runner``). Returns how many were wrapped."""
+    ``Runner``). ``tangent_inputs``: which of the graph's inputs are gradients handed to a backward
+    graph. Returns how many were wrapped."""
     mutated_graph_inputs = set(mutated_graph_inputs or ())
+    tangent_inputs = set(tangent_inputs)
     fns = []
     for i, m in enumerate(maps):
-        mutated = frozenset(j for j, g in enumerate(getattr(m, "input_index_mapping", []) or [])
-                            if g is not None and g in mutated_graph_inputs)
-        fns.append(lambda f, i=i, mutated=mutated: PartitionGraph(f, pool, f"{label}.p{i}", mutated))
+        mapping = list(getattr(m, "input_index_mapping", []) or [])
+        mutated = frozenset(j for j, g in enumerate(mapping) if g is not None and g in mutated_graph_inputs)
+        graph_in = frozenset(j for j, g in enumerate(mapping) if g is not None)
+        tangents = frozenset(j for j, g in enumerate(mapping) if g is not None and g in tangent_inputs)
+        fns.append(lambda f, i=i, mutated=mutated, graph_in=graph_in, tangents=tangents:
+                   PartitionGraph(f, pool, f"{label}.p{i}", mutated, graph_in, tangents))
     runner.recursively_apply_fns(fns)
     return len(fns)
