@@ -219,6 +219,7 @@ class Runtime {
   void complete_oldest();
   void complete_replicated();
   void apply_grads(InFlightReduce& r);
+  at::Tensor cast_scaled(const at::Tensor& src, at::ScalarType dtype);
   void allreduce_replicas(at::Tensor& t, const std::string& what);
   // gathered buffers: weak references, pruned once per op (not once per buffer: the scan is over
   // every live buffer, which made a group's start quadratic in its size)
@@ -232,6 +233,8 @@ class Runtime {
   int64_t bucket_elems_;
   int64_t max_inflight_;
   double grad_scale_ = 1.0;
+  at::Tensor scale_t_;  // grad_scale_ as a one-element tensor (cast_scaled), made at first use
+  double scale_t_value_ = 0.0;
   bool grad_sync_ = true;
   int coalesced_rs_ = -1;  // reduce_scatter_tensor_coalesced usable on pg_: -1 unknown, 0 no, 1 yes
   ReducePack reduce_pack_ = ReducePack::kCoalesced;

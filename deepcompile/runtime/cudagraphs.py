@@ -368,7 +368,10 @@ class PartitionGraph:
             k = keys[i]
             if k is not None and (a.data_ptr() if isinstance(a, torch.Tensor) else key(a)) != k:
                 pool.stats["moved_input"] += 1
-                pool.break_cycle(f"an input of partition {self.name} is not where it was when captured")
+                what = (f" ({tuple(a.shape)}, {a.dtype}, {_what(a)}, "
+                        f"{'a graph input' if i in self.graph_inputs else 'made inside the graph'})"
+                        if isinstance(a, torch.Tensor) else "")
+                pool.break_cycle(f"input {i}{what} of partition {self.name} is not where it was when captured")
                 pool.stats["eager_calls"] += 1
                 return self.fn(args)
         refs = pool.replay_refs
