@@ -256,10 +256,14 @@ class PartitionGraph:
             return
         moving = {i for i, (a, b) in enumerate(zip(self.seen, keys)) if a != b and i not in self.from_parts}
         # what comes from outside the compiled graphs may land anywhere once the capture step has
-        # changed what the allocator holds: copy gradients handed in and small graph inputs always
-        moving |= {i for i in self.graph_inputs - self.mutated - self.from_parts
+        # changed what the allocator holds: copy small graph inputs and gradients handed in always.
+        # Small ones even where they look like an earlier partition's output: the loss's seed
+        # gradient got the freed address of a partition's one-element output (on 2 H200s), and
+        # was taken for it
+        moving |= {i for i in self.graph_inputs - self.mutated
                    if isinstance(args[i], torch.Tensor)
-                   and (i in self.tangents or compat.tensor_nbytes(args[i]) <= SMALL_COPY)}
+                   and (compat.tensor_nbytes(args[i]) <= SMALL_COPY
+                        or (i in self.tangents and i not in self.from_parts))}
         for i in moving:
             a = args[i]
             if not isinstance(a, torch.Tensor):
