@@ -179,3 +179,29 @@ def test_key_ignores_the_ranks_device_index():
     assert "index=1" in graph(1).code
     assert graph_digest(graph(0), [torch.zeros(2)]) == graph_digest(graph(1), [torch.zeros(2)])
     assert graph_digest(graph(0), [torch.zeros(2)]) != graph_digest(graph(0), [torch.zeros(3)])
+
+
+def test_prune_keeps_the_newest_entries_and_clears_crashed_writes(tmp_path):
+    """The cache directory does not grow without bound: beyond ``keep`` files the least recently
+    written plans go, the one just written stays whatever its age, and so do other files."""
+    import os
+    import time
+
+    from deepcompile.plan import cache
+
+    now = time.time()
+    for i in range(6):
+        f = tmp_path / f"plan-k{i}-r0of2.json"
+        f.write_text("{}")
+        os.utime(f, (now - 100 + i, now - 100 + i))          # k0 oldest ... k5 newest
+    old_tmp, new_tmp, other = tmp_path / ".plan-a.tmp", tmp_path / ".plan-b.tmp", tmp_path / "notes.txt"
+    for f in (old_tmp, new_tmp, other):
+        f.write_text("x")
+    os.utime(old_tmp, (now - 2 * cache.STALE_TMP_S, now - 2 * cache.STALE_TMP_S))
+    mine = str(tmp_path / "plan-k0-r0of2.json")
+    gone = cache.prune(str(tmp_path), keep=4, protect=(mine,))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == [".plan-b.tmp", "notes.txt", "plan-k0-r0of2.json", "plan-k3-r0of2.json",
+                    "plan-k4-r0of2.json", "plan-k5-r0of2.json"], left
+    assert len(gone) == 3
+    assert cache.prune(str(tmp_path / "missing")) == []

@@ -32,7 +32,8 @@ is per rank), written atomically (temp file + ``os.replace``); a corrupt, trunca
 is ignored with a warning. Where: config ``plan_cache``: ``true`` (default) under Inductor's cache
 directory (``$TORCHINDUCTOR_CACHE_DIR``, else ``<tmp>/torchinductor_<user>``, as torch computes it),
 in ``deepcompile_plans/``, so clearing Inductor's cache clears the plans too; a path: that
-directory; ``false``: off.
+directory; ``false``: off. Each store keeps the directory to the newest ``MAX_FILES`` entry files
+(the oldest written go first) and removes temp files of writes that crashed.
 
 Not cached: plans that offload optimizer state (``offload_optimizer`` sizes itself from the
 optimizer's state, which exists only after the first optimizer step), runs whose dims became
@@ -130,6 +131,45 @@ def _optimizer_facts() -> dict:
             "groups": [[len(g["params"])] + sorted((k, v) for k, v in g.items()
                                                    if k != "params" and (isinstance(v, bool) or v is None))
                        for g in groups]}
+
+
+# files kept in a plan directory: a job's entry is one file per rank, so this is a few hundred
+# jobs; beyond it the least recently written go (a plan is cheap to make again, a disk that fills
+# up under Inductor's cache directory is not)
+MAX_FILES = 512
+STALE_TMP_S = 3600.0  # a temp file this old is a crashed write
+
+
+def prune(directory: str, keep: int = MAX_FILES, protect: tuple[str, ...] = ()) -> list[str]:
+    """Delete the oldest ``plan-*.json`` files beyond ``keep`` (by modification time) and temp
+    files of writes that never finished; never a file in ``protect``. Returns what was deleted.
+    Best effort: another rank or job may delete or write beside us."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    now, plans, gone = time.time(), [], []
+    for n in names:
+        path = os.path.join(directory, n)
+        try:
+            mtime = os.stat(path).st_mtime
+        except OSError:
+            continue
+        if n.startswith(".plan-") and n.endswith(".tmp") and now - mtime > STALE_TMP_S:
+            gone.append(path)
+        elif n.startswith("plan-") and n.endswith(".json") and path not in protect:
+            plans.append((mtime, path))
+    plans.sort()
+    n_keep = max(keep - len(protect), 0)
+    gone += [p for _, p in plans[:max(len(plans) - n_keep, 0)]]
+    deleted = []
+    for path in gone:
+        try:
+            os.unlink(path)
+            deleted.append(path)
+        except OSError:
+            pass
+    return deleted
 
 
 def _atomic_write(path: str, obj: dict) -> None:
@@ -400,3 +440,6 @@ class PlanCache:
             return
         self.stored = self.path
         plan["cache"] = {"hit": False, "why": self.why, "stored": self.files(), "key": self.key}
+        pruned = prune(self.dir, protect=(self.path,))
+        if pruned:
+            LOG.info("deepcompile plan cache: removed %d old entries from %s", len(pruned), self.dir)
