@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import types
 import warnings
@@ -19,6 +20,9 @@ from deepcompile.dynamic import DynamicDims
 from deepcompile.runtime import ops, optim_chunks, optimizer_state, seqcheck
 from deepcompile.runtime.offload import ENGINE
 from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
+
+# a step that compiled for less than this prints nothing (config ``progress``)
+PROGRESS_MIN_S = 1.0
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -122,8 +126,35 @@ class DeepCompileModel(nn.Module):
     def _dc_on_optimizer_step(self, *_args) -> None:
         if self.dc_backend.profiling and self.dc_backend.measured:
             self._finish_profile()
+        self._dc_progress()
         self.dc_dynamic.at_step_end(self.dc_config, self.dc_step, self.dc_group)  # collective before a re-compile
         object.__setattr__(self, "dc_step", self.dc_step + 1)
+
+    def _dc_progress(self) -> None:
+        """One line on rank 0 for each step that spent a second or more compiling, profiling or
+        planning (config ``progress``): the first fast step comes after tens of seconds of tracing, profiling,
+        planning and Inductor, and the user should see which and for how long, and when it ends."""
+        if not self.dc_config.progress or (dist.is_initialized() and dist.get_rank() != 0):
+            return
+        phases = self.dc_backend.phases.get(self.dc_step) or {}
+        total = sum(phases.values())
+        if total <= 0 or total < PROGRESS_MIN_S:
+            return
+        parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 0.05)
+        line = f"deepcompile: step {self.dc_step}: {total:.1f} s of one-time work ({parts})"
+        if self.dc_backend.profiling:
+            line += "; this step is profiled"
+        plan = self.dc_plan or {}
+        cache = self.dc_backend.plan_cache
+        if cache is not None and cache.hit and plan.get("summary"):
+            line += f"; from the plan cache: {plan['summary']}"
+        elif plan.get("step") == self.dc_step and plan.get("summary"):
+            line += f"; {plan['summary']}"
+        hit = cache is not None and cache.hit   # the stored plan was compiled at step 0: no more compiles
+        later = [] if hit else [e.step for e in self.dc_config.schedule if e.step > self.dc_step]
+        line += (f"; compiles again at step {min(later)}" if later
+                 else "; the final graphs run from the next step")
+        print(line, file=sys.stderr, flush=True)
 
     def _finish_profile(self) -> None:
         from deepcompile.profile.profiler import GraphProfile, Profile, agree, benchmark_comm
