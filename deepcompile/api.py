@@ -132,13 +132,13 @@ class DeepCompileModel(nn.Module):
 
     def _dc_progress(self) -> None:
         """One line on rank 0 for each step that spent a second or more compiling, profiling or
-        planning (config ``progress``): the first fast step comes after tens of seconds of tracing, profiling,
-        planning and Inductor, and the user should see which and for how long, and when it ends."""
+        planning (config ``progress``): the first fast step comes after tens of seconds of
+        tracing, profiling, planning and Inductor; the user sees which, how long, and when it ends."""
         if not self.dc_config.progress or (dist.is_initialized() and dist.get_rank() != 0):
             return
         phases = self.dc_backend.phases.get(self.dc_step) or {}
         total = sum(phases.values())
-        if total <= 0 or total < PROGRESS_MIN_S:
+        if total <= 0 or total < PROGRESS_MIN_S:   # (<= 0: nothing ran, even with a threshold of 0)
             return
         parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 0.05)
         line = f"deepcompile: step {self.dc_step}: {total:.1f} s of one-time work ({parts})"
@@ -146,11 +146,11 @@ class DeepCompileModel(nn.Module):
             line += "; this step is profiled"
         plan = self.dc_plan or {}
         cache = self.dc_backend.plan_cache
-        if cache is not None and cache.hit and plan.get("summary"):
+        hit = cache is not None and cache.hit   # the stored plan was compiled at step 0: no more compiles
+        if hit and plan.get("summary"):
             line += f"; from the plan cache: {plan['summary']}"
         elif plan.get("step") == self.dc_step and plan.get("summary"):
             line += f"; {plan['summary']}"
-        hit = cache is not None and cache.hit   # the stored plan was compiled at step 0: no more compiles
         later = [] if hit else [e.step for e in self.dc_config.schedule if e.step > self.dc_step]
         line += (f"; compiles again at step {min(later)}" if later
                  else "; the final graphs run from the next step")

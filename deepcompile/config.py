@@ -138,8 +138,8 @@ class Config:
                                         "selective_unshard (adding offload_optimizer when nothing fits otherwise) from "
                                         "the profile and memory_limit_gib; default: on for the default ZeRO-3 plan")
     progress: bool = spec(True, help="rank 0 prints one line to stderr for each step that spent a second or more "
-                                     "compiling (its phases and seconds, the plan chosen, and when training runs "
-                                     "at speed); false: silent")
+                                     "compiling, profiling or planning (its phases and seconds, the plan chosen, and "
+                                     "when training runs at speed); false: silent")
     plan_cache: Any = spec(True, help="reuse the profile and plan of an earlier run of the same job (same graphs, config, "
                                       "world size, device, versions): compile the planned passes at step 0, no "
                                       "profiling step; true: under Inductor's cache dir (deepcompile_plans/), a path: "

@@ -28,7 +28,7 @@ limit computed now (configured limit or 90% of capacity, lowered to what is free
 was made under a limit lowered by memory in use is re-planned when at least 10% more is free now.
 
 **Files**: one JSON file per rank (``plan-<key>-r<rank>of<world>.json``: its own memory timeline
-is per rank), written atomically (temp file + ``os.replace``); a corrupt, truncated or foreign file
+is per rank), written atomically (``record.writer.atomic_write``); a corrupt, truncated or foreign file
 is ignored with a warning. Where: config ``plan_cache``: ``true`` (default) under Inductor's cache
 directory (``$TORCHINDUCTOR_CACHE_DIR``, else ``<tmp>/torchinductor_<user>``, as torch computes it),
 in ``deepcompile_plans/``, so clearing Inductor's cache clears the plans too; a path: that
@@ -155,7 +155,8 @@ def prune(directory: str, keep: int = MAX_FILES, protect: tuple[str, ...] = ()) 
             mtime = os.stat(path).st_mtime
         except OSError:
             continue
-        if n.startswith(".plan-") and n.endswith(".tmp") and now - mtime > STALE_TMP_S:
+        # record.writer.atomic_write's temp file (``.NAME.tmpPID``) of a write that never finished
+        if n.startswith(".plan-") and ".tmp" in n and now - mtime > STALE_TMP_S:
             gone.append(path)
         elif n.startswith("plan-") and n.endswith(".json") and path not in protect:
             plans.append((mtime, path))
@@ -170,26 +171,6 @@ def prune(directory: str, keep: int = MAX_FILES, protect: tuple[str, ...] = ()) 
         except OSError:
             pass
     return deleted
-
-
-def _atomic_write(path: str, obj: dict) -> None:
-    d = os.path.dirname(path)
-    os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".tmp", dir=d)
-    try:
-        with os.fdopen(fd, "w") as f:
-            # dumps, not dump: json.dump streams through the pure-Python encoder (CPython's C
-            # encoder serves one-shot dumps only); a 16-layer entry took ~1 s that way on the H200 host
-            f.write(json.dumps(obj))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 class PlanCache:
@@ -432,7 +413,12 @@ class PlanCache:
                  "plan": {k: v for k, v in plan.items() if k != "cache"}, "planned": planned_d,
                  "chunk_mb": chunk, "digest": digest}
         try:
-            _atomic_write(self.path, entry)
+            from deepcompile.record.writer import atomic_write
+
+            os.makedirs(self.dir, exist_ok=True)
+            # dumps, not dump: json.dump streams through the pure-Python encoder (CPython's C
+            # encoder serves one-shot dumps only); a 16-layer entry took ~1 s that way on the H200 host
+            atomic_write(self.path, json.dumps(entry).encode())
         except (OSError, TypeError, ValueError) as ex:
             self._warn(f"deepcompile plan cache: could not write {self.path}: {ex}; the next run plans "
                        "afresh (config plan_cache: a writable directory, or false)", stacklevel=3)

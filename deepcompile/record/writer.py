@@ -31,11 +31,21 @@ from typing import Any, Iterable
 from deepcompile.record import schema as S
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path | str, data: bytes) -> None:
+    """Write a file whole or not at all: a temp file beside it (``.NAME.tmpPID``) renamed over
+    it, so a reader never sees half a file and a failed write leaves none behind."""
+    path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def write_json(path: Path, obj: Any, *, compress: bool | None = None) -> None:
@@ -44,7 +54,7 @@ def write_json(path: Path, obj: Any, *, compress: bool | None = None) -> None:
                      indent=None if path.suffix == ".gz" else 1).encode()
     if compress or (compress is None and path.suffix == ".gz"):
         raw = gzip.compress(raw, compresslevel=5, mtime=0)
-    _atomic_write(path, raw)
+    atomic_write(path, raw)
 
 
 def environment(rank: int, world: int) -> dict:
