@@ -2,6 +2,8 @@
 // (init / register / reset / cleanup / stats). The graph-facing operators live in zero3.cpp.
 #include "runtime.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/strides.h>
 
 #include <chrono>
@@ -33,6 +35,16 @@ ReducePack reduce_pack_from_env() {
   return ReducePack::kCoalesced;
 }
 
+bool cast_stream_from_env() {
+  const char* v = std::getenv("DEEPCOMPILE_CAST_STREAM");
+  const std::string s = v ? v : "";
+  if (s.empty() || s == "1") return true;
+  if (s == "0") return false;
+  TORCH_CHECK(false, "deepcompile: DEEPCOMPILE_CAST_STREAM='", s, "' is not 0 or 1: use 1 (casts around the "
+              "collectives on a side stream, the default) or 0 (on the compute stream), or unset it");
+  return true;
+}
+
 Runtime& runtime() {
   TORCH_CHECK(g_runtime, "deepcompile runtime is not initialized: call deepcompile.initialize(...) first");
   return *g_runtime;
@@ -50,6 +62,28 @@ Runtime::Runtime(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems
   rank_ = pg_->getRank();
   world_ = pg_->getSize();
   reduce_pack_ = reduce_pack_from_env();
+  cast_stream_ = cast_stream_from_env();
+}
+
+c10::Stream Runtime::to_side(const at::Device& device) {
+  const auto* impl = c10::impl::getDeviceGuardImpl(device.type());
+  const c10::Stream cur = impl->getStream(device);
+  if (!side_ || side_->device() != cur.device()) {
+    side_ = impl->getStreamFromGlobalPool(cur.device(), /*isHighPriority=*/false);
+    to_side_ev_ = std::make_unique<c10::Event>(device.type());
+    from_side_ev_ = std::make_unique<c10::Event>(device.type());
+  }
+  to_side_ev_->record(cur);
+  to_side_ev_->block(*side_);
+  return *side_;
+}
+
+void Runtime::join_side() {
+  if (!side_pending_ || !side_) return;
+  const c10::Stream cur = c10::impl::getDeviceGuardImpl(side_->device_type())->getStream(side_->device());
+  from_side_ev_->record(*side_);
+  from_side_ev_->block(cur);
+  side_pending_ = false;
 }
 
 void Runtime::register_param(int64_t id, const std::string& name, at::Tensor shard,
@@ -203,9 +237,21 @@ void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
   TORCH_CHECK(pending_.find(id) == pending_.end(), "deepcompile: allgather of '", p.name,
               "' started twice without wait_allgather in between");
   at::Tensor src = flat_shard(p, shard);
-  if (src.scalar_type() != p.gather_dtype) src = src.to(p.gather_dtype);
-  at::Tensor buffer = take_spare(id, p.chunk * world_, src.scalar_type(), src.device());
-  auto work = pg_->_allgather_base(buffer, src);
+  at::Tensor buffer = take_spare(id, p.chunk * world_, p.gather_dtype, src.device());
+  c10::intrusive_ptr<c10d::Work> work;
+  if (src.scalar_type() == p.gather_dtype) {
+    work = pg_->_allgather_base(buffer, src);
+  } else if (!side_enabled(src)) {
+    at::Tensor in = src.to(p.gather_dtype);
+    work = pg_->_allgather_base(buffer, in);
+  } else {
+    // the cast on the side stream, and the collective issued from it (NCCL's stream waits on
+    // the stream current at issue); its input is allocated on the compute stream
+    at::Tensor in = at::empty({p.chunk}, buffer.options());
+    c10::StreamGuard guard(to_side(src.device()));
+    in.copy_(src);
+    work = pg_->_allgather_base(buffer, in);
+  }
   issued_ += 1;
   pending_[id] = PendingGather{work, buffer};
   track_live(buffer, id);  // memory is taken when the collective is issued, not when waited
@@ -247,9 +293,18 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
       const int64_t chunk = srcs[i].numel();
       ins.push_back(inplace ? at::as_strided(outs[i], {chunk}, {1}, rank_ * chunk) : at::empty({chunk}, outs[i].options()));
     }
-    at::_foreach_copy_(ins, srcs);
   }
-  auto work = pg_->allgather_into_tensor_coalesced(outs, ins);
+  c10::intrusive_ptr<c10d::Work> work;
+  if (cast && side_enabled(srcs[0])) {
+    // the casts on the side stream (issue 16: at the forward's top every kept group's cast queued
+    // on the compute stream ahead of the first layer), the collective issued from it
+    c10::StreamGuard guard(to_side(srcs[0].device()));
+    at::_foreach_copy_(ins, srcs);
+    work = pg_->allgather_into_tensor_coalesced(outs, ins);
+  } else {
+    if (cast) at::_foreach_copy_(ins, srcs);
+    work = pg_->allgather_into_tensor_coalesced(outs, ins);
+  }
   issued_ += 1;
   for (size_t i = 0; i < ids.size(); ++i) {
     pending_[ids[i]] = PendingGather{work, outs[i]};
@@ -571,9 +626,25 @@ void Runtime::apply_grads(InFlightReduce& r) {
   }
   const bool scale = grad_scale_ != 1.0;
   const bool scaled_all = uniform && fresh == ps.size() && scale;
-  at::Tensor cast = !uniform ? r.output
-                  : scaled_all ? cast_scaled(r.output, ps.front()->shard.scalar_type())
-                               : r.output.to(ps.front()->shard.scalar_type());
+  const at::ScalarType to = ps.front()->shard.scalar_type();
+  at::Tensor cast;
+  if (uniform && fresh == ps.size() && side_enabled(r.output) && (scale || r.output.scalar_type() != to)) {
+    // The cast (and scale) on the side stream, after the compute stream's wait on the collective
+    // (complete_oldest): backward's next kernels do not queue behind it. The result is allocated
+    // on the compute stream, which reads it after join_side (end_backward); r.output is freed
+    // when this returns, so the allocator is told the side stream still reads it.
+    cast = r.output.scalar_type() == to ? r.output : at::empty(r.output.sizes(), r.output.options().dtype(to));
+    if (scale) scale_tensor(to, r.output.device());  // made on the compute stream, before the side waits on it
+    const c10::Stream side = to_side(r.output.device());
+    {
+      c10::StreamGuard guard(side);
+      cast_scaled_into(cast, r.output);
+    }
+    c10::impl::getDeviceGuardImpl(side.device_type())->recordDataPtrOnStream(r.output.storage().data_ptr(), side);
+    side_pending_ = true;
+  } else {
+    cast = !uniform ? r.output : scaled_all ? cast_scaled(r.output, to) : r.output.to(to);
+  }
   std::vector<at::Tensor> dsts, srcs;
   int64_t off = 0;
   const int64_t base = cast.storage_offset();
@@ -615,6 +686,7 @@ void Runtime::end_backward(int64_t /*graph_id*/) {
   for (int d : dtypes) flush(static_cast<at::ScalarType>(d));
   while (!inflight_.empty()) complete_oldest();
   while (!replicating_.empty()) complete_replicated();
+  join_side();  // the optimizer (and clipping) read .grad on the compute stream
 }
 
 at::Tensor Runtime::reduce_scatter_now(const at::Tensor& grad, int64_t id) {
@@ -641,14 +713,31 @@ at::Tensor Runtime::reduce_scatter_now(const at::Tensor& grad, int64_t id) {
 at::Tensor Runtime::cast_scaled(const at::Tensor& src, at::ScalarType dtype) {
   if (grad_scale_ == 1.0) return src.to(dtype);
   if (src.scalar_type() == dtype) return src.mul_(grad_scale_);
-  if (!scale_t_.defined() || scale_t_.device() != src.device() || scale_t_.scalar_type() != dtype ||
+  at::Tensor out = at::empty(src.sizes(), src.options().dtype(dtype));
+  at::mul_out(out, src, scale_tensor(dtype, src.device()));
+  return out;
+}
+
+const at::Tensor& Runtime::scale_tensor(at::ScalarType dtype, const at::Device& device) {
+  if (!scale_t_.defined() || scale_t_.device() != device || scale_t_.scalar_type() != dtype ||
       scale_t_value_ != grad_scale_) {  // the value is kept on the host: no device read per call
-    scale_t_ = at::full({1}, grad_scale_, src.options().dtype(dtype));
+    scale_t_ = at::full({1}, grad_scale_, at::TensorOptions().dtype(dtype).device(device));
     scale_t_value_ = grad_scale_;
   }
-  at::Tensor out = at::empty(src.sizes(), src.options().dtype(dtype));
-  at::mul_out(out, src, scale_t_);
-  return out;
+  return scale_t_;
+}
+
+// cast_scaled into a given tensor (of the target dtype and src's shape); in place where out is src.
+void Runtime::cast_scaled_into(at::Tensor& out, const at::Tensor& src) {
+  if (grad_scale_ == 1.0) {
+    if (!out.is_same(src)) out.copy_(src);
+    return;
+  }
+  if (out.is_same(src)) {
+    out.mul_(grad_scale_);
+    return;
+  }
+  at::mul_out(out, src, scale_tensor(out.scalar_type(), src.device()));
 }
 
 // -- hang and mismatch detection ----------------------------------------------------------------

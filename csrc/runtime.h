@@ -13,8 +13,13 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
 #include <deque>
+#include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -220,6 +225,20 @@ class Runtime {
   void complete_replicated();
   void apply_grads(InFlightReduce& r);
   at::Tensor cast_scaled(const at::Tensor& src, at::ScalarType dtype);
+  void cast_scaled_into(at::Tensor& out, const at::Tensor& src);
+  const at::Tensor& scale_tensor(at::ScalarType dtype, const at::Device& device);  // grad_scale_, one element
+  // The cast stream (issue 16; DEEPCOMPILE_CAST_STREAM, on by default): on CUDA the casts around
+  // the collectives (a gather's fp32 shard to bf16, a reduced bucket to the shards' fp32 with its
+  // scale) run on a side stream, so compute kernels queued after them do not wait for them.
+  // to_side: the side stream, made to wait on all work queued so far on the current stream (the
+  // optimizer's shard updates, the compute stream's wait on a reduce-scatter). join_side: the
+  // current stream waits on everything queued on the side stream (before .grad is read).
+  // Memory the side stream reads or writes is allocated on the current stream, so no block moves
+  // between the allocator's per-stream pools; a block freed while the side stream may still read
+  // it is recorded on that stream.
+  bool side_enabled(const at::Tensor& t) const { return cast_stream_ && t.is_cuda(); }
+  c10::Stream to_side(const at::Device& device);
+  void join_side();
   void allreduce_replicas(at::Tensor& t, const std::string& what);
   // gathered buffers: weak references, pruned once per op (not once per buffer: the scan is over
   // every live buffer, which made a group's start quadratic in its size)
@@ -238,6 +257,10 @@ class Runtime {
   bool grad_sync_ = true;
   int coalesced_rs_ = -1;  // reduce_scatter_tensor_coalesced usable on pg_: -1 unknown, 0 no, 1 yes
   ReducePack reduce_pack_ = ReducePack::kCoalesced;
+  bool cast_stream_ = true;
+  std::optional<c10::Stream> side_;
+  std::unique_ptr<c10::Event> to_side_ev_, from_side_ev_;
+  bool side_pending_ = false;  // side-stream work that .grad readers have not waited on yet
   std::unordered_map<int64_t, at::Tensor> local_grads_;  // ZeRO-1 accumulation, full size
   at::ScalarType reduce_dtype_ = at::kFloat;
   std::unordered_map<int64_t, Param> params_;
@@ -279,5 +302,7 @@ void set_copy_grads(bool copy);
 bool copy_grads();
 // DEEPCOMPILE_REDUCE_PACK ("coalesced", the default, or "cat"); an error names a bad value
 ReducePack reduce_pack_from_env();
+// DEEPCOMPILE_CAST_STREAM ("1", the default, or "0": the casts stay on the compute stream)
+bool cast_stream_from_env();
 
 }  // namespace dc
