@@ -361,6 +361,11 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
             r.compiled = cache[r.key]
             n_reused += 1
             continue
+        missing = [a.name for a in r.inputs if a not in example and "val" not in a.meta]
+        if missing:  # a pass made a node without its fake value: a region cannot take it as an input
+            raise RuntimeError(f"deepcompile blocks: region {r.label} reads {missing} from an earlier region, and "
+                               f"they have no meta['val'] (the pass that inserts them must set it); "
+                               f"DEEPCOMPILE_BLOCKS=0 compiles the graph whole")
         ins = [example[a] if a in example else a.meta["val"] for a in r.inputs]
         ids = compat.blocks_symbolic_ints(fake_mode, r.consts)
         for p, v in zip([p for p in r.gm.graph.nodes if p.op == "placeholder"][len(ins):], ids):

@@ -104,6 +104,8 @@ def _chain_graph(sizes_kib: dict[int, int], transient: int | None = None):
     x = g.placeholder("x")
     ids = sorted(sizes_kib)
     shards = {p: g.placeholder(f"s{p}") for p in ids}
+    for p in ids:  # their fake values, as a traced graph's placeholders have them
+        shards[p].meta["val"] = torch.empty(sizes_kib[p] * 128, device="meta")
     early = g.call_function(DC.allgather_param.default, (shards[transient], transient)) if transient else None
     order = [p for p in ids if p != transient]
     if transient:
@@ -157,6 +159,8 @@ def test_kept_gathers_are_groups_in_need_order_each_waited_before_its_first_use(
     assert [list(n.args[1]) for n in starts] == [[1, 2], [3], [4]]
     assert [list(n.args[1]) for n in waits] == [[1, 2], [3], [4]]
     assert all(w.args[0] is s for s, w in zip(starts, waits))
+    # every start carries its fake value (blocks.py hands it to a later block's region as an input)
+    assert all(tuple(s.meta["val"].shape) == (0,) for s in starts)
     # issue order is need order, the transient gather included: [1, 2] before 5's, [3] and [4] after
     issue5 = next(n for n in nodes if n.target is DC.allgather_param.default)
     assert int(issue5.args[1]) == 5

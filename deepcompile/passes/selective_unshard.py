@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from deepcompile.params import spec
 from deepcompile.passes.registry import PassContext, register_pass
-from deepcompile.passes.zero3 import is_op
+from deepcompile.passes.zero3 import _fake_like, is_op
 from deepcompile.plan.cost_model import default_model
 
 DC = torch.ops.dc
@@ -146,6 +146,9 @@ def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                     start = g.call_function(DC.gather_persistent_start.default, ([shards[p] for p in grp], grp))
                 start.meta["dc_params"] = list(grp)
                 start.meta["dc_param"] = grp[0]
+                # its fake value (the empty handle the op returns): blocks.py passes a start to the
+                # region of its wait as an input when the two sit in different decoder blocks
+                start.meta["val"] = _fake_like(shards[grp[0]].meta.get("val"), (0,))
                 order[start] = order.get(anchor, -1) + 0.5  # (only compared with transient issues' places)
                 prev = start
                 with g.inserting_before(first[grp[0]]):
