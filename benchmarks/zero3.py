@@ -444,6 +444,8 @@ def dc_prediction(model, opt, res) -> None:
     res["compile_phases"] = {str(k): {p: round(v, 3) for p, v in d.items()}
                              for k, d in getattr(model, "dc_compile_phases", {}).items()}
     res["trace_once"] = getattr(model, "dc_trace_once", None)
+    # graphs taken from AOTAutograd's cache (config aot_cache, a plan-cache hit): no trace, no passes
+    res["aot_cache_hits"] = len(getattr(model.dc_backend, "aot_cache_hits", []))
     prof = model.dc_profile
     # the final graphs are Inductor's unless the run chose another compiler: fused pointwise ops
     p = predict(model.dc_graphs, prof, fused=model.dc_config.compiler == "inductor")
@@ -927,6 +929,7 @@ def summarise(name, per_rank, args, world) -> dict:
         entry["compile_phases_total_s"] = {  # per phase: summed over steps, max over ranks
             ph: round(max(sum(d.get(ph, 0.0) for d in per_rank) for per_rank in steps), 3) for ph in phases}
         entry["trace_once"] = r0.get("trace_once")
+        entry["aot_cache_hits"] = r0.get("aot_cache_hits")
     if args.device == "cuda":
         entry["peak_mem_gib_by_rank"] = {str(r["rank"]): r["peak_alloc_gib"] for r in ran}
         entry["peak_mem_gib"] = max(r["peak_alloc_gib"] for r in ran)

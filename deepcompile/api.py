@@ -127,6 +127,7 @@ class DeepCompileModel(nn.Module):
         if self.dc_backend.profiling and self.dc_backend.measured:
             self._finish_profile()
         self._dc_progress()
+        self.dc_backend.end_step()
         self.dc_dynamic.at_step_end(self.dc_config, self.dc_step, self.dc_group)  # collective before a re-compile
         object.__setattr__(self, "dc_step", self.dc_step + 1)
 
@@ -151,6 +152,8 @@ class DeepCompileModel(nn.Module):
             line += f"; from the plan cache: {plan['summary']}"
         elif plan.get("step") == self.dc_step and plan.get("summary"):
             line += f"; {plan['summary']}"
+        if hit and self.dc_backend.aot_cache_hits:
+            line += "; graphs from AOTAutograd's cache (aot_cache: no trace, no passes)"
         later = [] if hit else [e.step for e in self.dc_config.schedule if e.step > self.dc_step]
         line += (f"; compiles again at step {min(later)}" if later
                  else "; the final graphs run from the next step")

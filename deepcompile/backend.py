@@ -19,6 +19,10 @@ from deepcompile.profile.profiler import profiled_callable
 from deepcompile.record.graph import serialize
 from deepcompile.runtime import seqcheck
 
+# Passes that only rewrite the graph (they set no runtime state while compiling), so a compile
+# made of them alone can come from AOTAutograd's cache, which does not run them (_aot_cache_salt).
+_GRAPH_ONLY_PASSES = frozenset({"zero3", "zero12", "prefetch", "selective_unshard"})
+
 
 @dataclass
 class GraphVersion:
@@ -99,6 +103,8 @@ class Backend:
         self.versions: list[GraphVersion] = []
         self.observers = list(observers or [])
         self.compiled: dict[tuple[int, str], fx.GraphModule] = {}
+        self.aot_cache_hits: list[int] = []  # graphs taken from AOTAutograd's cache (_aot_cache_salt)
+        self._aot_stored: str | None = None  # salt of this step's compile that stored an AOTAutograd entry
         self.passes = config.passes
         self.step = 0
         self.profiling = False          # compile for the profiling interpreter instead
@@ -219,6 +225,76 @@ class Backend:
         finally:
             self.add_phase("inductor", time.perf_counter() - t0)
 
+    def _aot_cache_salt(self) -> str | None:
+        """What makes AOTAutograd's cache safe for this compile, or None (keep it off).
+
+        Safe where the compile's passes and their parameters are fixed before it (the plan
+        cache hit at step 0, whose key covers the model's graph, the config and the ranks), the
+        passes only rewrite the graph (a hit skips them: no runtime state may be set while they
+        run) and our compiled graphs are Inductor's own (CUDA graphs and blocks wrap them in
+        callables AOTAutograd cannot store). Issue 18: a warm re-run then skips the joint
+        trace, the partition and our passes (AOTAutograd's 8 s of a 16-layer warm compile)."""
+        pc = self.plan_cache
+        if pc is None or not pc.hit or pc.key is None or self.profiling or not getattr(self.config, "aot_cache", True):
+            return None
+        from deepcompile import blocks
+
+        if getattr(self.config, "cuda_graphs", False) or blocks.enabled():
+            return None
+        if any(e.name not in _GRAPH_ONLY_PASSES for e in self.passes):
+            return None
+        import hashlib
+
+        plan = repr([(e.name, make_params(e)) for e in self.passes])
+        return f"{pc.key}-{hashlib.sha256(plan.encode()).hexdigest()[:16]}-r{self.rank}of{self.world_size}"
+
+    def _versions_file(self, salt: str) -> str | None:
+        import hashlib
+        import os
+
+        pc = self.plan_cache
+        if pc is None or not getattr(pc, "dir", None):
+            return None
+        return os.path.join(pc.dir, f"aotgraphs-{hashlib.sha256(salt.encode()).hexdigest()[:24]}.json")
+
+    def end_step(self) -> None:
+        """At the optimizer step: a compile that stored an AOTAutograd entry also keeps its graph
+        versions (every pass's output, forward and backward) beside the plan cache, so that a run
+        taking the graphs from that entry still shows them (record, report, inspector, what-if)."""
+        salt, self._aot_stored = self._aot_stored, None
+        path = self._versions_file(salt) if salt else None
+        if path is None:
+            return
+        import dataclasses
+        import json
+
+        from deepcompile.record.writer import atomic_write
+
+        kept = [dataclasses.asdict(v) for v in self.versions if v.step == self.step and v.kind != "dynamo"]
+        try:
+            atomic_write(path, json.dumps({"salt": salt, "versions": kept}).encode())
+        except (OSError, TypeError, ValueError) as e:  # costs a later run its graph views, not this run
+            import warnings
+            warnings.warn(f"deepcompile: could not keep the graph versions for AOTAutograd's cache in {path}: {e}")
+
+    def _replay_versions(self, salt: str, graph_id: int) -> None:
+        path = self._versions_file(salt)
+        import json
+
+        try:
+            with open(path) as f:
+                stored = json.load(f)
+        except (OSError, TypeError, ValueError):
+            return  # none kept (or unreadable): the record has the Dynamo graph only
+        if stored.get("salt") != salt:
+            return
+        for d in stored.get("versions", []):
+            if d.get("graph_id") == graph_id:
+                self._observe(GraphVersion(graph_id, d["kind"], d["after"], d["nodes"],
+                                           list(d.get("notes") or []) + ["from AOTAutograd's cache: the passes ran in "
+                                                                         "the run that stored it"],
+                                           d.get("seconds", 0.0), step=self.step))
+
     def _timed(self, fn: Callable, *args):
         """Run a compile step; what it spent outside our passes and Inductor is AOTAutograd's
         (the trace, the partition, Inductor's graph-level front end)."""
@@ -261,8 +337,18 @@ class Backend:
             def compile_inductor(g, inputs, kind, kw):
                 return self._inductor(self.run_passes(g, graph_id, kind), inputs, kw, f"g{graph_id}.{kind}")
             # timed per graph: a backward is compiled at its first run, outside __call__
-            return compat.inductor_compile(gm, example_inputs,
-                                           lambda g, inputs, kind, kw: self._timed(compile_inductor, g, inputs, kind, kw))
+            salt = self._aot_cache_salt()
+            hits = compat.aot_cache_hits()
+            fn = compat.inductor_compile(gm, example_inputs,
+                                         lambda g, inputs, kind, kw: self._timed(compile_inductor, g, inputs, kind, kw),
+                                         aot_cache_salt=salt)
+            if salt is not None and compat.aot_cache_hits() > hits:
+                # the passes did not run: their graph versions come from the run that stored the entry
+                self.aot_cache_hits.append(graph_id)
+                self._replay_versions(salt, graph_id)
+            elif salt is not None:
+                self._aot_stored = salt  # the versions are kept at the step's end (backward compiles lazily)
+            return fn
 
         keep = self._keep_traces(compiler)
 

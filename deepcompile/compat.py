@@ -123,7 +123,8 @@ def boxed_graph(gm: fx.GraphModule) -> Callable:
 
 
 def inductor_compile(gm: fx.GraphModule, example_inputs,
-                     compile_one: Callable[[fx.GraphModule, list, str, dict], Callable]):
+                     compile_one: Callable[[fx.GraphModule, list, str, dict], Callable],
+                     aot_cache_salt: str | None = None):
     """Inductor's front end (pre-grad passes, decompositions, joint-graph passes, the min-cut
     partition) end to end, handing each partitioned forward/backward/inference graph to
     ``compile_one(graph, example_inputs, kind, kw)``, which runs our passes and compiles it:
@@ -139,18 +140,37 @@ def inductor_compile(gm: fx.GraphModule, example_inputs,
 
     def inner(g, inputs, **kw):
         kind = "backward" if kw.get("is_backward") else ("inference" if kw.get("is_inference") else "forward")
-        return compile_one(g, inputs, kind, kw)
+        if aot_cache_salt is None:
+            return compile_one(g, inputs, kind, kw)
+        # the graph's own compile under the unsalted uuid: Inductor's FX graph cache keys on it
+        # too, and an entry from a run without the AOTAutograd cache stays a hit
+        with torch._inductor.config.patch(_inductor_patches()):
+            return compile_one(g, inputs, kind, kw)
 
     # AOTAutograd's cache (on by default in 2.11 and 2.13) keys on the Dynamo graph, which is
     # the same before and after a pass-schedule switch, and a hit skips partitioning *and*
     # inner_compile: our passes would not run (no graph versions for the record, no offload
     # plan) and a different pass list could get the old artifact. Inductor's FX graph cache
     # stays on: it keys on the graph after our passes, so it is exact and keeps warm compiles fast.
-    with torch._functorch.config.patch(enable_autograd_cache=False), quiet_aot_graph_strings():
-        return cfx.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=_inductor_patches())
+    #
+    # Where the passes and their parameters are fixed before the compile (a plan-cache hit at
+    # step 0: aot_cache_salt names the plan), the cache is safe and is turned on: the salt goes
+    # into the joint pass's uuid(), which AOTAutograd's key hashes with Inductor's config, so
+    # another plan, pass list or deepcompile version never shares an entry. (The joint pass has
+    # run by the time ``inner`` is called; there the uuid is the plain one again.)
+    with torch._functorch.config.patch(enable_autograd_cache=aot_cache_salt is not None), quiet_aot_graph_strings():
+        return cfx.compile_fx(gm, example_inputs, inner_compile=inner, config_patches=_inductor_patches(aot_cache_salt))
 
 
-def _inductor_patches() -> dict:
+def aot_cache_hits() -> int:
+    """AOTAutograd cache hits in this process so far (``torch._dynamo.utils.counters``, the
+    counter AOTAutogradCache bumps on a hit: "aot_autograd"/"autograd_cache_hit", 2.11 and 2.13)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["aot_autograd"]["autograd_cache_hit"])
+
+
+def _inductor_patches(salt: str | None = None) -> dict:
     """The Inductor config every compile of ours runs under (compile_fx's ``config_patches``; the
     trace-once re-compile applies the same around ``inductor_inner``).
 
@@ -160,7 +180,7 @@ def _inductor_patches() -> dict:
     def joint_pass(graph: fx.Graph):
         tag_unshard_for_recompute(graph.owning_module)
 
-    return {"joint_custom_pre_pass": _JointPass(joint_pass), "reorder_for_peak_memory": False}
+    return {"joint_custom_pre_pass": _JointPass(joint_pass, salt), "reorder_for_peak_memory": False}
 
 
 def inductor_inner(gm: fx.GraphModule, example_inputs, **kw):
@@ -198,8 +218,9 @@ except ImportError:  # pragma: no cover
 class _JointPass(_CGP):
     """A joint-graph pass Inductor can hash for its FX graph cache (CustomGraphPass protocol)."""
 
-    def __init__(self, fn):
+    def __init__(self, fn, salt: str | None = None):
         self.fn = fn
+        self.salt = salt
 
     def __call__(self, graph):
         return self.fn(graph)
@@ -212,7 +233,7 @@ class _JointPass(_CGP):
         # compiled while they were int has its ids pinned by guards.
         # v4: the gradients handed to dc.reduce_grad(s) are deleted after it (free_never_reused);
         # an artifact from before would hold them to the end of the backward.
-        return "deepcompile-tag-unshard-recompute-v4"
+        return "deepcompile-tag-unshard-recompute-v4" + (f"-{self.salt}" if self.salt else "")
 
 
 def never_reuse_output(op) -> None:

@@ -140,6 +140,10 @@ class Config:
     progress: bool = spec(True, help="rank 0 prints one line to stderr for each step that spent a second or more "
                                      "compiling, profiling or planning (its phases and seconds, the plan chosen, and "
                                      "when training runs at speed); false: silent")
+    aot_cache: bool = spec(True, help="with a plan-cache hit, take the partitioned and compiled graphs from "
+                                      "AOTAutograd's cache when an earlier run stored them: no joint trace, partition "
+                                      "or passes (a warm re-run's largest cost); its graph versions come from the run "
+                                      "that stored the entry; false: trace and run the passes every run")
     plan_cache: Any = spec(True, help="reuse the profile and plan of an earlier run of the same job (same graphs, config, "
                                       "world size, device, versions): compile the planned passes at step 0, no "
                                       "profiling step; true: under Inductor's cache dir (deepcompile_plans/), a path: "

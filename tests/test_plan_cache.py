@@ -53,7 +53,10 @@ def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None):
            "passes": plan.get("passes"), "key": pc.key if pc else None, "path": pc.path if pc else None,
            "cache_warnings": pc.warnings if pc else [], "plan": plan,
            "profiled_graphs": sorted(model.dc_profile.graphs) if model.dc_profile else [],
-           "step0_passes": sorted({v.after for v in model.dc_graphs if v.step == 0 and v.kind != "dynamo"})}
+           "step0_passes": sorted({v.after for v in model.dc_graphs if v.step == 0 and v.kind != "dynamo"}),
+           "step0_nodes": [(v.graph_id, v.kind, v.after, len(v.nodes)) for v in model.dc_graphs
+                           if v.step == 0 and v.kind != "dynamo"],
+           "step0_notes": [v.notes for v in model.dc_graphs if v.step == 0 and v.kind != "dynamo"]}
     deepcompile.destroy(model)
     return out
 
@@ -205,3 +208,26 @@ def test_prune_keeps_the_newest_entries_and_clears_crashed_writes(tmp_path):
                     "plan-k4-r0of2.json", "plan-k5-r0of2.json"], left
     assert len(gone) == 3
     assert cache.prune(str(tmp_path / "missing")) == []
+
+
+def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch):
+    """Issue 18 (warm compile): with a plan-cache hit the planned passes are fixed before step
+    0's compile, so AOTAutograd's cache is turned on for it (config aot_cache), keyed by the plan.
+    The second run compiles the stored plan (the passes run, the FX graph cache hits) and stores
+    the AOTAutograd entry and its graph versions; the third takes the graphs from it: no passes
+    run, the record still shows the second run's versions, and the losses are bitwise the second's. 1 gloo rank, Inductor on the CPU (the cache stores Inductor's graphs only)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
+    d = str(tmp_path / "plans")
+    ind = {"compiler": "inductor"}
+    first, second, third = (run_ranks(_run, 1, d, ind, timeout=300)[0] for _ in range(3))
+    assert first["cache"]["hit"] is False and second["cache"]["hit"] and third["cache"]["hit"]
+    assert first["key"] == second["key"] == third["key"]
+    assert "zero3" in second["step0_passes"] and "passes" in second["phases"][0], second["phases"]
+    assert "passes" not in third["phases"][0], third["phases"]
+    # the graph versions the passes made in the second run, kept beside the cache and shown again
+    assert third["step0_passes"] == second["step0_passes"], (second["step0_passes"], third["step0_passes"])
+    assert third["step0_nodes"] == second["step0_nodes"]
+    assert all("from AOTAutograd's cache" in " ".join(n) for n in third["step0_notes"])
+    # (the first run's warm-up steps ran the traced graphs as Python code, not Inductor's kernels:
+    # its losses differ in the last bits from step 1 on)
+    assert third["losses"] == second["losses"], (second["losses"], third["losses"])

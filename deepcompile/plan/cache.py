@@ -11,7 +11,7 @@ trace, and with warm Inductor caches Inductor's FX graph cache hits).
 **The key** (:func:`PlanCache.key_parts`) is everything the plan depends on: the first Dynamo
 graph's code and its inputs' shapes, strides and dtypes (the micro-batch, the shards' sizes); the
 whole config (pass lists and hand-set parameters, memory limit, stages, buckets, accumulation), with
-``plan_cache``, ``collective_timeout_s`` and ``progress`` left out; the world size and the shard
+``plan_cache``, ``collective_timeout_s``, ``progress`` and ``aot_cache`` left out; the world size and the shard
 group's; the process group's backend; the device's name and capacity; the optimizer's class and options that
 change its state (amsgrad, foreach, fused...); the ``DEEPCOMPILE_*`` switches that change the
 collectives; torch's version and a digest of deepcompile's own source. Later Dynamo graphs
@@ -141,7 +141,8 @@ STALE_TMP_S = 3600.0  # a temp file this old is a crashed write
 
 
 def prune(directory: str, keep: int = MAX_FILES, protect: tuple[str, ...] = ()) -> list[str]:
-    """Delete the oldest ``plan-*.json`` files beyond ``keep`` (by modification time) and temp
+    """Delete the oldest ``plan-*.json`` files (and the graph versions stored beside the
+    AOTAutograd cache, ``aotgraphs-*.json``) beyond ``keep`` (by modification time) and temp
     files of writes that never finished; never a file in ``protect``. Returns what was deleted.
     Best effort: another rank or job may delete or write beside us."""
     try:
@@ -156,9 +157,9 @@ def prune(directory: str, keep: int = MAX_FILES, protect: tuple[str, ...] = ()) 
         except OSError:
             continue
         # record.writer.atomic_write's temp file (``.NAME.tmpPID``) of a write that never finished
-        if n.startswith(".plan-") and ".tmp" in n and now - mtime > STALE_TMP_S:
+        if n.startswith((".plan-", ".aotgraphs-")) and ".tmp" in n and now - mtime > STALE_TMP_S:
             gone.append(path)
-        elif n.startswith("plan-") and n.endswith(".json") and path not in protect:
+        elif n.startswith(("plan-", "aotgraphs-")) and n.endswith(".json") and path not in protect:
             plans.append((mtime, path))
     plans.sort()
     n_keep = max(keep - len(protect), 0)
@@ -217,7 +218,7 @@ class PlanCache:
 
         model = self._model()
         cfg = model.dc_config.to_dict()
-        for k in ("plan_cache", "collective_timeout_s", "progress"):
+        for k in ("plan_cache", "collective_timeout_s", "progress", "aot_cache"):
             cfg.pop(k, None)
         device = model._dc_device()
         cap, _ = local_memory(device, model.dc_config.device_memory_gib)

@@ -323,7 +323,8 @@ def _build_base(root: Path, rank: int) -> _Base:
         z = [v for v in vs if v.after == "zero3"]
         if not z:
             raise WhatIfError(f"{root}: graph {key[0]} {key[1]} has no zero3 version: a what-if re-runs the passes "
-                              "after zero3 on the ZeRO-3 graphs, and this record has none (a ZeRO-1/2 run?)")
+                              "after zero3 on the ZeRO-3 graphs, and this record has none (a ZeRO-1/2 run? or a re-run that "
+                              "took its graphs from AOTAutograd's cache: config aot_cache false keeps them)")
         last = z[-1]  # the last compile's (the one the passes after zero3 ran on)
         d = {"graph_id": last.graph_id, "kind": last.kind, "after": last.after, "seq": last.seq,
              "nodes": last.nodes, "notes": list(last.notes), "seconds": last.seconds}
