@@ -23,6 +23,12 @@ def _child(fn, rank, world, port, backend, out_dir, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     path = Path(out_dir) / f"rank{rank}.pkl"
+    # a rank killed by a signal (a segfault in native code) leaves no result: its Python stack
+    # (every thread's) goes to a file the parent puts into the failure message
+    import faulthandler
+
+    fault = open(Path(out_dir) / f"rank{rank}.fault", "w")  # noqa: SIM115 - open until the process ends
+    faulthandler.enable(fault, all_threads=True)
     try:
         import torch
         import torch.distributed as dist
@@ -62,7 +68,10 @@ def run_ranks(fn, world: int, *args, backend: str | None = "gloo", timeout: floa
         for r in range(world):
             f = Path(d) / f"rank{r}.pkl"
             if not f.exists():
-                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})")
+                fault = Path(d) / f"rank{r}.fault"
+                stack = fault.read_text(errors="replace").strip() if fault.exists() else ""
+                errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})"
+                              + (f"\n{stack}" if stack else ""))
                 results.append(None)
                 continue
             status, val = pickle.loads(f.read_bytes())
