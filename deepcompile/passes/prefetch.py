@@ -19,6 +19,7 @@ or disappears into a fused one), so both exist in the graphs before and after it
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 
 import torch
@@ -166,25 +167,35 @@ def _hoist(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> int:
     lat = ({n.name: n.latency_ms * 1e3 for n in gp.nodes}
            if (gp is not None and comm is not None and ctx.params.cover > 0) else None)
     moved = 0
-    # the graph's order, taken once (not once per gather: quadratic in the graph's size). The
-    # loop moves only issue nodes (dc ops, which ``covered`` skips); the waits and every other
-    # node keep their relative order, so each slice below holds the same non-dc nodes as the
-    # graph of the moment, in the same order (the same sum).
-    order = list(g.nodes) if lat is not None else []
-    pos = {n: k for k, n in enumerate(order)}
+    # Everything below is linear in the graph (the planner runs this pass on every candidate's
+    # copy of the graph; with a budget that holds the whole model every gather goes to the top,
+    # and walking the graph per gather was 3.7 of a 32-layer planner's 16 s): the bytes ahead
+    # and the compute covered are differences of prefix sums, and "which comes first" reads
+    # positions kept up to date as issues move (_Positions).
+    ahead_cum = [0]
+    for x in gathers:
+        ahead_cum.append(ahead_cum[-1] + int(x.bytes))
+    at = _Positions(g)
+    if lat is not None:
+        # the loop moves only issue nodes (dc ops, which the sum skips); every other node keeps
+        # its place, so a prefix sum over the order of now stays right for the whole loop
+        # (before[n]: compute strictly before n; upto[n]: through n)
+        before, upto, acc = {}, {}, 0.0
+        for n in g.nodes:
+            before[n] = acc
+            if n.op == "call_function" and not str(n.target).startswith("dc."):
+                acc += lat.get(n.name, 0.0)
+            upto[n] = acc
+    top = next(n for n in g.nodes if n.op != "placeholder").prev  # the last placeholder (or the root)
     for i, x in enumerate(gathers):
-        ahead, j_min = x.bytes, i
-        while j_min > 0 and ahead + gathers[j_min - 1].bytes <= budget:
-            j_min -= 1
-            ahead += gathers[j_min].bytes
+        # the earliest j whose gathers j..i fit in the budget together (i itself always counts)
+        j_min = min(bisect.bisect_left(ahead_cum, ahead_cum[i + 1] - budget, 0, i + 1), i)
         j = j_min
         if lat is not None:
             need = comm.allgather_us(x.bytes) * ctx.params.cover
-            end = pos[x.waits[0]]
+            end = before[x.waits[0]]
             for cand in range(i, j_min - 1, -1):
-                start = pos[gathers[cand - 1].waits[0]] + 1 if cand > 0 else 0
-                covered = sum(lat.get(n.name, 0.0) for n in order[start:end]
-                              if n.op == "call_function" and not str(n.target).startswith("dc."))
+                covered = end - (upto[gathers[cand - 1].waits[0]] if cand > 0 else 0.0)
                 if covered >= need:
                     j = cand
                     break
@@ -194,26 +205,49 @@ def _hoist(g: fx.Graph, gathers: list[_Gather], ctx: PassContext) -> int:
             continue
         if any(inp.op != "placeholder" for inp in x.issue.all_input_nodes):
             continue  # a shard computed inside the graph: keep it where its input exists
-        if j > 0:
-            anchor = gathers[j - 1].waits[0]
-        else:  # the last placeholder (the graph's root node when there is none)
-            anchor = next(n for n in g.nodes if n.op != "placeholder").prev
+        anchor = gathers[j - 1].waits[0] if j > 0 else top
+        if not at.before(anchor, x.issue):
+            continue  # already above its anchor (an earlier pass placed it): leave it
         # Never ahead of the previous collective: collectives run in issue order on one stream
         # (NCCL) or thread (gloo), so one needed later but issued first delays the one needed
         # sooner. Issues stay in need order (by induction), so the previous one is the last.
         prev_issue = gathers[i - 1].issue if i > 0 else None
-        n = anchor.next
-        while n is not x.issue and n.op != "root":
-            if n is prev_issue:
-                anchor = n
-            n = n.next
-        if n is not x.issue:
-            continue  # already above its anchor (an earlier pass placed it): leave it
+        if prev_issue is not None and at.before(anchor, prev_issue) and at.before(prev_issue, x.issue):
+            anchor = prev_issue
         if anchor.next is x.issue:
             continue
-        anchor.append(x.issue)
+        at.move_after(x.issue, anchor)
         moved += 1
     return moved
+
+
+class _Positions:
+    """Every node's place in the graph as a number, kept right while nodes move: a moved node
+    takes a number between its new neighbours' (big integers, spaced 2**64 apart at first; when
+    a gap is used up, all are numbered again)."""
+
+    GAP = 1 << 64
+
+    def __init__(self, g: fx.Graph):
+        self.g = g
+        self._number()
+
+    def _number(self) -> None:
+        self.pos = {n: (k + 1) * self.GAP for k, n in enumerate(self.g.nodes)}
+
+    def before(self, a: fx.Node, b: fx.Node) -> bool:
+        """a comes before b (the graph's root, ``a.op == "root"``, before everything)."""
+        return (0 if a.op == "root" else self.pos[a]) < self.pos[b]
+
+    def move_after(self, node: fx.Node, anchor: fx.Node) -> None:
+        anchor.append(node)
+        lo = 0 if anchor.op == "root" else self.pos[anchor]
+        nxt = node.next
+        hi = self.pos[nxt] if nxt.op != "root" else lo + 2 * self.GAP
+        if hi - lo < 2:
+            self._number()
+        else:
+            self.pos[node] = (lo + hi) // 2
 
 
 def _is_issue(n: fx.Node) -> bool:
