@@ -225,7 +225,9 @@ def test_real_953m_profile_memory_model_and_fsdp_limit_offloads():
     is the cheapest predicted within the limit, and under FSDP2-compiled's measured peak
     (9.07 GiB) only offloading fits."""
     plan, facts, _, seen = _plan_953m(gb_per_s=40.0)
-    assert len(seen) == plan.considered and plan.chosen.kept > 0
+    # (the coarse-to-fine search may leave plans that cannot win unpriced: planner.price)
+    assert 0 < len(seen) <= plan.considered and plan.chosen.kept > 0
+    assert plan.chosen.step_ms == min(ms for _, ms in seen)
     assert abs(facts.fb_peak / GIB - 9.374) < 0.01
     assert plan.chosen.memory.peak == facts.fb_peak + plan.chosen.kept + plan.chosen.prefetch
     tight, facts, _, _ = _plan_953m(limit_gib=9.07, gb_per_s=40.0)
@@ -237,13 +239,14 @@ def test_real_953m_profile_slow_links_keeps_everything_as_measured_fastest():
     that measured fastest on the GPUs (1.35-1.38x FSDP2; session 6: 98.0 ms against 115.9 ms for
     keep 448 MiB + prefetch 512 MiB in session 7).
 
-    It does since the kept parameters are gathered in need-order groups (selective_unshard
-    group_mb, default 128), each waited before its first use, so the forward's compute runs under
-    the gathers of the groups it does not need yet. On this record at 40 GB/s keep-everything is
-    predicted 121.6 ms (122.7 with 64 MiB groups, 129.9 with one collective waited at the top),
-    ahead of keep 0 + prefetch 512 MiB (123.3) and keep 448 MiB + prefetch 512 MiB (124.9). With
-    group_mb 0 (the old schedule) keep-everything is predicted ~8 ms slower and loses (checked
-    below)."""
+    The kept parameters are gathered in need-order groups (selective_unshard group_mb, default
+    128), each waited before its first use, so the forward's compute runs under the gathers of
+    the groups it does not need yet. On this record at 40 GB/s keep-everything is predicted
+    121.6 ms (130.9 with one collective waited at the top), ahead of keep 909 MiB + prefetch 2048
+    MiB (142.4), keep 454.5 MiB + prefetch 2048 MiB (154.5) and keep 0 + prefetch 2048 MiB
+    (164.8): the backward's gathers queue with its reduce-scatters on one stream
+    (estimate.estimate). Before that was modelled the plans were priced within 2.5% of each other
+    (121.6, 123.3, 124.9) where the GPUs measured 18% apart."""
     plan, facts, _, seen = _plan_953m(gb_per_s=40.0)
     assert plan.chosen.kept == facts.gathered_total
     assert plan.chosen.params()["prefetch"]["budget_mb"] == 0.0
@@ -265,7 +268,8 @@ def test_real_953m_profile_slow_links_keeps_everything_as_measured_fastest():
     from deepcompile.passes.selective_unshard import SelectiveUnshardParams
 
     single, grouped = keep_all(0.0), keep_all(SelectiveUnshardParams().group_mb)
-    assert abs(grouped - best[True]) < 0.05 and single > best[False] > grouped, (single, grouped, best)
+    assert abs(grouped - best[True]) < 0.05 and single > grouped, (single, grouped, best)
+    assert best[False] > 1.1 * best[True], best  # the backward's gathers wait behind its reduces
 
 
 def test_offload_optimizer_counts_what_the_plan_keeps_and_prefetches():
