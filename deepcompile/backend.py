@@ -91,6 +91,25 @@ def _signature(gm: fx.GraphModule) -> tuple:
     return n_in, tuple(o is None for o in out)
 
 
+def codegen_workers(config) -> int:
+    """How many codegen worker processes the trace-once re-compile gets: config
+    ``compile_workers`` (-1: 2 where Inductor compiles for CUDA, else 0), 0 where the final compiler is
+    not Inductor or no re-compile is scheduled. ``DEEPCOMPILE_COMPILE_WORKERS`` overrides."""
+    import os
+
+    if getattr(config, "compiler", None) != "inductor":
+        return 0
+    if not any(e.step > 0 for e in getattr(config, "schedule", []) or []):
+        return 0
+    env = os.environ.get("DEEPCOMPILE_COMPILE_WORKERS")
+    n = int(env) if env not in (None, "") else int(getattr(config, "compile_workers", -1))
+    if n < 0:
+        import torch
+
+        n = 2 if torch.cuda.is_available() else 0
+    return n
+
+
 class Backend:
     def __init__(self, config, param_meta: dict, world_size: int, rank: int,
                  observers: list[Callable[[GraphVersion], None]] | None = None):
@@ -132,6 +151,18 @@ class Backend:
 
             if torch.cuda.is_available():
                 compat.warm_inductor_pool()
+        # worker processes for Inductor's codegen at the trace-once re-compile, started now so
+        # that they are up by then (compat.CompileWorkers); closed once that compile is done
+        self.workers = None
+        self.workers_log: list[dict] = []
+        n = codegen_workers(config)
+        if n and self.trace_once:
+            try:
+                self.workers = compat.CompileWorkers(n)
+            except Exception as e:  # noqa: BLE001 - no workers: compile in this process, as before
+                import warnings
+                warnings.warn(f"deepcompile: Inductor's codegen workers did not start ({type(e).__name__}: {e}); "
+                              "the final graphs compile one by one in this process")
 
     def add_phase(self, phase: str, seconds: float, step: int | None = None) -> None:
         """Accumulate ``seconds`` of compile work in ``phase`` for ``step`` (default: the step the
@@ -215,7 +246,7 @@ class Backend:
             self.graph_pools.append(self.graph_pool)
         return self.graph_pool
 
-    def _inductor(self, gm: fx.GraphModule, inputs, kw: dict, label: str = "graph"):
+    def _inductor(self, gm: fx.GraphModule, inputs, kw: dict, label: str = "graph", timed: bool = True):
         t0 = time.perf_counter()
         try:
             pool = self._graph_pool(kw)
@@ -223,7 +254,8 @@ class Backend:
                 kw = {**kw, "dc_graph_pool": pool, "dc_graph_label": label}
             return compat.inductor_inner(gm, inputs, **kw)
         finally:
-            self.add_phase("inductor", time.perf_counter() - t0)
+            if timed:
+                self.add_phase("inductor", time.perf_counter() - t0)
 
     def _aot_cache_salt(self) -> str | None:
         """What makes AOTAutograd's cache safe for this compile, or None (keep it off).
@@ -328,6 +360,8 @@ class Backend:
         self._observe(GraphVersion(graph_id, "dynamo", "input", dynamo_nodes, notes, step=self.step))
         if self.plan_cache is not None and self.step == 0:
             self.plan_cache.on_graph(self, graph_id, gm, example_inputs)  # a hit sets the stored passes and profile
+            if self.plan_cache.hit:
+                self.close_workers()  # the stored plan compiles now, through AOTAutograd: no re-compile
         compiler = self.config.compiler_at(self.step)
         if self.plan_cache is not None and self.plan_cache.hit:
             compiler = self.config.compiler  # the stored plan, compiled at step 0 with the final compiler
@@ -411,17 +445,15 @@ class Backend:
         fw_strides: dict[int, tuple] = {}  # graph_id -> (forward graph before passes, its output strides)
         restrided = 0
         try:
+            parallel = self._workers_for(compiler)
+            ready: list[tuple[_Kept, fx.GraphModule, list]] = []
             for k in sorted(self.kept, key=lambda k: (k.graph_id, k.kind == "backward")):
                 tg = k.traced
                 t0 = time.perf_counter()
                 g = compat.fresh_copy(tg)
                 inputs = tg.example_inputs
-                if k.kind == "backward" and k.graph_id in fw_strides:
-                    fw_pre, strides = fw_strides[k.graph_id]
-                    inputs, n, unmatched = compat.restride_saved(fw_pre, strides, g, inputs)
-                    if unmatched:
-                        raise _Mismatch(f"graph {k.graph_id} backward: placeholders {unmatched[:5]} name no "
-                                        "forward output, so the forward's real strides cannot be carried over")
+                if not parallel and k.kind == "backward" and k.graph_id in fw_strides:
+                    inputs, n = self._restride(k, fw_strides, g, inputs)
                     restrided += n
                 self.add_phase("reuse", time.perf_counter() - t0)
                 if k.kind in ("forward", "inference"):  # the record keeps one Dynamo graph per compile
@@ -436,9 +468,12 @@ class Backend:
                                         f"{[i for i, z in enumerate(sig[1]) if z]}), the traced runtime expects "
                                         f"{k.signature[0]} / {len(k.signature[1])} (None at "
                                         f"{[i for i, z in enumerate(k.signature[1]) if z]})")
+                    if compiler == "inductor" and not tg.kw:
+                        raise _Mismatch("the warm-up graphs were not traced for Inductor")
+                    if parallel:
+                        ready.append((k, g, inputs))
+                        continue
                     if compiler == "inductor":
-                        if not tg.kw:
-                            raise _Mismatch("the warm-up graphs were not traced for Inductor")
                         if k.kind == "forward":
                             with compat.report_output_strides() as strides:
                                 fn = self._inductor(g, inputs, tg.kw, f"g{k.graph_id}.{k.kind}")
@@ -450,8 +485,15 @@ class Backend:
                     else:
                         fn = compat.boxed_graph(g)
                 new.append((k, fn))
+            if parallel:
+                new, restrided = self._compile_at_once(ready)
         except Exception as e:  # noqa: BLE001 - anything unexpected: re-trace, never run half-swapped
-            why = str(e) if isinstance(e, _Mismatch) else f"unexpected {type(e).__name__}: {e}"
+            if isinstance(e, _Mismatch):
+                why = str(e)
+            else:
+                import traceback
+                at = traceback.extract_tb(e.__traceback__)[-1]
+                why = f"unexpected {type(e).__name__}: {e} (at {at.filename}:{at.lineno})"
             del self.versions[versions_before:]
             self.passes, self.step, self.profiling = old[:3]
             self.compiled.clear()
@@ -459,6 +501,7 @@ class Backend:
             _release(self.graph_pool)  # graphs of the discarded compile
             self.graph_pool = old_pool  # the running graphs' pool stays theirs
             self.trace_once_log.append({"step": step, "reused": False, "why": why})
+            self.close_workers()
             return why
         finally:
             self.observers = observers
@@ -470,8 +513,79 @@ class Backend:
         _release(old_pool)  # the graphs it served are not called any more
         self.trace_once_log.append({
             "step": step, "reused": True, "graphs": len(new), "restrided_inputs": restrided,
-            "seconds": round(time.perf_counter() - t_start, 3)})
+            "seconds": round(time.perf_counter() - t_start, 3),
+            **({"codegen_workers": self.workers_log[-1]} if parallel else {})})
+        self.close_workers()
         return None
+
+    def close_workers(self) -> None:
+        if self.workers is not None:
+            self.workers.close()
+            self.workers = None
+
+    def _restride(self, k: _Kept, fw_strides: dict, g: fx.GraphModule, inputs: list) -> tuple[list, int]:
+        fw_pre, strides = fw_strides[k.graph_id]
+        inputs, n, unmatched = compat.restride_saved(fw_pre, strides, g, inputs)
+        if unmatched:
+            raise _Mismatch(f"graph {k.graph_id} backward: placeholders {unmatched[:5]} name no "
+                            "forward output, so the forward's real strides cannot be carried over")
+        return inputs, n
+
+    def _workers_for(self, compiler: str):
+        """The codegen workers, where this compile can use them: Inductor, and nothing that wraps
+        its output in a callable of ours (CUDA graphs, blocks)."""
+        from deepcompile import blocks
+
+        if (self.workers is None or compiler != "inductor" or getattr(self.config, "cuda_graphs", False)
+                or blocks.enabled()):
+            return None
+        return self.workers
+
+    def _compile_at_once(self, ready: list) -> tuple[list, int]:
+        """Compile the trace-once graphs (after our passes) with Inductor: first all at once in the
+        worker processes (compat.CompileWorkers), which store them in Inductor's FX graph cache,
+        then here one by one as before, each a cache hit. A forward keeps its outputs' traced
+        strides (compat.force_output_strides), so its backward can be compiled beside it for the
+        strides it was traced with; should a compiled forward still report another stride for a
+        saved activation, the backward's inputs take it as before, and its key then misses."""
+        t0 = time.perf_counter()
+        hits0 = compat.fx_graph_cache_hits()
+        jobs, failed = [], []
+        for k, g, inputs in ready:
+            if k.kind == "forward":
+                compat.force_output_strides(g)
+            with compat.trace_once_context(k.traced):
+                data = compat.pickle_for_worker(g, inputs, k.traced.kw)
+            jobs.append(self.workers.submit(data) if data is not None else None)
+        t_sent = time.perf_counter()
+        for f in jobs:
+            if f is None:
+                continue
+            try:  # bounded: a stuck worker costs its graph the time saved, never the job
+                f.result(timeout=max(60.0, float(getattr(self.config, "collective_timeout_s", 600.0))))
+            except Exception as e:  # noqa: BLE001 - this process compiles that graph itself below
+                failed.append(f"{type(e).__name__}: {str(e)[:200]}")
+        t_workers = time.perf_counter()
+        out, fw_strides, restrided = [], {}, 0
+        for k, g, inputs in ready:
+            with compat.trace_once_context(k.traced):
+                if k.kind == "backward" and k.graph_id in fw_strides:
+                    inputs, n = self._restride(k, fw_strides, g, inputs)
+                    restrided += n
+                if k.kind == "forward":
+                    with compat.report_output_strides() as strides:
+                        fn = self._inductor(g, inputs, k.traced.kw, f"g{k.graph_id}.{k.kind}", timed=False)
+                    fw_strides[k.graph_id] = (k.traced.gm, list(strides or []))
+                else:
+                    fn = self._inductor(g, inputs, k.traced.kw, f"g{k.graph_id}.{k.kind}", timed=False)
+            out.append((k, fn))
+        self.add_phase("inductor", time.perf_counter() - t0)
+        self.workers_log.append({
+            "workers": self.workers.n, "graphs": len(ready), "sent": sum(j is not None for j in jobs),
+            "cache_hits": compat.fx_graph_cache_hits() - hits0, "failed": failed + compat.PICKLE_FAILURES[:3],
+            "pickle_s": round(t_sent - t0, 3), "workers_s": round(t_workers - t_sent, 3),
+            "here_s": round(time.perf_counter() - t_workers, 3)})
+        return out, restrided
 
     def _cannot_retarget(self, dynamic_changed: bool = False) -> str | None:
         if not self.trace_once:

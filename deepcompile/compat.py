@@ -743,27 +743,35 @@ def fresh_copy(tg: TracedGraph) -> fx.GraphModule:
         return copy_graph(tg.gm)
 
 
-def trace_once_context(tg: TracedGraph):
+def trace_once_context(tg: TracedGraph, shared: bool = True, local: bool = True):
     """The state the warm-up compiler ran in, re-entered for the final compile of ``tg``: its
     tracing context (fw_metadata, output strides), its fake mode as Inductor's ``V.fake_mode``,
     the python dispatcher, no_grad and no autocast as compile_fx / AOTAutograd compile under (2.11, 2.13),
-    effect tokens unlifted as compile_fx asks, and our Inductor config patches."""
+    effect tokens unlifted as compile_fx asks, and our Inductor config patches.
+
+    ``shared``: the process-wide part (the config patches), ``local``: the part that lives in the
+    calling thread (everything else: thread-local in both versions). Graphs compiled at once in
+    threads enter the shared part once around them all: a config patch saves and restores the
+    values it found, so two overlapping ones from two threads could restore each other's."""
     import contextlib
 
     from torch._dispatch.python import enable_python_dispatcher
 
     stack = contextlib.ExitStack()
-    if tg.tracing_context is not None:
+    if local and tg.tracing_context is not None:
         stack.enter_context(torch._guards.tracing(tg.tracing_context))
     if tg.kw:
         from torch._inductor import config as iconfig
         from torch._inductor.virtualized import V
 
-        if tg.fake_mode is not None:
+        if local and tg.fake_mode is not None:
             stack.enter_context(V.set_fake_mode(tg.fake_mode))
-        stack.enter_context(iconfig.patch(_inductor_patches()))
-        if hasattr(torch._functorch.config, "unlift_effect_tokens"):
-            stack.enter_context(torch._functorch.config.patch(unlift_effect_tokens=True))
+        if shared:
+            stack.enter_context(iconfig.patch(_inductor_patches()))
+            if hasattr(torch._functorch.config, "unlift_effect_tokens"):
+                stack.enter_context(torch._functorch.config.patch(unlift_effect_tokens=True))
+    if not local:
+        return stack
     stack.enter_context(enable_python_dispatcher())
     stack.enter_context(torch.no_grad())
     # AOTAutograd compiles its graphs with autocast off (a training loop under autocast re-compiles
@@ -1106,3 +1114,161 @@ def _quiet(fn, nothing):
         return nothing
     wrapper._dc_quiet = True
     return wrapper
+
+
+# --- Inductor's compile in worker processes (issue 18) ---
+# Inductor lowers, schedules and generates code for a graph in Python, on the main thread: at 32
+# layers on the H200 host that was 22 of the final compile's 28 s (GraphLowering.run 7.6,
+# Scheduler 6.8, codegen 8.0: Dynamo's compile metrics under py-spy), the forward and then the
+# backward, one after the other. Here worker processes compile the forward and the backward at
+# the same time, each a whole ``compile_fx_inner`` that stores its result in Inductor's FX graph
+# cache (and its kernels in Triton's), on the cache directories of this process; then this process
+# compiles the same graphs one by one as before and finds each in the cache. The workers only
+# warm the cache: a worker that fails, or a cache key that differs here, costs the time saved and
+# nothing else (this process compiles that graph itself).
+#
+# What goes to a worker is what Inductor's own out-of-process compile sends
+# (``compile_fx_ext._WireProtocolInput``: the graph, its fake inputs, the tracing context, the
+# Inductor config, pickled by GraphPickler). Inductor's ``subprocess`` mode itself cannot compile
+# our graphs: its worker never imports deepcompile (the dc ops, their fake impls, which read the
+# parameter table, and our lowerings), GraphPickler refuses ops outside aten/fbgemm, and two
+# compiles at once in one process trip its class-level state (TritonBundler asserts). Checked in
+# torch 2.13 (here) and 2.11 (the GPU machines): the same classes and fields in both.
+
+def _worker_setup(params=None, reduce_layout=None) -> int:
+    """In a compile worker: the dc ops, fake impls and lowerings (as in the parent), the parent's
+    parameter table (the fake impls read it), and Inductor imported."""
+    import os
+
+    from deepcompile.runtime import ops
+
+    ops.ensure_registered()
+    if params is not None:
+        ops.PARAMS.clear()
+        ops.PARAMS.update(params)
+        ops.REDUCE_LAYOUT = reduce_layout
+    import torch._inductor.compile_fx  # noqa: F401 - most of a cold worker's first job
+
+    return os.getpid()
+
+
+def _worker_compile(data: bytes, env: dict, params: dict, reduce_layout) -> str:
+    """One ``compile_fx_inner`` in a worker, in the state ``_SerializedFxCompile._run_in_child``
+    sets up (Inductor's config, virtualized state, forced fallbacks, the tracing context, the fake
+    mode), for its side effect: the FX graph cache entry. Returns the worker's pid."""
+    import contextlib
+    import os
+    import unittest.mock
+
+    from torch._inductor.compile_fx import compile_fx_inner
+    from torch._inductor.compile_fx_ext import _current_fake_mode, _WireProtocolPickledInput
+    from torch._inductor.debug import DebugContext
+    from torch._inductor.utils import clear_caches
+
+    _worker_setup(params, reduce_layout)
+    clear_caches()
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(unittest.mock.patch.dict("os.environ", env))
+        # a tracing context of the worker's own, around its fake mode: the graph's fake inputs
+        # are made in it (deserialize), and the FX graph cache reads its ShapeEnv (no context:
+        # "No shape env", the cache bypassed)
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv()))))
+        wire = _WireProtocolPickledInput(data).deserialize()
+        stack.enter_context(wire.virtualized.patch())
+        stack.enter_context(wire.lowering.patch())
+        stack.enter_context(torch._inductor.config.patch(wire.config))
+        # the config that cannot be pickled (our joint pass: its uuid is in the cache key), as the
+        # parent's final compile sets it (trace_once_context)
+        stack.enter_context(torch._inductor.config.patch(_inductor_patches()))
+        stack.enter_context(DebugContext())
+        stack.enter_context(wire.fake_tensor_mode.patch(_current_fake_mode()))
+        stack.enter_context(torch.no_grad())
+        compile_fx_inner(wire.gm, wire.example_inputs, **wire.graph_kwargs)
+    return os.getpid()
+
+
+def _worker_ops(name: str) -> bool:
+    """Ops a compile worker can unpickle: torch's own namespaces and ours (GraphPickler's default
+    filter allows aten and fbgemm only); a graph with any other op compiles here alone."""
+    return name.startswith(("torch.ops.aten.", "torch.ops.prims.", "torch.ops.fbgemm.", "torch.ops.dc."))
+
+
+def _worker_meta(key: str) -> bool:
+    """Node metadata a worker gets: GraphPickler's default drops the module and source stacks
+    (they name the user's classes); the backward's copy of the forward's stack goes too."""
+    return key not in ("source_fn_stack", "nn_module_stack", "fwd_source_fn_stack", "fwd_nn_module_stack")
+
+
+def pickle_for_worker(gm: fx.GraphModule, example_inputs, kw: dict) -> bytes | None:
+    """``gm`` and what compiling it needs, as a worker job (None: it cannot be pickled)."""
+    from torch._inductor import config as iconfig
+    from torch._inductor.compile_fx_ext import (
+        _current_fake_mode, _FakeTensorModeSerializer, _LoggerState, _LoweringSerializer,
+        _VirtualizedSerializer, _WireProtocolInput)
+    from torch.fx._graph_pickler import GraphPickler, Options
+
+    graph_kwargs = {k: v for k, v in kw.items() if not k.startswith("dc_")}
+    try:
+        # no tracing context: GraphPickler would take its module context and parameters (the
+        # user's model) along; a worker's compile reads neither (its output strides and the
+        # forward's metadata are read where the graph is compiled again, here)
+        wire = _WireProtocolInput(gm, list(example_inputs), [], graph_kwargs, None,
+                                  iconfig.save_config_portable(), _VirtualizedSerializer.serialize(), None,
+                                  _LoggerState(), _LoweringSerializer(), _FakeTensorModeSerializer(_current_fake_mode()))
+        return GraphPickler.dumps(wire, Options(ops_filter=_worker_ops, node_metadata_key_filter=_worker_meta))
+    except Exception as e:  # noqa: BLE001 - anything GraphPickler cannot take (BypassFxGraphCache, PicklingError, ...)
+        PICKLE_FAILURES.append(f"{type(e).__name__}: {str(e)[:300]}")
+        return None
+
+
+PICKLE_FAILURES: list[str] = []  # why graphs could not go to a worker (the backend's log shows them)
+
+
+class CompileWorkers:
+    """``n`` worker processes for Inductor compiles, started now (a cold one imports torch,
+    Inductor and deepcompile: seconds) so that they are up by the final compile. Inductor's
+    SubprocPool starts them as a fresh ``python`` (spawn: not a fork of a process holding CUDA
+    and process groups) and ends them with this process."""
+
+    def __init__(self, n: int):
+        from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
+
+        self.n = n
+        self.pool = SubprocPool(n, kind=SubprocKind.SPAWN)
+        self.ready = [self.pool.submit(_worker_setup) for _ in range(n)]
+
+    def submit(self, data: bytes):
+        """A future of one worker compile (its pid, or the worker's error)."""
+        import os
+
+        from deepcompile.runtime import ops
+
+        env = {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if k in os.environ}
+        return self.pool.submit(_worker_compile, data, env, dict(ops.PARAMS), ops.REDUCE_LAYOUT)
+
+    def close(self) -> None:
+        try:
+            self.pool.shutdown()
+        except Exception:  # noqa: BLE001 - a worker already gone: nothing left to stop
+            pass
+
+
+def fx_graph_cache_hits() -> int:
+    """FX graph cache hits in this process so far (``counters["inductor"]["fxgraph_cache_hit"]``,
+    2.11 and 2.13): how many of the final graphs a worker had compiled."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["inductor"]["fxgraph_cache_hit"])
+
+
+def force_output_strides(gm: fx.GraphModule) -> None:
+    """Every tensor output of ``gm`` keeps its traced stride (Inductor's user-visible outputs, as
+    for freezing: ``user_visible_output_idxs`` on the output node, 2.11 and 2.13). A forward whose
+    saved activations keep their traced strides can be compiled beside its backward, which was
+    traced for those strides (instead of after it, with the strides the compiled forward chose)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    args = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
+    out.meta["user_visible_output_idxs"] = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]

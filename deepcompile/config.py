@@ -144,6 +144,11 @@ class Config:
                                       "AOTAutograd's cache when an earlier run stored them: no joint trace, partition "
                                       "or passes (a warm re-run's largest cost); its graph versions come from the run "
                                       "that stored the entry; false: trace and run the passes every run")
+    compile_workers: int = spec(-1, min=-1, max=64,
+                                help="worker processes that run Inductor's codegen for the final compile, the forward "
+                                     "and backward graphs at once (each graph's lowering, scheduling and code "
+                                     "generation is Python on one core); -1: 2 on CUDA, 0 on the CPU; 0: in this "
+                                     "process, one graph after the other")
     plan_cache: Any = spec(True, help="reuse the profile and plan of an earlier run of the same job (same graphs, config, "
                                       "world size, device, versions): compile the planned passes at step 0, no "
                                       "profiling step; true: under Inductor's cache dir (deepcompile_plans/), a path: "
