@@ -1149,6 +1149,18 @@ def _worker_setup(params=None, reduce_layout=None) -> int:
         ops.REDUCE_LAYOUT = reduce_layout
     import torch._inductor.compile_fx  # noqa: F401 - most of a cold worker's first job
 
+    if params is None and torch.cuda.is_available():
+        # the worker's own Triton compile processes, up before its first kernel: Inductor starts
+        # them at its first kernel and compiles kernels one by one until they answer (the pool's
+        # TORCH_WARM_POOL=0 keeps maybe_warm_pool from starting them early; warm_pool itself
+        # checks compile_threads and whether a pool is allowed here, 2.11 and 2.13)
+        try:
+            from torch._inductor.async_compile import AsyncCompile
+
+            AsyncCompile.warm_pool()
+            AsyncCompile.wait_pool_ready()
+        except Exception:  # noqa: BLE001 - no pool: kernels compile in the worker, as they would
+            pass
     return os.getpid()
 
 
