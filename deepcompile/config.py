@@ -147,8 +147,9 @@ class Config:
     compile_workers: int = spec(-1, min=-1, max=64,
                                 help="worker processes that run Inductor's codegen for the final compile, the forward "
                                      "and backward graphs at once (each graph's lowering, scheduling and code "
-                                     "generation is Python on one core); -1: 2 on CUDA, 0 on the CPU; 0: in this "
-                                     "process, one graph after the other")
+                                     "generation is Python on one core), which then come from Inductor's cache; "
+                                     "-1 (default) or 0: in this process, one graph after the other (the workers "
+                                     "measured no faster on one H200, see backend.codegen_workers)")
     plan_cache: Any = spec(True, help="reuse the profile and plan of an earlier run of the same job (same graphs, config, "
                                       "world size, device, versions): compile the planned passes at step 0, no "
                                       "profiling step; true: under Inductor's cache dir (deepcompile_plans/), a path: "

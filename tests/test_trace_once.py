@@ -159,7 +159,7 @@ def test_backward_inputs_take_the_forward_strides():
 
 def test_compile_workers_fill_inductors_cache():
     """Worker processes compile the final forward and backward at once (config compile_workers,
-    on CUDA by default, here forced on the CPU) and store them in Inductor's FX graph cache; the
+    off by default, here on the CPU) and store them in Inductor's FX graph cache; the
     final compile then finds both there (no lowering or codegen in the training process), and the
     numerics are those of the unsharded model. Every key must match: a worker that compiled
     under another config or for other strides would leave the cache cold and save nothing."""
