@@ -558,8 +558,10 @@ class Backend:
             if k.kind == "forward":
                 compat.force_output_strides(g)
             with compat.trace_once_context(k.traced):
-                data = compat.pickle_for_worker(g, inputs, k.traced.kw)
+                data, why = compat.pickle_for_worker(g, inputs, k.traced.kw)
             jobs.append(self.workers.submit(data) if data is not None else None)
+            if why:
+                failed.append(f"g{k.graph_id}.{k.kind} not sent: {why}")
         t_sent = time.perf_counter()
         for f in jobs:
             if f is None:
@@ -585,7 +587,7 @@ class Backend:
         self.add_phase("inductor", time.perf_counter() - t0)
         self.workers_log.append({
             "workers": self.workers.n, "graphs": len(ready), "sent": sum(j is not None for j in jobs),
-            "cache_hits": compat.fx_graph_cache_hits() - hits0, "failed": failed + compat.PICKLE_FAILURES[:3],
+            "cache_hits": compat.fx_graph_cache_hits() - hits0, "failed": failed,
             "pickle_s": round(t_sent - t0, 3), "workers_s": round(t_workers - t_sent, 3),
             "here_s": round(time.perf_counter() - t_workers, 3)})
         return out, restrided

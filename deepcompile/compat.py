@@ -1214,8 +1214,8 @@ def _worker_meta(key: str) -> bool:
     return key not in ("source_fn_stack", "nn_module_stack", "fwd_source_fn_stack", "fwd_nn_module_stack")
 
 
-def pickle_for_worker(gm: fx.GraphModule, example_inputs, kw: dict) -> bytes | None:
-    """``gm`` and what compiling it needs, as a worker job (None: it cannot be pickled)."""
+def pickle_for_worker(gm: fx.GraphModule, example_inputs, kw: dict) -> tuple[bytes | None, str | None]:
+    """``gm`` and what compiling it needs, as a worker job, or (None, why it cannot be pickled)."""
     from torch._inductor import config as iconfig
     from torch._inductor.compile_fx_ext import (
         _current_fake_mode, _FakeTensorModeSerializer, _LoggerState, _LoweringSerializer,
@@ -1230,13 +1230,9 @@ def pickle_for_worker(gm: fx.GraphModule, example_inputs, kw: dict) -> bytes | N
         wire = _WireProtocolInput(gm, list(example_inputs), [], graph_kwargs, None,
                                   iconfig.save_config_portable(), _VirtualizedSerializer.serialize(), None,
                                   _LoggerState(), _LoweringSerializer(), _FakeTensorModeSerializer(_current_fake_mode()))
-        return GraphPickler.dumps(wire, Options(ops_filter=_worker_ops, node_metadata_key_filter=_worker_meta))
+        return GraphPickler.dumps(wire, Options(ops_filter=_worker_ops, node_metadata_key_filter=_worker_meta)), None
     except Exception as e:  # noqa: BLE001 - anything GraphPickler cannot take (BypassFxGraphCache, PicklingError, ...)
-        PICKLE_FAILURES.append(f"{type(e).__name__}: {str(e)[:300]}")
-        return None
-
-
-PICKLE_FAILURES: list[str] = []  # why graphs could not go to a worker (the backend's log shows them)
+        return None, f"{type(e).__name__}: {str(e)[:300]}"
 
 
 class CompileWorkers:
