@@ -477,12 +477,7 @@ class Backend:
                         ready.append((k, g, inputs))
                         continue
                     if compiler == "inductor":
-                        if k.kind == "forward":
-                            with compat.report_output_strides() as strides:
-                                fn = self._inductor(g, inputs, tg.kw, f"g{k.graph_id}.{k.kind}")
-                            fw_strides[k.graph_id] = (tg.gm, list(strides or []))
-                        else:
-                            fn = self._inductor(g, inputs, tg.kw, f"g{k.graph_id}.{k.kind}")
+                        fn = self._final_inductor(k, g, inputs, fw_strides)
                     elif compiler == "eager":
                         fn = compat.interpret(g)
                     else:
@@ -525,6 +520,16 @@ class Backend:
         if self.workers is not None:
             self.workers.close()
             self.workers = None
+
+    def _final_inductor(self, k: _Kept, g: fx.GraphModule, inputs: list, fw_strides: dict, timed: bool = True):
+        """Inductor for one trace-once graph; a forward's compiled output strides go into
+        ``fw_strides`` for its backward (see _restride)."""
+        if k.kind != "forward":
+            return self._inductor(g, inputs, k.traced.kw, f"g{k.graph_id}.{k.kind}", timed)
+        with compat.report_output_strides() as strides:
+            fn = self._inductor(g, inputs, k.traced.kw, f"g{k.graph_id}.{k.kind}", timed)
+        fw_strides[k.graph_id] = (k.traced.gm, list(strides or []))
+        return fn
 
     def _restride(self, k: _Kept, fw_strides: dict, g: fx.GraphModule, inputs: list) -> tuple[list, int]:
         fw_pre, strides = fw_strides[k.graph_id]
@@ -577,12 +582,7 @@ class Backend:
                 if k.kind == "backward" and k.graph_id in fw_strides:
                     inputs, n = self._restride(k, fw_strides, g, inputs)
                     restrided += n
-                if k.kind == "forward":
-                    with compat.report_output_strides() as strides:
-                        fn = self._inductor(g, inputs, k.traced.kw, f"g{k.graph_id}.{k.kind}", timed=False)
-                    fw_strides[k.graph_id] = (k.traced.gm, list(strides or []))
-                else:
-                    fn = self._inductor(g, inputs, k.traced.kw, f"g{k.graph_id}.{k.kind}", timed=False)
+                fn = self._final_inductor(k, g, inputs, fw_strides, timed=False)
             out.append((k, fn))
         self.add_phase("inductor", time.perf_counter() - t0)
         self.workers_log.append({
