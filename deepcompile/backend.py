@@ -127,6 +127,11 @@ class Backend:
         self.compiled: dict[tuple[int, str], fx.GraphModule] = {}
         self.aot_cache_hits: list[int] = []  # graphs taken from AOTAutograd's cache (_aot_cache_salt)
         self._aot_stored: str | None = None  # salt of this step's compile that stored an AOTAutograd entry
+        # graph_id -> compat.AotSeed: the planning run's warm-up compile, ready to store the re-run's
+        # AOTAutograd entry once trace once has compiled the final graphs (_seed_aot_cache)
+        self.aot_seeds: dict[int, Any] = {}
+        self._aot_seed_salt: str | None = None
+        self.aot_seed_log: dict[str, Any] = {}  # what the seeding did, for the record and benchmarks
         self.passes = config.passes
         self.step = 0
         self.profiling = False          # compile for the profiling interpreter instead
@@ -278,10 +283,64 @@ class Backend:
             return None
         if any(e.name not in _GRAPH_ONLY_PASSES for e in self.passes):
             return None
+        if pc.aot_nonce:  # the entry's own name for its plan (the planning run seeded under it)
+            return self._plan_salt(pc.key, pc.aot_nonce)
         import hashlib
 
         plan = repr([(e.name, make_params(e)) for e in self.passes])
         return f"{pc.key}-{hashlib.sha256(plan.encode()).hexdigest()[:16]}-r{self.rank}of{self.world_size}"
+
+    def _plan_salt(self, key: str, nonce: str) -> str:
+        return f"{key}-{nonce}-r{self.rank}of{self.world_size}"
+
+    def _seed_salt(self) -> str | None:
+        """The salt a re-run hitting this run's plan will give AOTAutograd's cache, where this
+        run's warm-up compile can seed that entry (compat: AOTAutograd's cache, seeded): a plan
+        cache miss that will plan (trace once, the final compiler Inductor), with nothing that
+        keeps the re-run off AOTAutograd's cache (_aot_cache_salt) known to be off already; the
+        planned passes are checked when the entry is saved."""
+        pc = self.plan_cache
+        if (pc is None or pc.hit or not pc.key or not pc.aot_nonce or self.step != 0 or not self.trace_once
+                or self.config.compiler != "inductor" or not getattr(self.config, "aot_cache", True)):
+            return None
+        from deepcompile import blocks
+
+        if getattr(self.config, "cuda_graphs", False) or blocks.enabled():
+            return None
+        return self._plan_salt(pc.key, pc.aot_nonce)
+
+    def _seed_aot_cache(self, new: list, step: int) -> dict | None:
+        """After the planned compile (trace once) of a run whose plan the plan cache stored: save
+        AOTAutograd's entry for each graph, as the re-run that hits the plan will look it up, with
+        the final Inductor graphs; and keep their graph versions for it (end_step)."""
+        pc = self.plan_cache
+        if pc is None or pc.stored is None:
+            return None  # not the planned compile (or its plan was not stored): the seeds wait
+        seeds, salt = self.aot_seeds, self._aot_seed_salt
+        self.aot_seeds, self._aot_seed_salt = {}, None
+        t0 = time.perf_counter()
+        if any(e.name not in _GRAPH_ONLY_PASSES for e in self.passes):
+            self.aot_seed_log.update({"step": step, "saved": 0, "of": len(seeds), "why": (
+                f"the plan runs {sorted({e.name for e in self.passes} - _GRAPH_ONLY_PASSES)}, which set "
+                "runtime state a cache hit would skip")})
+            return self.aot_seed_log
+        fns = {(k.graph_id, k.kind): (k, fn) for k, fn in new}
+        saved, whys = 0, []
+        for graph_id, seed in sorted(seeds.items()):
+            fw, bw = fns.get((graph_id, "forward")), fns.get((graph_id, "backward"))
+            if fw is None or bw is None:
+                whys.append(f"graph {graph_id}: no final forward and backward")
+                continue
+            w = compat.aot_seed_save(seed, fw[1], bw[1], fw[0].traced.tracing_context)
+            if w is None:
+                saved += 1
+            else:
+                whys.append(f"graph {graph_id}: {w}")
+        self.aot_seed_log.update({"step": step, "saved": saved, "of": len(seeds), "why": "; ".join(whys),
+                                  "seconds": round(time.perf_counter() - t0, 3)})
+        if saved:
+            self._aot_stored = salt  # the graph versions follow at the step's end (end_step)
+        return self.aot_seed_log
 
     def _versions_file(self, salt: str) -> str | None:
         import hashlib
@@ -417,8 +476,25 @@ class Backend:
             # partition), so that the final compile can hand the same graphs to Inductor; the
             # warm-up steps run them as Python code
             by_kind = {k: make(k) for k in ("forward", "backward", "inference")}
-            return compat.inductor_compile(gm, example_inputs,
-                                           lambda g, inputs, kind, kw: self._timed(by_kind[kind], g, inputs, kw))
+            seed_salt = self._seed_salt()
+            if seed_salt is None:
+                return compat.inductor_compile(gm, example_inputs,
+                                               lambda g, inputs, kind, kw: self._timed(by_kind[kind], g, inputs, kw))
+            # AOTAutograd's cache on, keyed as the re-run of this plan will key it: the final
+            # compile saves that entry (_seed_aot_cache)
+            hits = compat.aot_cache_hits()
+            with compat.aot_seed_recorder() as rec:
+                fn = compat.inductor_compile(gm, example_inputs,
+                                             lambda g, inputs, kind, kw: self._timed(by_kind[kind], g, inputs, kw),
+                                             aot_cache_salt=seed_salt)
+            if compat.aot_cache_hits() > hits:  # a fresh nonce cannot hit; if it did, no trace was kept
+                raise RuntimeError(f"deepcompile: AOTAutograd's cache hit under a fresh plan salt {seed_salt}")
+            if rec.seeds:
+                self.aot_seeds[graph_id] = rec.seeds[-1]
+                self._aot_seed_salt = seed_salt
+            elif rec.why:
+                self.aot_seed_log.setdefault("not_recorded", []).append(f"graph {graph_id}: {rec.why}")
+            return fn
         return compat.aot_compile(gm, example_inputs, *(
             (lambda g, inputs, one=make(k): self._timed(one, g, inputs)) for k in ("forward", "backward", "inference")))
 
@@ -509,10 +585,12 @@ class Backend:
         for k, fn in new:
             k.slot.fn = fn
         _release(old_pool)  # the graphs it served are not called any more
+        seeded = self._seed_aot_cache(new, step) if self.aot_seeds else None
         self.trace_once_log.append({
             "step": step, "reused": True, "graphs": len(new), "restrided_inputs": restrided,
             "seconds": round(time.perf_counter() - t_start, 3),
-            **({"codegen_workers": self.workers_log[-1]} if parallel else {})})
+            **({"codegen_workers": self.workers_log[-1]} if parallel else {}),
+            **({"aot_seeded": seeded} if seeded else {})})
         self.close_workers()
         return None
 

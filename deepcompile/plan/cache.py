@@ -39,6 +39,11 @@ Not cached: plans that offload optimizer state (``offload_optimizer`` sizes itse
 optimizer's state, which exists only after the first optimizer step), runs whose dims became
 dynamic before the planned compile, and anything but the default-plan shape (one profiling step,
 the planned compile as the last scheduled one).
+
+**AOTAutograd's cache** (config ``aot_cache``): a hit compiles the stored plan at step 0 with
+AOTAutograd's cache on, salted with this entry's key and ``aot_nonce`` (a fresh token per stored
+plan). The planning run seeds that entry itself from its trace-once compile
+(``backend.Backend._seed_aot_cache``), so the first re-run already skips the trace.
 """
 from __future__ import annotations
 
@@ -47,6 +52,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import tempfile
 import time
 import warnings
@@ -191,6 +197,10 @@ class PlanCache:
         self.why: str = ""               # why it missed (for the record)
         self.stored: str | None = None
         self.warnings: list[str] = []    # what this cache warned about, on this rank
+        # names this plan in AOTAutograd's cache (backend._plan_salt): made fresh by the run that
+        # plans, kept in its entry; a re-plan makes another, so an AOTAutograd entry compiled for
+        # one plan is never found under another
+        self.aot_nonce: str | None = None
 
     def _warn(self, msg: str, stacklevel: int) -> None:
         self.warnings.append(msg)
@@ -275,6 +285,7 @@ class PlanCache:
         t0 = time.perf_counter()
         model = self._model()
         self.decided = True
+        self.aot_nonce = secrets.token_hex(8)  # this run's, unless a stored plan is applied below
         entry, why, fits = None, "", ""
         try:
             self.parts = self.key_parts(digest)
@@ -356,18 +367,23 @@ class PlanCache:
                 raise ValueError("no graph list or digest")
             chunk = e.get("chunk_mb")
             chunk = None if chunk is None else float(chunk)
+            nonce = e.get("aot_nonce")
+            if nonce is not None and not (isinstance(nonce, str) and nonce.isalnum() and len(nonce) <= 64):
+                raise ValueError(f"aot_nonce {nonce!r} is not a short alphanumeric string")
         except Exception as ex:  # noqa: BLE001 - anything wrong with the file: ignore it, say so
             self._warn(f"deepcompile plan cache: ignoring {path}: {type(ex).__name__}: {ex} "
                        "(corrupt or written by another version); planning afresh", stacklevel=4)
             return None, f"unreadable stored plan ({type(ex).__name__})"
         return {"planned": planned, "profile": prof, "plan": plan, "graphs": list(e["graphs"]),
-                "digest": e["digest"], "chunk_mb": chunk, "written_utc": e.get("written_utc")}, ""
+                "digest": e["digest"], "chunk_mb": chunk, "written_utc": e.get("written_utc"),
+                "aot_nonce": nonce}, ""
 
     def _apply(self, backend, model, entry: dict, seconds: float) -> None:
         """Compile the stored plan from now on: the backend's passes and profile, the model's
         plan (its record entry says it came from this file), the optimizer's chunks."""
         self.hit = True
         self.expected = entry["graphs"]
+        self.aot_nonce = entry.get("aot_nonce")  # None: an entry from before it (the pass list names the plan)
         backend.passes = entry["planned"]
         backend.profile = entry["profile"]
         chunks = getattr(model, "dc_optim_chunks", None)
@@ -412,7 +428,7 @@ class PlanCache:
                  "written_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                  "profile": records, "profile_step": prof.step, "memory": prof.memory,
                  "plan": {k: v for k, v in plan.items() if k != "cache"}, "planned": planned_d,
-                 "chunk_mb": chunk, "digest": digest}
+                 "chunk_mb": chunk, "digest": digest, "aot_nonce": self.aot_nonce}
         try:
             from deepcompile.record.writer import atomic_write
 
