@@ -125,4 +125,5 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
         "n_params": len(ops.PARAMS),
         "graphs": [(v.graph_id, v.kind, v.after, v.nodes) for v in model.dc_graphs],
         "versions": [(v.step, v.after) for v in model.dc_graphs],
+        "aot_cache_hits": list(model.dc_backend.aot_cache_hits),
     }
