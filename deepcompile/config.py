@@ -143,7 +143,8 @@ class Config:
     aot_cache: bool = spec(True, help="with a plan-cache hit, take the partitioned and compiled graphs from "
                                       "AOTAutograd's cache when an earlier run stored them: no joint trace, partition "
                                       "or passes (a warm re-run's largest cost); its graph versions come from the run "
-                                      "that stored the entry; false: trace and run the passes every run")
+                                      "that stored the entry. The run that plans stores it for the next run (from its "
+                                      "final compile); false: neither, trace and run the passes every run")
     compile_workers: int = spec(-1, min=-1, max=64,
                                 help="worker processes that run Inductor's codegen for the final compile, the forward "
                                      "and backward graphs at once (each graph's lowering, scheduling and code "
