@@ -226,6 +226,7 @@ def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch):
     assert first["cache"]["hit"] is False and second["cache"]["hit"] and third["cache"]["hit"]
     assert first["key"] == second["key"] == third["key"]
     assert first["aot_seed"].get("saved") == 1, first["aot_seed"]
+    assert list((tmp_path / "inductor").glob("aotautograd/*/*")), "no AOTAutograd entry on disk"
     for run in (second, third):
         assert run["aot_hits"] == [0], run["aot_hits"]
         assert "passes" not in run["phases"][0], run["phases"]
@@ -243,15 +244,14 @@ def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch):
 
 def test_plan_with_runtime_state_is_not_seeded(tmp_path, monkeypatch):
     """A plan with a pass that sets runtime state while it compiles (offload_activations) must not
-    come from AOTAutograd's cache, which skips the passes: the planning run seeds nothing and the
-    re-run compiles the plan with its passes."""
+    come from AOTAutograd's cache, which skips the passes: the planning run seeds nothing (its
+    re-run then compiles the plan with its passes: _aot_cache_salt is None for such a plan)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     d = str(tmp_path / "plans")
     cfg = {"compiler": "inductor", "warmup_compiler": "aot_eager", "passes": ["zero3"], "profile_step": 1,
            "plan": True, "schedule": [{"step": 2, "passes": [
                "zero3", "prefetch", "selective_unshard", {"name": "offload_activations", "params": {"min_mb": 0}}]}]}
-    first, second = (run_ranks(_run, 1, d, cfg, timeout=300)[0] for _ in range(2))
+    first = run_ranks(_run, 1, d, cfg, timeout=300)[0]
+    assert first["cache"]["stored"], first["cache"]
     assert first["aot_seed"].get("saved") == 0 and "offload_activations" in first["aot_seed"]["why"], first["aot_seed"]
-    assert second["cache"]["hit"] and second["aot_hits"] == [], second
-    assert "passes" in second["phases"][0], second["phases"]
-    assert torch.allclose(torch.tensor(second["losses"]), torch.tensor(first["losses"]), rtol=1e-5, atol=0)
+    assert not list((tmp_path / "inductor").glob("aotautograd/*/*")), "an AOTAutograd entry was stored"
