@@ -1305,7 +1305,8 @@ def force_output_strides(gm: fx.GraphModule) -> None:
 # Checked: torch 2.13 (here: ``graph_compile._cache_autograd_info(aot_config, flat_args,
 # compiled_fw_func, compiled_bw_func, ..., fw_metadata, ..., bw_module, ...)`` returning
 # ``(try_save_cache_entry, entry)``; the closure's arguments ``(compiled_bw_func, bw_module,
-# fw_metadata, aot_config)``, as ``CompiledFunction``'s lazy backward calls it). Anything else
+# fw_metadata, aot_config)``, as ``CompiledFunction``'s lazy backward calls it) and torch 2.11 (the
+# GPU machines: run, not read; the entry saved, and the re-run hit it). Anything else
 # (another signature, a bundled cache, an eagerly compiled backward): nothing is seeded, and the
 # re-run stores the entry as before.
 
