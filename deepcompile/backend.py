@@ -130,7 +130,6 @@ class Backend:
         # graph_id -> compat.AotSeed: the planning run's warm-up compile, ready to store the re-run's
         # AOTAutograd entry once trace once has compiled the final graphs (_seed_aot_cache)
         self.aot_seeds: dict[int, Any] = {}
-        self._aot_seed_salt: str | None = None
         self.aot_seed_log: dict[str, Any] = {}  # what the seeding did, for the record and benchmarks
         self.passes = config.passes
         self.step = 0
@@ -275,13 +274,9 @@ class Backend:
         callables AOTAutograd cannot store). Issue 18: a warm re-run then skips the joint
         trace, the partition and our passes (AOTAutograd's 8 s of a 16-layer warm compile)."""
         pc = self.plan_cache
-        if pc is None or not pc.hit or pc.key is None or self.profiling or not getattr(self.config, "aot_cache", True):
+        if pc is None or not pc.hit or pc.key is None or self.profiling or not self._aot_cacheable():
             return None
-        from deepcompile import blocks
-
-        if getattr(self.config, "cuda_graphs", False) or blocks.enabled():
-            return None
-        if any(e.name not in _GRAPH_ONLY_PASSES for e in self.passes):
+        if self._stateful_passes():
             return None
         if pc.aot_nonce:  # the entry's own name for its plan (the planning run seeded under it)
             return self._plan_salt(pc.key, pc.aot_nonce)
@@ -293,6 +288,20 @@ class Backend:
     def _plan_salt(self, key: str, nonce: str) -> str:
         return f"{key}-{nonce}-r{self.rank}of{self.world_size}"
 
+    def _inductor_own(self) -> bool:
+        """Our compiled graphs are Inductor's own, not wrapped in callables of ours (CUDA graphs,
+        blocks): what AOTAutograd's cache can store and the compile workers can fill."""
+        from deepcompile import blocks
+
+        return not getattr(self.config, "cuda_graphs", False) and not blocks.enabled()
+
+    def _aot_cacheable(self) -> bool:
+        return bool(getattr(self.config, "aot_cache", True)) and self._inductor_own()
+
+    def _stateful_passes(self) -> list[str]:
+        """The passes in force that set runtime state while they compile (a cache hit skips them)."""
+        return sorted({e.name for e in self.passes} - _GRAPH_ONLY_PASSES)
+
     def _seed_salt(self) -> str | None:
         """The salt a re-run hitting this run's plan will give AOTAutograd's cache, where this
         run's warm-up compile can seed that entry (compat: AOTAutograd's cache, seeded): a plan
@@ -301,11 +310,7 @@ class Backend:
         planned passes are checked when the entry is saved."""
         pc = self.plan_cache
         if (pc is None or pc.hit or not pc.key or not pc.aot_nonce or self.step != 0 or not self.trace_once
-                or self.config.compiler != "inductor" or not getattr(self.config, "aot_cache", True)):
-            return None
-        from deepcompile import blocks
-
-        if getattr(self.config, "cuda_graphs", False) or blocks.enabled():
+                or self.config.compiler != "inductor" or not self._aot_cacheable()):
             return None
         return self._plan_salt(pc.key, pc.aot_nonce)
 
@@ -316,13 +321,11 @@ class Backend:
         pc = self.plan_cache
         if pc is None or pc.stored is None:
             return None  # not the planned compile (or its plan was not stored): the seeds wait
-        seeds, salt = self.aot_seeds, self._aot_seed_salt
-        self.aot_seeds, self._aot_seed_salt = {}, None
+        seeds, self.aot_seeds = self.aot_seeds, {}
         t0 = time.perf_counter()
-        if any(e.name not in _GRAPH_ONLY_PASSES for e in self.passes):
+        if stateful := self._stateful_passes():
             self.aot_seed_log.update({"step": step, "saved": 0, "of": len(seeds), "why": (
-                f"the plan runs {sorted({e.name for e in self.passes} - _GRAPH_ONLY_PASSES)}, which set "
-                "runtime state a cache hit would skip")})
+                f"the plan runs {stateful}, which set runtime state a cache hit would skip")})
             return self.aot_seed_log
         fns = {(k.graph_id, k.kind): (k, fn) for k, fn in new}
         saved, whys = 0, []
@@ -338,8 +341,8 @@ class Backend:
                 whys.append(f"graph {graph_id}: {w}")
         self.aot_seed_log.update({"step": step, "saved": saved, "of": len(seeds), "why": "; ".join(whys),
                                   "seconds": round(time.perf_counter() - t0, 3)})
-        if saved:
-            self._aot_stored = salt  # the graph versions follow at the step's end (end_step)
+        if saved:  # the graph versions follow at the step's end (end_step), under the re-run's salt
+            self._aot_stored = self._plan_salt(pc.key, pc.aot_nonce)
         return self.aot_seed_log
 
     def _versions_file(self, salt: str) -> str | None:
@@ -476,22 +479,21 @@ class Backend:
             # partition), so that the final compile can hand the same graphs to Inductor; the
             # warm-up steps run them as Python code
             by_kind = {k: make(k) for k in ("forward", "backward", "inference")}
+
+            def warm_up(g, inputs, kind, kw):
+                return self._timed(by_kind[kind], g, inputs, kw)
             seed_salt = self._seed_salt()
             if seed_salt is None:
-                return compat.inductor_compile(gm, example_inputs,
-                                               lambda g, inputs, kind, kw: self._timed(by_kind[kind], g, inputs, kw))
+                return compat.inductor_compile(gm, example_inputs, warm_up)
             # AOTAutograd's cache on, keyed as the re-run of this plan will key it: the final
             # compile saves that entry (_seed_aot_cache)
             hits = compat.aot_cache_hits()
             with compat.aot_seed_recorder() as rec:
-                fn = compat.inductor_compile(gm, example_inputs,
-                                             lambda g, inputs, kind, kw: self._timed(by_kind[kind], g, inputs, kw),
-                                             aot_cache_salt=seed_salt)
+                fn = compat.inductor_compile(gm, example_inputs, warm_up, aot_cache_salt=seed_salt)
             if compat.aot_cache_hits() > hits:  # a fresh nonce cannot hit; if it did, no trace was kept
                 raise RuntimeError(f"deepcompile: AOTAutograd's cache hit under a fresh plan salt {seed_salt}")
             if rec.seeds:
                 self.aot_seeds[graph_id] = rec.seeds[-1]
-                self._aot_seed_salt = seed_salt
             elif rec.why:
                 self.aot_seed_log.setdefault("not_recorded", []).append(f"graph {graph_id}: {rec.why}")
             return fn
@@ -620,10 +622,7 @@ class Backend:
     def _workers_for(self, compiler: str):
         """The codegen workers, where this compile can use them: Inductor, and nothing that wraps
         its output in a callable of ours (CUDA graphs, blocks)."""
-        from deepcompile import blocks
-
-        if (self.workers is None or compiler != "inductor" or getattr(self.config, "cuda_graphs", False)
-                or blocks.enabled()):
+        if self.workers is None or compiler != "inductor" or not self._inductor_own():
             return None
         return self.workers
 

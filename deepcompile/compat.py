@@ -743,35 +743,27 @@ def fresh_copy(tg: TracedGraph) -> fx.GraphModule:
         return copy_graph(tg.gm)
 
 
-def trace_once_context(tg: TracedGraph, shared: bool = True, local: bool = True):
+def trace_once_context(tg: TracedGraph):
     """The state the warm-up compiler ran in, re-entered for the final compile of ``tg``: its
     tracing context (fw_metadata, output strides), its fake mode as Inductor's ``V.fake_mode``,
     the python dispatcher, no_grad and no autocast as compile_fx / AOTAutograd compile under (2.11, 2.13),
-    effect tokens unlifted as compile_fx asks, and our Inductor config patches.
-
-    ``shared``: the process-wide part (the config patches), ``local``: the part that lives in the
-    calling thread (everything else: thread-local in both versions). Graphs compiled at once in
-    threads enter the shared part once around them all: a config patch saves and restores the
-    values it found, so two overlapping ones from two threads could restore each other's."""
+    effect tokens unlifted as compile_fx asks, and our Inductor config patches."""
     import contextlib
 
     from torch._dispatch.python import enable_python_dispatcher
 
     stack = contextlib.ExitStack()
-    if local and tg.tracing_context is not None:
+    if tg.tracing_context is not None:
         stack.enter_context(torch._guards.tracing(tg.tracing_context))
     if tg.kw:
         from torch._inductor import config as iconfig
         from torch._inductor.virtualized import V
 
-        if local and tg.fake_mode is not None:
+        if tg.fake_mode is not None:
             stack.enter_context(V.set_fake_mode(tg.fake_mode))
-        if shared:
-            stack.enter_context(iconfig.patch(_inductor_patches()))
-            if hasattr(torch._functorch.config, "unlift_effect_tokens"):
-                stack.enter_context(torch._functorch.config.patch(unlift_effect_tokens=True))
-    if not local:
-        return stack
+        stack.enter_context(iconfig.patch(_inductor_patches()))
+        if hasattr(torch._functorch.config, "unlift_effect_tokens"):
+            stack.enter_context(torch._functorch.config.patch(unlift_effect_tokens=True))
     stack.enter_context(enable_python_dispatcher())
     stack.enter_context(torch.no_grad())
     # AOTAutograd compiles its graphs with autocast off (a training loop under autocast re-compiles
@@ -1381,11 +1373,15 @@ def aot_seed_save(seed: AotSeed, fw, bw, tracing_context) -> str | None:
     keys = [getattr(f, "_fx_graph_cache_key", None) for f in (fw, bw)]
     if None in keys:
         return "a final graph has no FX graph cache key (Inductor's cache was bypassed for it)"
-    for attr in ("_fx_graph_cache_key", "_fx_graph_cache_debug_lines", "guards_expr"):
-        try:  # what make_entry reads off the compiled forward the closure holds
-            setattr(seed.compiled_fw, attr, getattr(fw, attr, [] if attr.endswith("lines") else None))
-        except AttributeError:
-            return f"the warm-up forward ({type(seed.compiled_fw).__name__}) takes no attributes"
+    # what make_entry reads off the compiled forward the closure holds (the warm-up's callable,
+    # which keeps running: it gets them for the save only)
+    attrs = {"_fx_graph_cache_key": keys[0], "_fx_graph_cache_debug_lines": getattr(fw, "_fx_graph_cache_debug_lines", []),
+             "guards_expr": getattr(fw, "guards_expr", None)}
+    try:
+        for attr, value in attrs.items():
+            setattr(seed.compiled_fw, attr, value)
+    except AttributeError:
+        return f"the warm-up forward ({type(seed.compiled_fw).__name__}) takes no attributes"
     saved = counters["aot_autograd"]["autograd_cache_saved"]
     try:
         with torch._guards.tracing(tracing_context):  # the guards expression reads its shape env
@@ -1393,10 +1389,8 @@ def aot_seed_save(seed: AotSeed, fw, bw, tracing_context) -> str | None:
     except Exception as e:  # noqa: BLE001 - the re-run stores the entry itself, as before
         return f"{type(e).__name__}: {str(e)[:200]}"
     finally:
-        try:
-            seed.compiled_fw._fx_graph_cache_key = None  # the callable keeps running, keyless again
-        except AttributeError:
-            pass
+        for attr in attrs:
+            seed.compiled_fw.__dict__.pop(attr, None)
     if counters["aot_autograd"]["autograd_cache_saved"] == saved:
         return "AOTAutograd did not save the entry (see torch's log for the reason)"
     return None
