@@ -446,6 +446,8 @@ def dc_prediction(model, opt, res) -> None:
     res["trace_once"] = getattr(model, "dc_trace_once", None)
     # graphs taken from AOTAutograd's cache (config aot_cache, a plan-cache hit): no trace, no passes
     res["aot_cache_hits"] = len(getattr(model.dc_backend, "aot_cache_hits", []))
+    from deepcompile import blocks  # DEEPCOMPILE_BLOCKS=1: regions per graph, compiled / reused, kernel wait
+    res["blocks"] = [{k: v for k, v in s.items() if k != "labels"} for s in blocks.STATS]
     prof = model.dc_profile
     # the final graphs are Inductor's unless the run chose another compiler: fused pointwise ops
     p = predict(model.dc_graphs, prof, fused=model.dc_config.compiler == "inductor")
@@ -930,6 +932,7 @@ def summarise(name, per_rank, args, world) -> dict:
             ph: round(max(sum(d.get(ph, 0.0) for d in per_rank) for per_rank in steps), 3) for ph in phases}
         entry["trace_once"] = r0.get("trace_once")
         entry["aot_cache_hits"] = r0.get("aot_cache_hits")
+        entry["blocks"] = r0.get("blocks")
     if args.device == "cuda":
         entry["peak_mem_gib_by_rank"] = {str(r["rank"]): r["peak_alloc_gib"] for r in ran}
         entry["peak_mem_gib"] = max(r["peak_alloc_gib"] for r in ran)

@@ -160,17 +160,45 @@ class Region:
     compiled: Callable | None = None
 
 
-def split(gm: fx.GraphModule) -> list[Region]:
-    """Cut ``gm``'s compute nodes into runs of one block label (graph order kept)."""
-    body = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
-    labels, cur = [], None
-    first = next((lab for lab in map(_label, body) if lab is not None), _OUTSIDE)
-    cur = first
+def running_labels(graph: fx.Graph) -> dict[fx.Node, Any]:
+    """The block label of every compute node as ``split`` cuts them: its own, or for a dc op
+    or an unscoped node the label of the node before it (the first such nodes: the first label)."""
+    body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    cur = next((lab for lab in map(_label, body) if lab is not None), _OUTSIDE)
+    out: dict[fx.Node, Any] = {}
     for n in body:
         lab = _label(n)
         if lab is not None:
             cur = lab
-        labels.append(cur)
+        out[n] = cur
+    return out
+
+
+def cut_at_blocks(groups: list[list[fx.Node]]) -> list[list[fx.Node]]:
+    """Split runtime-call groups (``passes/zero3.group_reduces``) where the block label of their
+    nodes changes, so that no call spans two regions. A call that spans a block boundary reads a
+    gradient from another region, and where the boundary falls differs from layer to layer, so
+    the regions would no longer be identical (each would be compiled on its own)."""
+    if not groups or not groups[0]:
+        return groups
+    labels = running_labels(groups[0][0].graph)
+    out: list[list[fx.Node]] = []
+    for grp in groups:
+        cur: list[fx.Node] = []
+        for n in grp:
+            if cur and labels.get(n) != labels.get(cur[-1]):
+                out.append(cur)
+                cur = []
+            cur.append(n)
+        if cur:
+            out.append(cur)
+    return out
+
+
+def split(gm: fx.GraphModule) -> list[Region]:
+    """Cut ``gm``'s compute nodes into runs of one block label (graph order kept)."""
+    running = running_labels(gm.graph)
+    body, labels = list(running), list(running.values())
     runs: list[Region] = []
     for n, lab in zip(body, labels):
         if runs and runs[-1].label == lab:
@@ -356,32 +384,35 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
     cache: dict[str, Callable] = {}
     n_compiled = n_reused = n_pinned = 0
     nodes_compiled = 0  # FX nodes Inductor lowered (the whole graph would lower every node once)
-    for r in regions:
-        if r.key in cache:
-            r.compiled = cache[r.key]
-            n_reused += 1
-            continue
-        missing = [a.name for a in r.inputs if a not in example and "val" not in a.meta]
-        if missing:  # a pass made a node without its fake value: a region cannot take it as an input
-            raise RuntimeError(f"deepcompile blocks: region {r.label} reads {missing} from an earlier region, and "
-                               f"they have no meta['val'] (the pass that inserts them must set it); "
-                               f"DEEPCOMPILE_BLOCKS=0 compiles the graph whole")
-        ins = [example[a] if a in example else a.meta["val"] for a in r.inputs]
-        ids = compat.blocks_symbolic_ints(fake_mode, r.consts)
-        for p, v in zip([p for p in r.gm.graph.nodes if p.op == "placeholder"][len(ins):], ids):
-            p.meta["val"] = v
-        r.gm.recompile()
-        with compat.blocks_region_compile():
-            r.compiled = compat.blocks_boxed(compile_one(
-                r.gm, ins + ids, static_input_idxs=[i for i, a in enumerate(r.inputs) if slot.get(a) in static],
-                **seg_kw))
-        n_compiled += 1
-        nodes_compiled += len(r.nodes)
-        if compat.blocks_specialized(ids):
-            # the artifact has this region's ids baked in (a guard pinned them): never share it
-            n_pinned += 1
-            continue
-        cache[r.key] = r.compiled
+    # each region's kernels compile in Inductor's pool while the next region is lowered; all
+    # are waited for before the driver is returned (compat.blocks_deferred_kernel_wait says why)
+    with compat.blocks_deferred_kernel_wait() as waits:
+        for r in regions:
+            if r.key in cache:
+                r.compiled = cache[r.key]
+                n_reused += 1
+                continue
+            missing = [a.name for a in r.inputs if a not in example and "val" not in a.meta]
+            if missing:  # a pass made a node without its fake value: a region cannot take it as an input
+                raise RuntimeError(f"deepcompile blocks: region {r.label} reads {missing} from an earlier region, "
+                                   f"and they have no meta['val'] (the pass that inserts them must set it); "
+                                   f"DEEPCOMPILE_BLOCKS=0 compiles the graph whole")
+            ins = [example[a] if a in example else a.meta["val"] for a in r.inputs]
+            ids = compat.blocks_symbolic_ints(fake_mode, r.consts)
+            for p, v in zip([p for p in r.gm.graph.nodes if p.op == "placeholder"][len(ins):], ids):
+                p.meta["val"] = v
+            r.gm.recompile()
+            with compat.blocks_region_compile():
+                r.compiled = compat.blocks_boxed(compile_one(
+                    r.gm, ins + ids,
+                    static_input_idxs=[i for i, a in enumerate(r.inputs) if slot.get(a) in static], **seg_kw))
+            n_compiled += 1
+            nodes_compiled += len(r.nodes)
+            if compat.blocks_specialized(ids):
+                # the artifact has this region's ids baked in (a guard pinned them): never share it
+                n_pinned += 1
+                continue
+            cache[r.key] = r.compiled
     outs = out_node.args[0]
     compat.blocks_report_output_strides(
         [o.meta.get("val") if isinstance(o, fx.Node) else o for o in (outs if isinstance(outs, (list, tuple)) else [outs])])
@@ -389,5 +420,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
                   "compiled": n_compiled, "reused": n_reused, "pinned": n_pinned,
                   "nodes": sum(len(r.nodes) for r in regions), "nodes_compiled": nodes_compiled,
                   "labels": [r.label[1] if r.label is not _OUTSIDE else None for r in regions],
+                  "kernel_waits_deferred": waits.deferred, "kernel_wait_s": round(waits.wait_s, 3),
                   "seconds": time.perf_counter() - t0})
     return _runner(regions, placeholders, out_node.args[0], len(placeholders))

@@ -6,6 +6,7 @@ needed. Public extension points are used wherever torch has one: custom ops with
 """
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import torch
@@ -677,6 +678,62 @@ def blocks_symint_args(target) -> list[int]:
         if arg.startswith("SymInt ") or arg.startswith("SymInt[] "):
             out.append(i)
     return out
+
+
+class blocks_deferred_kernel_wait:
+    """Context: the regions of one graph are compiled one after the other, and each compiled
+    module waits for its own kernels on load (``async_compile.wait(globals())`` in Inductor's
+    generated code: ``AsyncCompile.wait`` -> ``_wait_futures``, which swaps each kernel future
+    in the module's globals for its result; 2.11 and 2.13). A whole graph's kernels compile in
+    the worker pool while its long codegen runs, so that wait is short (1.2 s at 32 layers on
+    the H200 host); a region's codegen is short, so each region waited for its slowest kernel in
+    turn (8.1 s of the 17.9 s Inductor phase, session 12). Here the wait of every module loaded
+    inside the context is recorded instead, and all of them are done on exit, before any region
+    runs: the pool compiles one region's kernels while the next region is lowered.
+
+    Nothing reads a module's kernels between its load and the wait (the generated ``call``
+    looks them up in its globals when it runs). Only with a worker pool (``compile_threads``
+    > 1): in process, ``wait`` has nothing to wait for. On an error the recorded waits are
+    dropped with the regions they belong to. ``deferred`` counts the modules waited for."""
+
+    def __enter__(self):
+        self.scopes: list = []
+        self.deferred = 0
+        self.wait_s = 0.0
+        self._cls = None
+        try:
+            from torch._inductor import async_compile as ac
+        except ImportError:  # pragma: no cover - another layout: every module waits on load
+            return self
+        cls = getattr(ac, "AsyncCompile", None)
+        orig = getattr(cls, "wait", None) if cls is not None else None
+        if orig is None or not callable(getattr(cls, "_wait_futures", None)) \
+                or not callable(getattr(ac, "get_compile_threads", None)):
+            return self  # not the wait we know: leave it alone
+        scopes = self.scopes
+
+        def wait(inst, scope):
+            if ac.get_compile_threads() > 1 and not getattr(inst, "_metal_sources", None):
+                scopes.append((inst, scope))
+                return None
+            return orig(inst, scope)
+
+        self._cls, self._orig = cls, cls.__dict__.get("wait", orig)
+        cls.wait = wait
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if self._cls is None:
+            return False
+        self._cls.wait = self._orig
+        if exc_type is None:
+            t0 = time.perf_counter()
+            for inst, scope in self.scopes:
+                self._orig(inst, scope)
+            self.wait_s = time.perf_counter() - t0
+            self.deferred = len(self.scopes)
+        self.scopes.clear()
+        return False
 
 
 def blocks_specialized(ids) -> bool:

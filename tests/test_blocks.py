@@ -28,6 +28,9 @@ def _rank(rank, world):
     from torch._inductor import compile_fx as cfx
 
     os.environ["DEEPCOMPILE_BLOCKS"] = "1"  # off by default (blocks.enabled says why)
+    import torch._inductor.config as icfg
+
+    icfg.compile_threads = 2  # kernels compile in Inductor's pool: the regions defer their wait
 
     from deepcompile import blocks
     from tests import workloads as W
@@ -58,6 +61,7 @@ def _rank(rank, world):
                           model_overrides={"n_layer": N_LAYER})
     from deepcompile.runtime import ops
 
+    st = dict(ops.C.stats())
     layer = {}
     for pid, m in ops.PARAMS.items():
         hit = re.match(r"blocks\.(\d+)\.", m.name)
@@ -65,6 +69,7 @@ def _rank(rank, world):
             layer[pid] = int(hit.group(1))
     return {"losses": out["losses"], "state": out["state"], "stats": list(blocks.STATS),
             "calls": calls, "placed": placed, "layer": layer,
+            "reduce_ops": st["reduce_ops"], "reduce_calls": st["reduce_calls"],
             "live": out["live_after_fwd"] + out["live_after_bwd"]}
 
 
@@ -79,6 +84,11 @@ def test_identical_blocks_compile_once_and_match_reference():
     # compile_fx_inner ran once per distinct region of the backward (plus whole graphs elsewhere)
     n_bw_calls = sum(r0["calls"])
     assert n_bw_calls == s["compiled"], (r0["calls"], s)
+    # every compiled region's module waited for its kernels after the last region was lowered
+    assert s["kernel_waits_deferred"] == s["compiled"], s
+    # the backward's reduce calls do not cross a block boundary, so the blocks stay identical, and
+    # they are still grouped (one call per gradient cost more host time than the regions saved)
+    assert 0 < r0["reduce_ops"] < r0["reduce_calls"] / 2, (r0["reduce_ops"], r0["reduce_calls"])
 
     ref_losses, ref_state = _reference()
     mean = torch.tensor([sum(x) / 2 for x in zip(results[0]["losses"], results[1]["losses"])])

@@ -159,14 +159,20 @@ def group_reduces(sgs: list[fx.Node], ctx: PassContext) -> list[list[fx.Node]]:
     """The ``shard_grad`` nodes (graph order) grouped into one runtime call per reduce bucket
     (``plan_reduce_calls``; issue 16: a call per gradient was the backward's largest host cost).
     One group per gradient where the grouping cannot replay the runtime: a parameter without
-    metadata, the runtime copying every gradient (``ReduceLayout.copies_each``), or block
-    regions (blocks.py: a call spanning layers would make the per-layer regions differ)."""
+    metadata, or the runtime copying every gradient (``ReduceLayout.copies_each``).
+
+    Block regions (blocks.py) need every layer's calls alike, and where a bucket flushes moves
+    from layer to layer: there a call ends at each block boundary instead of at each flush, so a
+    bucket that fills inside a block is handed over at that block's last gradient (at most one
+    block's backward later; the runtime flushes it inside the call). One call per gradient there
+    cost the step more host time than the regions saved (issue 18)."""
     from deepcompile import blocks
 
     lay = reduce_layout(ctx)
     world = max(1, int(ctx.world_size))
-    if lay.copies_each or blocks.enabled() or any(int(n.args[1]) not in ctx.param_meta for n in sgs):
+    if lay.copies_each or any(int(n.args[1]) not in ctx.param_meta for n in sgs):
         return [[n] for n in sgs]
+    by_block = blocks.enabled()
     items = []
     for n in sgs:
         m = ctx.param_meta[int(n.args[1])]
@@ -176,6 +182,9 @@ def group_reduces(sgs: list[fx.Node], ctx: PassContext) -> list[list[fx.Node]]:
                   or (lay.reduce_dtype is not None and val.dtype != lay.reduce_dtype)
                   or not _dense(val))
         items.append((m.id, m.chunk * world, copied))
+    if by_block:  # no cut at flushes (a huge bucket never flushes in the replay), one at blocks
+        groups = plan_reduce_calls(items, 1 << 62)
+        return blocks.cut_at_blocks([[sgs[i] for i in grp] for grp in groups])
     return [[sgs[i] for i in grp] for grp in plan_reduce_calls(items, int(lay.bucket_elems))]
 
 
