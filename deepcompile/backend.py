@@ -270,7 +270,8 @@ class Backend:
         Safe where the compile's passes and their parameters are fixed before it (the plan
         cache hit at step 0, whose key covers the model's graph, the config and the ranks), the
         passes only rewrite the graph (a hit skips them: no runtime state may be set while they
-        run) and our compiled graphs are Inductor's own (CUDA graphs and blocks wrap them in
+        run) and our compiled graphs are ones its cache can store: Inductor's own, or blocks'
+        driver, which is made one (compat.blocks_cached_driver; CUDA graphs wrap them in
         callables AOTAutograd cannot store). Issue 18: a warm re-run then skips the joint
         trace, the partition and our passes (AOTAutograd's 8 s of a 16-layer warm compile)."""
         pc = self.plan_cache
@@ -296,7 +297,10 @@ class Backend:
         return not getattr(self.config, "cuda_graphs", False) and not blocks.enabled()
 
     def _aot_cacheable(self) -> bool:
-        return bool(getattr(self.config, "aot_cache", True)) and self._inductor_own()
+        """AOTAutograd's cache may keep our graphs: Inductor's own, or blocks' driver, which
+        compat.blocks_cached_driver makes an entry of Inductor's FX graph cache (where it
+        cannot, the graph has no cache key and AOTAutograd stores nothing)."""
+        return bool(getattr(self.config, "aot_cache", True)) and not getattr(self.config, "cuda_graphs", False)
 
     def _stateful_passes(self) -> list[str]:
         """The passes in force that set runtime state while they compile (a cache hit skips them)."""

@@ -102,6 +102,8 @@ _BLOCK_RE = re.compile(r"^(.*?)(?:\.(\d+)|\[(\d+)\]|\['(\d+)'\])$")
 # one entry per graph compiled by regions (this process): regions, how many were compiled and
 # how many reused an identical block's artifact, seconds; for tests and the compile breakdown
 STATS: list[dict[str, Any]] = []
+# regions per cached driver loaded (this process): a re-run that took a graph from AOTAutograd's cache
+LOADED: list[int] = []
 
 
 def enabled() -> bool:
@@ -313,8 +315,23 @@ def canonicalize(r: Region) -> None:
     r.key = r.gm.code + "\n#in " + ins + "\n#dc " + ";".join(sig)
 
 
-def _runner(regions: list[Region], placeholders: list[fx.Node], out_args, n_outer: int):
-    """The boxed driver: run regions in order, free each value after its last reader."""
+@dataclass
+class Plan:
+    """What the driver does, as plain data (it is written into the cached driver's source):
+    per region step the index of its distinct artifact, the slots it reads, its ids, the slots
+    it writes and the slots freed after it; the outer inputs nobody reads; the outputs' slots
+    (None: a None output) and whether they form a list or a tuple."""
+    steps: list[tuple[int, list[int], list[int], list[int], list[int]]]
+    n_slots: int
+    unread: list[int]
+    outs: list[int | None]
+    out_list: bool
+
+
+def make_plan(regions: list[Region], artifact: list[int], placeholders: list[fx.Node], out_args,
+              n_outer: int) -> Plan:
+    """The driver's plan; ``artifact[i]`` is region i's index among the distinct artifacts, and
+    ``out_args`` the graph's outputs (a flat list or tuple of nodes and Nones)."""
     slot: dict[fx.Node, int] = {p: i for i, p in enumerate(placeholders)}
     for r in regions:
         for o in r.outputs:
@@ -323,38 +340,57 @@ def _runner(regions: list[Region], placeholders: list[fx.Node], out_args, n_oute
     for i, r in enumerate(regions):
         for a in r.inputs:
             last[slot[a]] = i
-    read_by_output: list[fx.Node] = []
-    fx.node.map_arg(out_args, read_by_output.append)
-    keep_to_end = {slot[n] for n in read_by_output}
-    plan = []
+    keep_to_end = {slot[n] for n in out_args if n is not None}
+    steps = []
     for i, r in enumerate(regions):
         ins = [slot[a] for a in r.inputs]
-        outs = [slot[o] for o in r.outputs]
-        free = [s for s in set(ins) if last.get(s) == i and s not in keep_to_end]
-        plan.append((r.compiled, ins, list(r.consts), outs, free))
+        free = sorted(s for s in set(ins) if last.get(s) == i and s not in keep_to_end)
+        steps.append((artifact[i], ins, [int(c) for c in r.consts], [slot[o] for o in r.outputs], free))
     # outer placeholders nobody reads: dropped at once
     unread = [i for i in range(n_outer) if i not in last and i not in keep_to_end]
+    return Plan(steps, len(slot), unread, [None if a is None else slot[a] for a in out_args],
+                isinstance(out_args, list))
 
-    def out_of(vals):
-        return fx.node.map_arg(out_args, lambda n: vals[slot[n]])
 
-    n_slots = len(slot)
+def run_plan(plan: Plan, fns: list[Callable]):
+    """The boxed driver: run the regions in order, free each value after its last reader (the
+    outer argument list is cleared at once, as Inductor's own compiled graphs do)."""
+    steps = [(fns[a], ins, consts, outs, free) for a, ins, consts, outs, free in plan.steps]
+    n_slots, unread, out_slots, as_list = plan.n_slots, plan.unread, plan.outs, plan.out_list
 
     def run(args):
         vals: list[Any] = list(args) + [None] * (n_slots - len(args))
         args.clear()
         for s in unread:
             vals[s] = None
-        for fn, ins, consts, outs, free in plan:
+        for fn, ins, consts, outs, free in steps:
             res = fn([vals[s] for s in ins] + consts)
             for s in free:
                 vals[s] = None
             for s, v in zip(outs, res):
                 vals[s] = v
-        return out_of(vals)
+        out = [None if s is None else vals[s] for s in out_slots]
+        return out if as_list else tuple(out)
 
     run._boxed_call = True
     return run
+
+
+def driver_source(plan: Plan, sources: list[str], checks: list[tuple[list[int], list[int]]]) -> str:
+    """The cached driver's module (Inductor's FX graph cache stores it as a compiled graph whose
+    code is this): data only; ``load_driver`` loads each distinct region's module (Inductor's own
+    code, as compiled) and builds the same driver the compiling run used."""
+    return ("# deepcompile: one graph compiled as decoder-block regions (deepcompile/blocks.py); generated\n"
+            "from deepcompile import blocks as _blocks\n"
+            f"_SOURCES = {sources!r}\n_CHECKS = {checks!r}\n"
+            f"_PLAN = _blocks.Plan({plan.steps!r}, {plan.n_slots!r}, {plan.unread!r}, {plan.outs!r}, {plan.out_list!r})\n"
+            "call = _blocks.load_driver(_PLAN, _SOURCES, _CHECKS)\n")
+
+
+def load_driver(plan: Plan, sources: list[str], checks: list[tuple[list[int], list[int]]]):
+    """Called by a cached driver's module when Inductor loads it (an AOTAutograd cache hit)."""
+    LOADED.append(len(plan.steps))
+    return run_plan(plan, [compat.blocks_region_callable(src, *chk) for src, chk in zip(sources, checks)])
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **kw):
@@ -375,13 +411,18 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     example = {p: v for p, v in zip(placeholders, example_inputs)}
     out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outs = out_node.args[0]
+    if not isinstance(outs, (list, tuple)) or not all(a is None or isinstance(a, fx.Node) for a in outs):
+        return None  # not a flat list of values (never seen from AOTAutograd): compile it whole
     seg_kw = {k: v for k, v in kw.items() if k in ("is_backward", "is_inference", "cudagraphs")}
     static = set(kw.get("static_input_idxs") or ())
     fake_mode = compat.blocks_fake_mode(example_inputs)
     if getattr(fake_mode, "shape_env", None) is None:
         return None  # no ShapeEnv for the id symbols (not a traced graph): compile it whole
     slot = {p: i for i, p in enumerate(placeholders)}
-    cache: dict[str, Callable] = {}
+    cache: dict[str, int] = {}          # key -> index into artifacts
+    artifacts: list[Callable] = []
+    artifact: list[int] = []            # per region
     n_compiled = n_reused = n_pinned = 0
     nodes_compiled = 0  # FX nodes Inductor lowered (the whole graph would lower every node once)
     # each region's kernels compile in Inductor's pool while the next region is lowered; all
@@ -389,7 +430,8 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
     with compat.blocks_deferred_kernel_wait() as waits:
         for r in regions:
             if r.key in cache:
-                r.compiled = cache[r.key]
+                r.compiled = artifacts[cache[r.key]]
+                artifact.append(cache[r.key])
                 n_reused += 1
                 continue
             missing = [a.name for a in r.inputs if a not in example and "val" not in a.meta]
@@ -408,18 +450,29 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
                     static_input_idxs=[i for i, a in enumerate(r.inputs) if slot.get(a) in static], **seg_kw))
             n_compiled += 1
             nodes_compiled += len(r.nodes)
+            artifact.append(len(artifacts))
+            artifacts.append(r.compiled)
             if compat.blocks_specialized(ids):
                 # the artifact has this region's ids baked in (a guard pinned them): never share it
                 n_pinned += 1
                 continue
-            cache[r.key] = r.compiled
-    outs = out_node.args[0]
-    compat.blocks_report_output_strides(
-        [o.meta.get("val") if isinstance(o, fx.Node) else o for o in (outs if isinstance(outs, (list, tuple)) else [outs])])
+            cache[r.key] = artifact[-1]
+    out_vals = [o.meta.get("val") if isinstance(o, fx.Node) else o for o in outs]
+    compat.blocks_report_output_strides(out_vals)
+    plan = make_plan(regions, artifact, placeholders, outs, len(placeholders))
+    fn = run_plan(plan, artifacts)
+    # the driver as a compiled graph of Inductor's FX graph cache, so that AOTAutograd's cache
+    # can keep this graph like any Inductor graph (a re-run of the plan loads it from there)
+    graph, cached = compat.blocks_cached_driver(
+        artifacts, lambda srcs, chks: driver_source(plan, srcs, chks), out_vals, example_inputs)
+    if graph is not None:
+        graph.current_callable, fn = fn, graph
     STATS.append({"kind": "backward" if kw.get("is_backward") else "forward", "regions": len(regions),
                   "compiled": n_compiled, "reused": n_reused, "pinned": n_pinned,
                   "nodes": sum(len(r.nodes) for r in regions), "nodes_compiled": nodes_compiled,
                   "labels": [r.label[1] if r.label is not _OUTSIDE else None for r in regions],
                   "kernel_waits_deferred": waits.deferred, "kernel_wait_s": round(waits.wait_s, 3),
+                  "cached": cached if isinstance(cached, str) else True,
                   "seconds": time.perf_counter() - t0})
-    return _runner(regions, placeholders, out_node.args[0], len(placeholders))
+    return fn
+

@@ -736,6 +736,103 @@ class blocks_deferred_kernel_wait:
         return False
 
 
+def _region_check(g) -> tuple[list[int], list[int]] | None:
+    """(inputs to realign, mutated inputs) of a compiled region, as ``post_compile`` computes
+    them when it wraps the region (``maybe_realign_inputs``): a graph whose code copies misaligned
+    inputs itself (``_defers_input_alignment``, 2.13) leaves only its mutated inputs to the
+    wrapper. None for what is not a CompiledFxGraph we can rebuild from its code."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    if type(g) is not CompiledFxGraph or not isinstance(getattr(g, "source_code", None), str):
+        return None
+    if getattr(g, "constants", None) or getattr(g, "allocated_constant_name", None) \
+            or getattr(g, "torchbind_constants", None):
+        return None  # its module needs attributes the code alone does not carry
+    check = [int(i) for i in (getattr(g, "inputs_to_check", None) or ())]
+    mutated = sorted(int(i) for i in (getattr(g, "mutated_input_idxs", None) or ()))
+    if getattr(g, "_defers_input_alignment", False):
+        check = [i for i in check if i in mutated]
+    return check, mutated
+
+
+def blocks_region_callable(source: str, check: list[int], mutated: list[int]):
+    """A region's boxed callable rebuilt from its code (a cached driver being loaded): the module
+    Inductor generated (``PyCodeCache.load``: its kernels load from Triton's cache as on any FX
+    graph cache hit), wrapped to realign inputs as ``post_compile`` wraps it."""
+    from torch._inductor.codecache import PyCodeCache
+    from torch._inductor.utils import align_inputs_from_check_idxs
+    from torch.utils._ordered_set import OrderedSet
+
+    fn = PyCodeCache.load(source).call
+    return align_inputs_from_check_idxs(fn, check, OrderedSet(mutated)) if check else fn
+
+
+def blocks_cached_driver(regions: list, make_source, out_vals, example_inputs):
+    """The driver of a graph compiled as regions, made a compiled graph of Inductor's FX graph
+    cache, so that AOTAutograd's cache (and its seeding by the planning run) keeps the graph as it
+    keeps any Inductor graph, and a re-run that hits it loads the driver and its regions' code
+    instead of tracing. Returns (CompiledFxGraph, None) or (None, why not).
+
+    How: a shallow copy of the first region's ``CompiledFxGraph`` (device, kwargs, boxed call:
+    the same for every region of a graph) whose ``source_code`` is the driver's module
+    (``blocks.driver_source``: the distinct regions' own code and the plan, as data), whose
+    ``cache_key`` is that module's ``PyCodeCache`` key (``after_deserialization`` writes and loads
+    it from there), with the whole graph's output strides, nothing to realign at its level (each
+    region realigns its own inputs), no Triton bundle (the kernels are in Triton's cache) and no
+    graph strings. It is saved with ``FxGraphCache._save_graph`` under a key made from its code,
+    which computes its guards (none: the regions' id symbols are not among the graph's inputs).
+    Checked against torch 2.13 (here) and 2.11 (the GPU machines): ``CompiledFxGraph`` fields,
+    ``_save_graph(key, graph, example_inputs, local, remote_cache)`` (it logs and counts a failed
+    write instead of raising: the counters are read), ``after_deserialization``."""
+    import copy
+    import hashlib
+    import inspect
+
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as icfg
+    from torch._inductor.codecache import FxGraphCache, PyCodeCache
+
+    if not icfg.fx_graph_cache:
+        return None, "Inductor's FX graph cache is off"
+    checks = []
+    for g in regions:
+        chk = _region_check(g)
+        if chk is None:
+            return None, f"a region compiled to {type(g).__name__} with constants or without code"
+        checks.append(chk)
+    save = getattr(FxGraphCache, "_save_graph", None)
+    try:
+        params = list(inspect.signature(save).parameters)
+    except (TypeError, ValueError):
+        params = []
+    if params[:5] != ["key", "compiled_graph", "example_inputs", "local", "remote_cache"]:
+        return None, f"FxGraphCache._save_graph takes {params} here"
+    source = make_source([g.source_code for g in regions], checks)
+    code_key, _path = PyCodeCache.write(source)
+    driver = copy.copy(regions[0])
+    fields = {"source_code": source, "cache_key": code_key, "cache_linemap": [],
+              "output_strides": [tuple(v.stride()) if isinstance(v, torch.Tensor) else None for v in out_vals],
+              "inputs_to_check": (), "mutated_inputs": set(), "mutated_input_idxs": set(),
+              "current_callable": None, "recursively_apply_fns": None, "compiled_fn_runner": None,
+              "_triton_bundle": None, "_original_gm": None, "_serialized_original_gm": None,
+              "runnable_graph_str": "", "inductor_post_grad_graph_str": "", "guards_expr": None,
+              "_fx_graph_cache_debug_lines": []}
+    for k, v in fields.items():
+        if k in ("source_code", "cache_key", "output_strides", "inputs_to_check") or hasattr(driver, k):
+            setattr(driver, k, v)
+    key = "fdcblk" + hashlib.sha256(source.encode()).hexdigest()[:46]
+    errs = ("fxgraph_cache_pickle_error", "fxgraph_cache_write_error")
+    before = [counters["inductor"][e] for e in errs]
+    try:
+        save(key, driver, list(example_inputs), True, None)
+    except Exception as e:  # noqa: BLE001 - the driver still runs; only the cache entry is missing
+        return None, f"FxGraphCache._save_graph: {type(e).__name__}: {str(e)[:200]}"
+    if [counters["inductor"][e] for e in errs] != before:
+        return None, "FxGraphCache._save_graph could not write the driver (torch's log says why)"
+    driver._fx_graph_cache_key = key
+    return driver, None
+
+
 def blocks_specialized(ids) -> bool:
     """Whether compiling a region pinned any of its symbolic ids to a value (a guard or a
     replacement in the ShapeEnv: an FX-graph-cache hit evaluates the cached artifact's guards,

@@ -22,15 +22,15 @@ STEPS = 4
 BASE = {"compiler": "aot_eager", "memory_limit_gib": 8.0}   # a fixed limit: the CPU's free memory moves
 
 
-def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None):
+def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None, n_layer=None):
     import warnings
 
     import deepcompile
-    from deepcompile import compat
+    from deepcompile import blocks, compat
     from deepcompile.record.writer import RunRecorder
 
     cfg = {**BASE, "plan_cache": cache_dir, **extra}
-    model, opt = deepcompile.initialize(make_model(), make_optimizer, cfg)
+    model, opt = deepcompile.initialize(make_model(**({"n_layer": n_layer} if n_layer else {})), make_optimizer, cfg)
     rec = RunRecorder(record_dir, rank, world, model.dc_config) if record_dir else None
     losses, frames, caught = [], [], []
     with warnings.catch_warnings(record=True) as w:
@@ -57,7 +57,8 @@ def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None):
            "step0_nodes": [(v.graph_id, v.kind, v.after, len(v.nodes)) for v in model.dc_graphs
                            if v.step == 0 and v.kind != "dynamo"],
            "step0_notes": [v.notes for v in model.dc_graphs if v.step == 0 and v.kind != "dynamo"],
-           "aot_seed": dict(model.dc_backend.aot_seed_log), "aot_hits": list(model.dc_backend.aot_cache_hits)}
+           "aot_seed": dict(model.dc_backend.aot_seed_log), "aot_hits": list(model.dc_backend.aot_cache_hits),
+           "blocks": list(blocks.STATS), "blocks_loaded": list(blocks.LOADED)}
     deepcompile.destroy(model)
     return out
 
@@ -238,6 +239,30 @@ def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch):
     assert third["losses"] == second["losses"], (second["losses"], third["losses"])
     # the planning run's warm-up steps ran the traced graphs as Python code, not Inductor's
     # kernels: the same values up to the last bits
+    assert torch.allclose(torch.tensor(second["losses"]), torch.tensor(first["losses"]), rtol=1e-5, atol=0), (
+        first["losses"], second["losses"])
+
+
+def test_rerun_of_a_blocks_plan_takes_its_driver_from_the_aot_cache(tmp_path, monkeypatch):
+    """Blocks (DEEPCOMPILE_BLOCKS=1) compile each graph as regions run by a driver of ours. The
+    driver is made an entry of Inductor's FX graph cache (compat.blocks_cached_driver), so the
+    planning run seeds AOTAutograd's cache with it as with a whole Inductor graph, and the re-run
+    loads the driver and its regions' code from there: no trace, no passes, no compile, and the
+    same training as the planning run. 1 gloo rank, 4 layers (the middle blocks are identical)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("DEEPCOMPILE_BLOCKS", "1")
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")  # the regions' deferred kernel wait
+    d = str(tmp_path / "plans")
+    ind = {"compiler": "inductor"}
+    first, second = (run_ranks(_run, 1, d, ind, None, 4, timeout=300)[0] for _ in range(2))
+    assert first["cache"]["hit"] is False and second["cache"]["hit"]
+    made = first["blocks"]
+    assert made and all(s["cached"] is True and s["reused"] >= 1 for s in made), made
+    assert first["aot_seed"].get("saved") == 1, first["aot_seed"]
+    assert second["aot_hits"] == [0], second["aot_hits"]
+    assert second["blocks"] == [], second["blocks"]            # nothing compiled in the re-run
+    assert sorted(second["blocks_loaded"]) == sorted(s["regions"] for s in made), (second["blocks_loaded"], made)
+    assert "passes" not in second["phases"][0], second["phases"]
     assert torch.allclose(torch.tensor(second["losses"]), torch.tensor(first["losses"]), rtol=1e-5, atol=0), (
         first["losses"], second["losses"])
 
