@@ -41,9 +41,9 @@ def rank_step(model, opt, rank: int, world: int, step: int, micro: int = 0) -> f
     return loss.item()
 
 
-def train_reference(world: int, steps: int, accumulation: int, device="cpu"):
+def train_reference(world: int, steps: int, accumulation: int, device="cpu", model_overrides: dict | None = None):
     """One process, no sharding: each micro-batch is the concatenation of every rank's."""
-    model = make_model().to(device)
+    model = make_model(**(model_overrides or {})).to(device)
     opt = make_optimizer(model.parameters())
     losses = []
     for s in range(steps):
@@ -111,9 +111,12 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
     from deepcompile.runtime import optimizer_state
     from deepcompile.runtime.offload import ENGINE
     shard_numel = sum(p.numel() for p in model.parameters())
+    from deepcompile import blocks
     return {
         "losses": losses,
         "state": full,
+        "blocks": list(blocks.STATS),
+        "blocks_loaded": list(blocks.LOADED),
         "shard_numel": shard_numel,
         "live_after_fwd": live_after_fwd,
         "live_after_bwd": live_after_bwd,
