@@ -109,12 +109,14 @@ LOADED: list[int] = []
 def enabled() -> bool:
     """Blocks are off unless ``DEEPCOMPILE_BLOCKS=1``.
 
-    Off by default on measurement (2 H200s, torch 2.11, 953M Llama, 16 layers, default plan,
-    cold caches, session 7): Inductor's phase took 14.1 s with blocks and 14.1 s without (the
-    lowering the blocks save is not where Inductor's time goes there), while the step's host
-    time rose from 27.1 to 47.6 ms (55.0 ms step against 44.3; the warm-cache run with blocks:
-    47.7 ms, host 38.5; one process each): one Python driver call per region, and no fusion
-    across block boundaries. benchmarks/results/compile_L16_cold_*."""
+    Off by default on measurement (one H200, torch 2.11, default plan, session 16, one process
+    per run, alternating; benchmarks/README.md "session 16"): they cut the cold compile (first
+    fast step 36.6 s against 41.8 at 16 layers, 57.7 against 65.0 at 32; Inductor's phase 9.4 s
+    against 21.9 at 16 layers) and a re-run takes them from AOTAutograd's cache as fast as whole
+    graphs, but the step was slower in 5 of 6 pairs: 16 layers 58.4-62.1 ms against 51.4-56.7
+    (host 41.6-46.1 against 33.0-39.7 ms), 32 layers 105.7-111.0 against 101.6-106.0. Each region
+    allocates its own intermediates and outputs (no buffer reuse across blocks), one call per
+    region, and no fusion across a block boundary. Issue 18 asks for an unchanged step."""
     return os.environ.get("DEEPCOMPILE_BLOCKS", "0") not in ("0", "false", "off", "")
 
 
