@@ -43,6 +43,13 @@ How
    until its last reader has run (the outer argument list is cleared at once, as Inductor's own
    compiled graphs do: saved activations die during backward), and builds the graph's outputs.
    One Python call per region; the regions themselves are Inductor code.
+6. **Cache.** The driver is made an entry of Inductor's FX graph cache
+   (``compat.blocks_cached_driver``): a compiled graph whose code is ``driver_source`` (the
+   distinct regions' own code and the plan, as data). AOTAutograd's cache then keeps a blocks
+   graph as it keeps a whole one: the planning run seeds it, and a re-run loads the driver, which
+   loads its regions' modules (``load_driver``), instead of tracing. While the regions compile,
+   each module's wait for its kernels is deferred to the end (``compat.blocks_deferred_kernel_wait``),
+   so the pool compiles one region's kernels while the next is lowered.
 
 Only used where it pays: a graph with fewer than two regions of one key is compiled whole,
 as before (so small models, irregular graphs and ``DEEPCOMPILE_BLOCKS=0``, the default, behave exactly as
@@ -111,12 +118,14 @@ def enabled() -> bool:
 
     Off by default on measurement (one H200, torch 2.11, default plan, session 16, one process
     per run, alternating; benchmarks/README.md "session 16"): they cut the cold compile (first
-    fast step 36.6 s against 41.8 at 16 layers, 57.7 against 65.0 at 32; Inductor's phase 9.4 s
-    against 21.9 at 16 layers) and a re-run takes them from AOTAutograd's cache as fast as whole
-    graphs, but the step was slower in 5 of 6 pairs: 16 layers 58.4-62.1 ms against 51.4-56.7
-    (host 41.6-46.1 against 33.0-39.7 ms), 32 layers 105.7-111.0 against 101.6-106.0. Each region
-    allocates its own intermediates and outputs (no buffer reuse across blocks), one call per
-    region, and no fusion across a block boundary. Issue 18 asks for an unchanged step."""
+    fast step 33.7-45.7 s against 41.8-48.4 at 16 layers, 57.7-58.9 against 65.0-86.1 at 32;
+    Inductor's phase 9.4-14.3 s against 18.6-24.0 at 16 layers) and a re-run takes them from
+    AOTAutograd's cache about as fast as whole graphs (6.7-9.2 s against 6.5-7.8 at 16 layers),
+    but the step is slower: median 59.6 against 56.6 ms at 16 layers (3 of 3 pairs; host 41.6-46.1
+    against 33.0-39.7 ms), 109.8 against 104.6 at 32 (2 of 4 pairs). Likely causes, not measured
+    apart: each region allocates its own intermediates and outputs (no buffer reuse across
+    blocks), one call per region, no fusion across a block boundary. Issue 18 asks for an
+    unchanged step."""
     return os.environ.get("DEEPCOMPILE_BLOCKS", "0") not in ("0", "false", "off", "")
 
 
