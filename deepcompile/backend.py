@@ -290,8 +290,8 @@ class Backend:
         return f"{key}-{nonce}-r{self.rank}of{self.world_size}"
 
     def _inductor_own(self) -> bool:
-        """Our compiled graphs are Inductor's own, not wrapped in callables of ours (CUDA graphs,
-        blocks): what AOTAutograd's cache can store and the compile workers can fill."""
+        """Our compiled graphs are Inductor's own whole graphs, not wrapped in callables of ours
+        (CUDA graphs) nor cut into regions (blocks): what the compile workers can fill."""
         from deepcompile import blocks
 
         return not getattr(self.config, "cuda_graphs", False) and not blocks.enabled()

@@ -170,7 +170,6 @@ class Region:
     consts: list[Any] = field(default_factory=list)   # lifted int args, in canonical order
     key: str = ""
     gm: fx.GraphModule | None = None
-    compiled: Callable | None = None
 
 
 def running_labels(graph: fx.Graph) -> dict[fx.Node, Any]:
@@ -441,7 +440,6 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
     with compat.blocks_deferred_kernel_wait() as waits:
         for r in regions:
             if r.key in cache:
-                r.compiled = artifacts[cache[r.key]]
                 artifact.append(cache[r.key])
                 n_reused += 1
                 continue
@@ -456,13 +454,13 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
                 p.meta["val"] = v
             r.gm.recompile()
             with compat.blocks_region_compile():
-                r.compiled = compat.blocks_boxed(compile_one(
+                compiled = compat.blocks_boxed(compile_one(
                     r.gm, ins + ids,
                     static_input_idxs=[i for i, a in enumerate(r.inputs) if slot.get(a) in static], **seg_kw))
             n_compiled += 1
             nodes_compiled += len(r.nodes)
             artifact.append(len(artifacts))
-            artifacts.append(r.compiled)
+            artifacts.append(compiled)
             if compat.blocks_specialized(ids):
                 # the artifact has this region's ids baked in (a guard pinned them): never share it
                 n_pinned += 1
@@ -483,7 +481,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
                   "nodes": sum(len(r.nodes) for r in regions), "nodes_compiled": nodes_compiled,
                   "labels": [r.label[1] if r.label is not _OUTSIDE else None for r in regions],
                   "kernel_waits_deferred": waits.deferred, "kernel_wait_s": round(waits.wait_s, 3),
-                  "cached": cached if isinstance(cached, str) else True,
+                  "cached": True if graph is not None else cached,
                   "seconds": time.perf_counter() - t0})
     return fn
 

@@ -164,8 +164,8 @@ def group_reduces(sgs: list[fx.Node], ctx: PassContext) -> list[list[fx.Node]]:
     Block regions (blocks.py) need every layer's calls alike, and where a bucket flushes moves
     from layer to layer: there a call ends at each block boundary instead of at each flush, so a
     bucket that fills inside a block is handed over at that block's last gradient (at most one
-    block's backward later; the runtime flushes it inside the call). One call per gradient there
-    cost the step more host time than the regions saved (issue 18)."""
+    block's backward later; the runtime flushes it inside the call) instead of one call per
+    gradient, a host cost of the step (issue 16)."""
     from deepcompile import blocks
 
     lay = reduce_layout(ctx)
