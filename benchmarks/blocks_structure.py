@@ -49,7 +49,7 @@ def one(n_layer: int, config: dict, steps: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"layers": n_layer, "blocks": blocks.enabled(), "config": config, "compile_calls": len(calls),
+    return {"layers": n_layer, "blocks": blocks.enabled(config), "config": config, "compile_calls": len(calls),
             "nodes_lowered": sum(calls), "losses": losses,
             "graphs": [{k: v for k, v in e.items() if k not in ("seconds", "labels")} for e in blocks.STATS]}
 
@@ -66,8 +66,9 @@ def main() -> None:
         return
     for n in a.layers:
         for on in ("1", "0"):  # one process each: Dynamo and the process group start fresh
-            env = dict(os.environ, DEEPCOMPILE_BLOCKS=on, OMP_NUM_THREADS="1")
-            r = subprocess.run([sys.executable, __file__, "--child", "--layers", str(n), "--config", a.config,
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            cfg = json.dumps({**json.loads(a.config), "blocks": on == "1"})
+            r = subprocess.run([sys.executable, __file__, "--child", "--layers", str(n), "--config", cfg,
                                 "--steps", str(a.steps)], env=env, capture_output=True, text=True, timeout=1800)
             line = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
             print(line[-1] if line else json.dumps({"layers": n, "blocks": on == "1", "error": r.stderr[-2000:]}),

@@ -40,7 +40,9 @@ the measured ones ("predicted", "predicted_step_error", "predicted_peak_error").
                         parameter's ceil(numel/N) elements); the physical limit of a ZeRO-3 step
 Every system records the host time per step ("host_step_s"): from the step's start until its Python
 calls return, before the final synchronize. A step whose host time is close to its step time is
-host-bound: its pace follows the host's, not the GPU's.
+host-bound: its pace follows the host's, not the GPU's. "host_cpu_step_s" is the main thread's CPU
+time over the same part (``time.thread_time``): the host's own work, which other load on a shared
+host moves much less than the wall time; compare host work across runs with it.
 """
 from __future__ import annotations
 
@@ -446,7 +448,7 @@ def dc_prediction(model, opt, res) -> None:
     res["trace_once"] = getattr(model, "dc_trace_once", None)
     # graphs taken from AOTAutograd's cache (config aot_cache, a plan-cache hit): no trace, no passes
     res["aot_cache_hits"] = len(getattr(model.dc_backend, "aot_cache_hits", []))
-    from deepcompile import blocks  # DEEPCOMPILE_BLOCKS=1: regions per graph, compiled / reused, kernel wait
+    from deepcompile import blocks  # config blocks (BENCH_DC_CONFIG='{"blocks": true}'): regions per graph, compiled / reused, kernel wait
     res["blocks"] = [{k: v for k, v in s.items() if k != "labels"} for s in blocks.STATS]
     prof = model.dc_profile
     # the final graphs are Inductor's unless the run chose another compiler: fused pointwise ops
@@ -650,7 +652,7 @@ def step_sync(args) -> None:
 
 
 def train_steps(model, opt, autocast, batches, args):
-    times, losses, host = [], [], []
+    times, losses, host, host_cpu = [], [], [], []
     total = args.warmup + args.steps
     sync(args)
     acc = getattr(args, "accumulation", 1)
@@ -671,7 +673,7 @@ def train_steps(model, opt, autocast, batches, args):
             cprof.disable()
             cprof.dump_stats(cprof_path)
             cprof = None
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         for j in range(acc):
             x = batches[(s * acc + j) % len(batches)]
             with autocast():
@@ -697,6 +699,9 @@ def train_steps(model, opt, autocast, batches, args):
             opt.step()
             opt.zero_grad(set_to_none=True)
         host.append(time.perf_counter() - t0)  # the host's part: every call of the step returned
+        # the main thread's own CPU time in that part: the host's work, much less sensitive to
+        # other load on a shared host than the wall time (a blocked launch or sync spins or sleeps)
+        host_cpu.append(time.thread_time() - c0)
         step_sync(args)
         if s == args.warmup - 1 or s == total - 1:
             sync(args)  # warm-up's tail is not the timed window's; the window ends with every stream done
@@ -712,7 +717,7 @@ def train_steps(model, opt, autocast, batches, args):
             log(f"  step {s}: {times[-1] * 1e3:.1f} ms loss {losses[-1]:.4f}"
                 + (" (warm-up)" if s < args.warmup else ""))
     trace_steps(model, opt, autocast, batches, args)
-    args.host_times = host
+    args.host_times, args.host_cpu_times = host, host_cpu
     return times, losses
 
 
@@ -820,6 +825,7 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
             times, losses = train_steps(model, opt, ac, batches, args)
             res["times_s"] = times
             res["host_times_s"] = list(getattr(args, "host_times", []))
+            res["host_cpu_times_s"] = list(getattr(args, "host_cpu_times", []))
             if args.device == "cuda":
                 res["warmup_peak_gib"] = getattr(args, "warmup_peak", 0) / GIB
                 args.warmup_peak = 0
@@ -915,6 +921,9 @@ def summarise(name, per_rank, args, world) -> dict:
         host = [max(r["host_times_s"][i] for r in ran) for i in range(len(r0["host_times_s"]))][w:]
         entry["host_step_s"] = median(host)
         entry["host_fraction"] = entry["host_step_s"] / med
+    if all(r.get("host_cpu_times_s") for r in ran):
+        entry["host_cpu_step_s"] = median([max(r["host_cpu_times_s"][i] for r in ran)
+                                           for i in range(len(r0["host_cpu_times_s"]))][w:])
     if "predicted" in r0:
         pr = r0["predicted"]
         entry["predicted"] = pr
@@ -1117,7 +1126,8 @@ def table(result) -> str:
                 col("vs compute", "10.2f", "step_time_vs_compute_bound"),
                 col("vs gpuwork", "10.2f", "step_time_vs_gpu_work_bound"),
                 ("host ms", "8.1f", lambda e: e.get("host_step_s") and e["host_step_s"] * 1e3),
-                col("host %", "7.0%", "host_fraction"), PEAK,
+                col("host %", "7.0%", "host_fraction"),
+                ("host cpu ms", "11.1f", lambda e: e.get("host_cpu_step_s") and e["host_cpu_step_s"] * 1e3), PEAK,
                 col("pred peak", "9.2f", "predicted_plan_peak_gib"), col("warm-up s", "9.1f", "warmup_total_s")]
     lines = table_header(text_cols, num_cols)
     for n, e in result["systems"].items():

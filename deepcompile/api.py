@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepcompile import compat
+from deepcompile import blocks, compat
 from deepcompile.backend import Backend
 from deepcompile.config import Config
 from deepcompile.dynamic import DynamicDims
@@ -408,7 +408,8 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
         # the backward calls the runtime once per reduce bucket (passes/zero3.group_reduces)
         ops.REDUCE_LAYOUT = ops.ReduceLayout(
             cfg.reduce_bucket_size, cfg.mixed_precision.torch_reduce_dtype(),
-            copies_each=cfg.zero_stage == 1 and cfg.gradient_accumulation_steps > 1)
+            copies_each=cfg.zero_stage == 1 and cfg.gradient_accumulation_steps > 1,
+            by_block=blocks.enabled(cfg))
     except Exception:
         C.cleanup()
         ops.PARAMS.clear()

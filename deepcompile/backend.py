@@ -256,10 +256,12 @@ class Backend:
     def _inductor(self, gm: fx.GraphModule, inputs, kw: dict, label: str = "graph", timed: bool = True):
         t0 = time.perf_counter()
         try:
+            from deepcompile import blocks
+
             pool = self._graph_pool(kw)
             if pool is not None:
                 kw = {**kw, "dc_graph_pool": pool, "dc_graph_label": label}
-            return compat.inductor_inner(gm, inputs, **kw)
+            return compat.inductor_inner(gm, inputs, dc_blocks=blocks.enabled(self.config), **kw)
         finally:
             if timed:
                 self.add_phase("inductor", time.perf_counter() - t0)
@@ -294,7 +296,7 @@ class Backend:
         (CUDA graphs) nor cut into regions (blocks): what the compile workers can fill."""
         from deepcompile import blocks
 
-        return not getattr(self.config, "cuda_graphs", False) and not blocks.enabled()
+        return not getattr(self.config, "cuda_graphs", False) and not blocks.enabled(self.config)
 
     def _aot_cacheable(self) -> bool:
         """AOTAutograd's cache may keep our graphs: Inductor's own, or blocks' driver, which

@@ -52,7 +52,7 @@ How
    so the pool compiles one region's kernels while the next is lowered.
 
 Only used where it pays: a graph with fewer than two regions of one key is compiled whole,
-as before (so small models, irregular graphs and ``DEEPCOMPILE_BLOCKS=0``, the default, behave exactly as
+as before (so small models, irregular graphs and config ``blocks: false``, the default, behave exactly as
 they did). Costs of the cut: no fusion across a block boundary (the residual add at the end of
 a block and the next block's norm are separate kernels), one Python call per block.
 
@@ -93,7 +93,6 @@ where kernels are Triton and the per-graph cost differs) are still to be measure
 from __future__ import annotations
 
 import operator
-import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -113,8 +112,10 @@ STATS: list[dict[str, Any]] = []
 LOADED: list[int] = []
 
 
-def enabled() -> bool:
-    """Blocks are off unless ``DEEPCOMPILE_BLOCKS=1``.
+def enabled(config) -> bool:
+    """Config ``blocks`` where it applies: the final compiler is Inductor and CUDA graphs are
+    off (``config``: a ``Config``, or anything with those attributes; None: off). The backend,
+    the reduce grouping (``ReduceLayout.by_block``) and the compile all read it from here.
 
     Off by default on measurement (one H200, torch 2.11, default plan, session 16, one process
     per run, alternating; benchmarks/README.md "session 16"): they cut the cold compile (first
@@ -126,7 +127,8 @@ def enabled() -> bool:
     apart: each region allocates its own intermediates and outputs (no buffer reuse across
     blocks), one call per region, no fusion across a block boundary. Issue 18 asks for an
     unchanged step."""
-    return os.environ.get("DEEPCOMPILE_BLOCKS", "0") not in ("0", "false", "off", "")
+    return (bool(getattr(config, "blocks", False)) and getattr(config, "compiler", "inductor") == "inductor"
+            and not getattr(config, "cuda_graphs", False))
 
 
 def _is_dc(n: fx.Node) -> bool:
@@ -447,7 +449,7 @@ def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **k
             if missing:  # a pass made a node without its fake value: a region cannot take it as an input
                 raise RuntimeError(f"deepcompile blocks: region {r.label} reads {missing} from an earlier region, "
                                    f"and they have no meta['val'] (the pass that inserts them must set it); "
-                                   f"DEEPCOMPILE_BLOCKS=0 compiles the graph whole")
+                                   f"config blocks=false compiles the graph whole")
             ins = [example[a] if a in example else a.meta["val"] for a in r.inputs]
             ids = compat.blocks_symbolic_ints(fake_mode, r.consts)
             for p, v in zip([p for p in r.gm.graph.nodes if p.op == "placeholder"][len(ins):], ids):

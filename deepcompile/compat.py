@@ -197,13 +197,14 @@ def inductor_inner(gm: fx.GraphModule, example_inputs, **kw):
 
     pool = kw.pop("dc_graph_pool", None)
     label = kw.pop("dc_graph_label", "graph")
+    by_block = kw.pop("dc_blocks", False)  # config blocks (the backend's)
     if pool is not None:
         why = cuda_graph_unsuitable(gm)
         if why is None:
             return _compile_partitioned(gm, example_inputs, pool, label, kw)
         pool.reasons[f"{label}: not captured: {why}"] += 1
     cudagraphs = kw.get("cudagraphs")
-    if blocks.enabled() and not (cudagraphs is not None and bool(getattr(cudagraphs, "value", cudagraphs))):
+    if by_block and not (cudagraphs is not None and bool(getattr(cudagraphs, "value", cudagraphs))):
         fn = blocks.compile_graph(gm, example_inputs, cfx.compile_fx_inner, **kw)
         if fn is not None:
             return fn

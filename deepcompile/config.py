@@ -140,6 +140,12 @@ class Config:
     progress: bool = spec(True, help="rank 0 prints one line to stderr for each step that spent a second or more "
                                      "compiling, profiling or planning (its phases and seconds, the plan chosen, and "
                                      "when training runs at speed); false: silent")
+    blocks: bool = spec(False, help="compile each distinct decoder block once: the final graphs (after the passes) are "
+                                    "cut into regions along the model's repeated blocks (entries of an nn.ModuleList) "
+                                    "and identical regions share one Inductor compile (deepcompile/blocks.py): the "
+                                    "compile stops growing with depth. Inductor only, not with cuda_graphs; the "
+                                    "backward's reduce calls are cut at block boundaries. Off by default: see "
+                                    "blocks.enabled for the measured step cost")
     aot_cache: bool = spec(True, help="with a plan-cache hit, take the partitioned and compiled graphs from "
                                       "AOTAutograd's cache when an earlier run stored them: no joint trace, partition "
                                       "or passes (a warm re-run's largest cost); its graph versions come from the run "

@@ -27,7 +27,6 @@ def _rank(rank, world):
 
     from torch._inductor import compile_fx as cfx
 
-    os.environ["DEEPCOMPILE_BLOCKS"] = "1"  # off by default (blocks.enabled says why)
     import torch._inductor.config as icfg
 
     icfg.compile_threads = 2  # kernels compile in Inductor's pool: the regions defer their wait
@@ -57,7 +56,8 @@ def _rank(rank, world):
         return regions
 
     blocks.split = split
-    out = W.train_sharded(rank, world, STEPS, 1, {"compiler": "inductor", "passes": PASSES},
+    # config blocks is off by default (blocks.enabled says why)
+    out = W.train_sharded(rank, world, STEPS, 1, {"compiler": "inductor", "passes": PASSES, "blocks": True},
                           model_overrides={"n_layer": N_LAYER})
     from deepcompile.runtime import ops
 

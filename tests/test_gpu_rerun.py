@@ -13,18 +13,17 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1,
 
 @pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
 def test_rerun_from_seeded_caches_matches_unsharded(tmp_path, monkeypatch, blocks):
-    """``blocks``: DEEPCOMPILE_BLOCKS=1 at 4 layers (the middle blocks share one region compile;
+    """``blocks``: config ``blocks`` at 4 layers (the middle blocks share one region compile;
     the re-run loads the regions' driver from the same seeded entry)."""
     from tests.workloads import train_reference, train_sharded
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inductor" / "triton"))
-    monkeypatch.setenv("DEEPCOMPILE_BLOCKS", "1" if blocks else "0")
     over = {"n_layer": 4} if blocks else None
     world, steps = min(2, torch.cuda.device_count()), 10
     ref_losses, ref_state = train_reference(world, steps, 1, device="cuda:0", model_overrides=over)
     for run in ("planning run", "re-run"):
-        results = run_ranks(train_sharded, world, steps, 1, {"compiler": "inductor", "default_schedule": True},
+        results = run_ranks(train_sharded, world, steps, 1, {"compiler": "inductor", "default_schedule": True, "blocks": blocks},
                             over, backend="nccl", timeout=600)
         mean = torch.tensor([r["losses"] for r in results]).mean(0)
         torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=mean.dtype), rtol=1e-4, atol=1e-5,

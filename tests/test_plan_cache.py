@@ -244,16 +244,15 @@ def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch):
 
 
 def test_rerun_of_a_blocks_plan_takes_its_driver_from_the_aot_cache(tmp_path, monkeypatch):
-    """Blocks (DEEPCOMPILE_BLOCKS=1) compile each graph as regions run by a driver of ours. The
+    """Blocks (config ``blocks``) compile each graph as regions run by a driver of ours. The
     driver is made an entry of Inductor's FX graph cache (compat.blocks_cached_driver), so the
     planning run seeds AOTAutograd's cache with it as with a whole Inductor graph, and the re-run
     loads the driver and its regions' code from there: no trace, no passes, no compile, and the
     same training as the planning run. 1 gloo rank, 4 layers (the middle blocks are identical)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("DEEPCOMPILE_BLOCKS", "1")
     monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")  # the regions' deferred kernel wait
     d = str(tmp_path / "plans")
-    ind = {"compiler": "inductor"}
+    ind = {"compiler": "inductor", "blocks": True}
     first, second = (run_ranks(_run, 1, d, ind, None, 4, timeout=300)[0] for _ in range(2))
     assert first["cache"]["hit"] is False and second["cache"]["hit"]
     made = first["blocks"]

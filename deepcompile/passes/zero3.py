@@ -172,7 +172,7 @@ def group_reduces(sgs: list[fx.Node], ctx: PassContext) -> list[list[fx.Node]]:
     world = max(1, int(ctx.world_size))
     if lay.copies_each or any(int(n.args[1]) not in ctx.param_meta for n in sgs):
         return [[n] for n in sgs]
-    by_block = blocks.enabled()
+    by_block = lay.by_block
     items = []
     for n in sgs:
         m = ctx.param_meta[int(n.args[1])]

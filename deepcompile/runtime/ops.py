@@ -49,6 +49,9 @@ class ReduceLayout:
     # boundaries, or set_copy_grads): holding them for a batched call would keep the originals
     # alive beside the copies, so each gradient gets its own call
     copies_each: bool = False
+    # config blocks: the final graphs are compiled as block regions, so a call never spans a
+    # block boundary (passes/zero3.group_reduces, blocks.cut_at_blocks)
+    by_block: bool = False
 
 
 # The layout of the runtime this process initialised (api.initialize); None: none yet.
