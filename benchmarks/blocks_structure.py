@@ -49,7 +49,7 @@ def one(n_layer: int, config: dict, steps: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"layers": n_layer, "blocks": blocks.enabled(config), "config": config, "compile_calls": len(calls),
+    return {"layers": n_layer, "blocks": model.dc_backend.blocks, "config": config, "compile_calls": len(calls),
             "nodes_lowered": sum(calls), "losses": losses,
             "graphs": [{k: v for k, v in e.items() if k not in ("seconds", "labels")} for e in blocks.STATS]}
 

@@ -384,6 +384,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
                         "lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
     group = _resolve_group(group, cfg.collective_timeout_s)
     device = _device_for(group)
+    by_block = blocks.resolve(cfg, device.type)  # the final graphs cut into block regions, or whole
     world = dist.get_world_size(group)
     shard_group, replicate_group = _hybrid_groups(group, cfg.mesh.shard, cfg.collective_timeout_s)
 
@@ -409,13 +410,14 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
         ops.REDUCE_LAYOUT = ops.ReduceLayout(
             cfg.reduce_bucket_size, cfg.mixed_precision.torch_reduce_dtype(),
             copies_each=cfg.zero_stage == 1 and cfg.gradient_accumulation_steps > 1,
-            by_block=blocks.enabled(cfg))
+            by_block=by_block is not None)
     except Exception:
         C.cleanup()
         ops.PARAMS.clear()
         raise
     # the passes size gathers by the shard group (chunk x its ranks)
-    backend = Backend(cfg, dict(ops.PARAMS), dist.get_world_size(shard_group), dist.get_rank(shard_group))
+    backend = Backend(cfg, dict(ops.PARAMS), dist.get_world_size(shard_group), dist.get_rank(shard_group),
+                      blocks=by_block)
     wrapped = DeepCompileModel(model, sharded, backend, cfg, group, state_keys)
     object.__setattr__(wrapped, "dc_shard_group", shard_group)  # == group unless mesh.shard (HSDP)
     object.__setattr__(wrapped, "dc_replicate_group", replicate_group)  # None unless mesh.shard

@@ -115,10 +115,11 @@ def codegen_workers(config) -> int:
 
 class Backend:
     def __init__(self, config, param_meta: dict, world_size: int, rank: int,
-                 observers: list[Callable[[GraphVersion], None]] | None = None):
+                 observers: list[Callable[[GraphVersion], None]] | None = None, blocks: str | None = None):
         import os
 
         self.config = config
+        self.blocks = blocks  # blocks.resolve: the final graphs compiled as block regions ("on", "auto") or whole
         self.param_meta = param_meta
         self.world_size, self.rank = world_size, rank
         self.next_graph_id = 0
@@ -256,12 +257,10 @@ class Backend:
     def _inductor(self, gm: fx.GraphModule, inputs, kw: dict, label: str = "graph", timed: bool = True):
         t0 = time.perf_counter()
         try:
-            from deepcompile import blocks
-
             pool = self._graph_pool(kw)
             if pool is not None:
                 kw = {**kw, "dc_graph_pool": pool, "dc_graph_label": label}
-            return compat.inductor_inner(gm, inputs, dc_blocks=blocks.enabled(self.config), **kw)
+            return compat.inductor_inner(gm, inputs, dc_blocks=self.blocks, **kw)
         finally:
             if timed:
                 self.add_phase("inductor", time.perf_counter() - t0)
@@ -294,9 +293,7 @@ class Backend:
     def _inductor_own(self) -> bool:
         """Our compiled graphs are Inductor's own whole graphs, not wrapped in callables of ours
         (CUDA graphs) nor cut into regions (blocks): what the compile workers can fill."""
-        from deepcompile import blocks
-
-        return not getattr(self.config, "cuda_graphs", False) and not blocks.enabled(self.config)
+        return not getattr(self.config, "cuda_graphs", False) and not self.blocks
 
     def _aot_cacheable(self) -> bool:
         """AOTAutograd's cache may keep our graphs: Inductor's own, or blocks' driver, which

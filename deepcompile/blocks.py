@@ -112,23 +112,29 @@ STATS: list[dict[str, Any]] = []
 LOADED: list[int] = []
 
 
-def enabled(config) -> bool:
-    """Config ``blocks`` where it applies: the final compiler is Inductor and CUDA graphs are
-    off (``config``: a ``Config``, or anything with those attributes; None: off). The backend,
-    the reduce grouping (``ReduceLayout.by_block``) and the compile all read it from here.
+def resolve(config, device_type: str) -> str | None:
+    """How the final graphs compile, from config ``blocks``: "on" (``true``: any device, an error
+    is raised), "auto" (``"auto"``, the default, on a CUDA device: a graph that cannot be cut is
+    compiled whole, with a warning) or None (whole graphs: ``false``, auto off CUDA, another
+    compiler than Inductor, or CUDA graphs). The backend's compile and the reduce grouping
+    (``ReduceLayout.by_block``) both take it from here (api.initialize).
 
-    Off by default on measurement (one H200, torch 2.11, default plan, session 16, one process
-    per run, alternating; benchmarks/README.md "session 16"): they cut the cold compile (first
-    fast step 33.7-45.7 s against 41.8-48.4 at 16 layers, 57.7-58.9 against 65.0-86.1 at 32;
-    Inductor's phase 9.4-14.3 s against 18.6-24.0 at 16 layers) and a re-run takes them from
-    AOTAutograd's cache about as fast as whole graphs (6.7-9.2 s against 6.5-7.8 at 16 layers),
-    but the step is slower: median 59.6 against 56.6 ms at 16 layers (3 of 3 pairs; host 41.6-46.1
-    against 33.0-39.7 ms), 109.8 against 104.6 at 32 (2 of 4 pairs). Likely causes, not measured
-    apart: each region allocates its own intermediates and outputs (no buffer reuse across
-    blocks), one call per region, no fusion across a block boundary. Issue 18 asks for an
-    unchanged step."""
-    return (bool(getattr(config, "blocks", False)) and getattr(config, "compiler", "inductor") == "inductor"
-            and not getattr(config, "cuda_graphs", False))
+    Why auto means CUDA: on the GPU the cut pays for itself at once. One H100, 16 layers, default
+    plan, session 17: the first fast step took 37.7 s cold against 55.4 s whole (Inductor 10.5 s
+    against 22.8); one H200, session 16: 33.7-45.7 s against 41.8-48.4, and at 32 layers
+    57.4-70.3 s against 65.0-86.1. The step: on the H100, 4 pairs of processes, median 71.4 ms
+    against 70.6 (blocks slower in 2 of 4 pairs), the main thread's CPU time per step the same
+    (21.6-29.0 ms against 22.3-27.4), the GPU's kernel time per step the same (27.7 against
+    27.8 ms in the trace's count); on the H200, session 16, median 59.6 against 56.6 ms at 16
+    layers (3 of 3 pairs slower) and 109.8 against 104.6 at 32 (2 of 4). On the CPU each region
+    is its own C++ module and compiler run, which only breaks even near 16 layers (module
+    docstring), so auto leaves the CPU whole."""
+    v = getattr(config, "blocks", "auto")
+    if v is False or getattr(config, "compiler", "inductor") != "inductor" or getattr(config, "cuda_graphs", False):
+        return None
+    if v is True:
+        return "on"
+    return "auto" if device_type == "cuda" else None
 
 
 def _is_dc(n: fx.Node) -> bool:
@@ -405,9 +411,28 @@ def load_driver(plan: Plan, sources: list[str], checks: list[tuple[list[int], li
     return run_plan(plan, [compat.blocks_region_callable(src, *chk) for src, chk in zip(sources, checks)])
 
 
-def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **kw):
+def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, mode: str = "on", **kw):
     """Compile ``gm`` region by region with ``compile_one(gm, inputs, **kw)``, identical
-    regions once; None when the graph has no repeated block (compile it whole)."""
+    regions once; None when the graph has no repeated block (compile it whole). ``mode``
+    (``resolve``): "auto" leaves a graph with symbolic shapes whole, and a graph whose regions
+    fail to compile is compiled whole with a warning naming the error; "on" raises it."""
+    if mode == "auto":
+        if any(isinstance(x, torch.SymInt) for v in example_inputs if isinstance(v, torch.Tensor)
+               for x in (*v.shape, *v.stride())):
+            return None  # not measured with blocks: whole, as before
+        try:
+            return _compile_graph(gm, example_inputs, compile_one, **kw)
+        except Exception as e:  # noqa: BLE001 - the whole graph is the fallback
+            import warnings
+
+            warnings.warn(f"deepcompile blocks: this {'backward' if kw.get('is_backward') else 'forward'} graph "
+                          f"is compiled whole, its regions failed: {type(e).__name__}: {str(e)[:300]} "
+                          f"(config blocks=false compiles every graph whole; blocks=true raises this)")
+            return None
+    return _compile_graph(gm, example_inputs, compile_one, **kw)
+
+
+def _compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **kw):
     t0 = time.perf_counter()
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         return None

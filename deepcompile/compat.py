@@ -197,7 +197,7 @@ def inductor_inner(gm: fx.GraphModule, example_inputs, **kw):
 
     pool = kw.pop("dc_graph_pool", None)
     label = kw.pop("dc_graph_label", "graph")
-    by_block = kw.pop("dc_blocks", False)  # config blocks (the backend's)
+    by_block = kw.pop("dc_blocks", None)  # blocks.resolve's mode (the backend's): "on", "auto" or None
     if pool is not None:
         why = cuda_graph_unsuitable(gm)
         if why is None:
@@ -205,7 +205,7 @@ def inductor_inner(gm: fx.GraphModule, example_inputs, **kw):
         pool.reasons[f"{label}: not captured: {why}"] += 1
     cudagraphs = kw.get("cudagraphs")
     if by_block and not (cudagraphs is not None and bool(getattr(cudagraphs, "value", cudagraphs))):
-        fn = blocks.compile_graph(gm, example_inputs, cfx.compile_fx_inner, **kw)
+        fn = blocks.compile_graph(gm, example_inputs, cfx.compile_fx_inner, by_block, **kw)
         if fn is not None:
             return fn
     return cfx.compile_fx_inner(gm, example_inputs, **kw)

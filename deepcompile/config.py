@@ -140,12 +140,13 @@ class Config:
     progress: bool = spec(True, help="rank 0 prints one line to stderr for each step that spent a second or more "
                                      "compiling, profiling or planning (its phases and seconds, the plan chosen, and "
                                      "when training runs at speed); false: silent")
-    blocks: bool = spec(False, help="compile each distinct decoder block once: the final graphs (after the passes) are "
-                                    "cut into regions along the model's repeated blocks (entries of an nn.ModuleList) "
-                                    "and identical regions share one Inductor compile (deepcompile/blocks.py): the "
-                                    "compile stops growing with depth. Inductor only, not with cuda_graphs; the "
-                                    "backward's reduce calls are cut at block boundaries. Off by default: see "
-                                    "blocks.enabled for the measured step cost")
+    blocks: Any = spec("auto", help="compile each distinct decoder block once: the final graphs (after the passes) "
+                                   "are cut into regions along the model's repeated blocks (entries of an "
+                                   "nn.ModuleList) and identical regions share one Inductor compile "
+                                   "(deepcompile/blocks.py), so the compile stops growing with depth; the "
+                                   "backward's reduce calls are cut at block boundaries. Inductor without "
+                                   "cuda_graphs only. 'auto' (default): on CUDA devices, a graph it cannot cut "
+                                   "compiled whole with a warning; true: on any device, errors raised; false: off")
     aot_cache: bool = spec(True, help="with a plan-cache hit, take the partitioned and compiled graphs from "
                                       "AOTAutograd's cache when an earlier run stored them: no joint trace, partition "
                                       "or passes (a warm re-run's largest cost); its graph versions come from the run "
@@ -164,6 +165,8 @@ class Config:
 
     def validate(self, path: str = "config") -> None:
         self.optimizer_chunk_mb = self._check_chunk_mb(self.optimizer_chunk_mb, f"{path}.optimizer_chunk_mb")
+        if not (isinstance(self.blocks, bool) or self.blocks == "auto"):
+            raise ConfigError(f"{path}.blocks: expected true, false or 'auto', got {self.blocks!r}")
         if not (isinstance(self.plan_cache, bool) or (isinstance(self.plan_cache, str) and self.plan_cache.strip())):
             raise ConfigError(f"{path}.plan_cache: expected true, false or a directory path, got {self.plan_cache!r}")
         first = "zero3" if self.zero_stage == 3 else "zero12"

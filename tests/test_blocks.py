@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import torch
 
 from tests.dist_utils import run_ranks
@@ -56,7 +57,7 @@ def _rank(rank, world):
         return regions
 
     blocks.split = split
-    # config blocks is off by default (blocks.enabled says why)
+    # config blocks is "auto" by default, which leaves the CPU whole (blocks.resolve says why)
     out = W.train_sharded(rank, world, STEPS, 1, {"compiler": "inductor", "passes": PASSES, "blocks": True},
                           model_overrides={"n_layer": N_LAYER})
     from deepcompile.runtime import ops
@@ -120,3 +121,36 @@ def _reference():
         opt.step()
         opt.zero_grad()
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_blocks_setting_resolves_per_device_and_auto_falls_back_to_the_whole_graph(monkeypatch):
+    """Config ``blocks``: "auto" (the default) cuts on CUDA only, never with another compiler or
+    CUDA graphs; true cuts anywhere. Where "auto" cuts and the regions fail, the graph is compiled
+    whole with a warning naming the error (a user's run goes on); with true the error is raised."""
+    import warnings
+
+    from deepcompile import blocks
+    from deepcompile.config import Config, ConfigError
+
+    cfg = Config.load({})
+    assert cfg.blocks == "auto"
+    assert blocks.resolve(cfg, "cuda") == "auto" and blocks.resolve(cfg, "cpu") is None
+    assert blocks.resolve(Config.load({"blocks": True}), "cpu") == "on"
+    assert blocks.resolve(Config.load({"blocks": False}), "cuda") is None
+    assert blocks.resolve(Config.load({"compiler": "aot_eager"}), "cuda") is None
+    assert blocks.resolve(Config.load({"cuda_graphs": True}), "cuda") is None
+    with pytest.raises(ConfigError, match=r"config\.blocks: expected true, false or 'auto', got 'yes'"):
+        Config.load({"blocks": "yes"})
+
+    def broken(*a, **k):
+        raise RuntimeError("region 3 could not be lowered")
+
+    monkeypatch.setattr(blocks, "_compile_graph", broken)
+    inputs = [torch.zeros(2, 3)]
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        assert blocks.compile_graph(None, inputs, None, "auto", is_backward=True) is None
+    assert any("backward graph is compiled whole" in str(m.message) and "region 3 could not be lowered"
+               in str(m.message) for m in w), [str(m.message) for m in w]
+    with pytest.raises(RuntimeError, match="region 3"):
+        blocks.compile_graph(None, inputs, None, "on")
