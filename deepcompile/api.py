@@ -139,10 +139,17 @@ class DeepCompileModel(nn.Module):
             return
         phases = self.dc_backend.phases.get(self.dc_step) or {}
         total = sum(phases.values())
+        # the graphs this step compiled as block regions (config blocks; blocks.STATS is this process's)
+        seen = self.__dict__.get("_dc_blocks_seen", 0)
+        cut = blocks.STATS[seen:]
+        object.__setattr__(self, "_dc_blocks_seen", len(blocks.STATS))
         if total <= 0 or total < PROGRESS_MIN_S:   # (<= 0: nothing ran, even with a threshold of 0)
             return
         parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 0.05)
         line = f"deepcompile: step {self.dc_step}: {total:.1f} s of one-time work ({parts})"
+        if cut:
+            line += (f"; Inductor compiled {sum(s['compiled'] for s in cut)} distinct regions for "
+                     f"{sum(s['regions'] for s in cut)} block regions of {len(cut)} graphs (config blocks)")
         if self.dc_backend.profiling:
             line += "; this step is profiled"
         plan = self.dc_plan or {}

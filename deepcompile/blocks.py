@@ -52,9 +52,12 @@ How
    so the pool compiles one region's kernels while the next is lowered.
 
 Only used where it pays: a graph with fewer than two regions of one key is compiled whole,
-as before (so small models, irregular graphs and config ``blocks: false``, the default, behave exactly as
-they did). Costs of the cut: no fusion across a block boundary (the residual add at the end of
-a block and the next block's norm are separate kernels), one Python call per block.
+as before (so small models, irregular graphs, the CPU under the default ``blocks: "auto"`` and
+``blocks: false`` behave exactly as they did; ``resolve`` says when it applies). Costs of the cut: no
+fusion across a block boundary (the residual add at the end of a block and the next block's norm
+are separate kernels: 549 kernels a step against 538 at 16 layers on the H100, the same GPU time
+within 0.5%), one Python call per region (the main thread's CPU time per step about 1.4 ms more at
+32 layers, in 2 pairs).
 
 Decision and rejected alternatives
 ----------------------------------

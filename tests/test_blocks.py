@@ -58,8 +58,13 @@ def _rank(rank, world):
 
     blocks.split = split
     # config blocks is "auto" by default, which leaves the CPU whole (blocks.resolve says why)
-    out = W.train_sharded(rank, world, STEPS, 1, {"compiler": "inductor", "passes": PASSES, "blocks": True},
-                          model_overrides={"n_layer": N_LAYER})
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):  # rank 0's progress lines
+        out = W.train_sharded(rank, world, STEPS, 1, {"compiler": "inductor", "passes": PASSES, "blocks": True},
+                              model_overrides={"n_layer": N_LAYER})
     from deepcompile.runtime import ops
 
     st = dict(ops.C.stats())
@@ -71,7 +76,7 @@ def _rank(rank, world):
     return {"losses": out["losses"], "state": out["state"], "stats": list(blocks.STATS),
             "calls": calls, "placed": placed, "layer": layer,
             "reduce_ops": st["reduce_ops"], "reduce_calls": st["reduce_calls"],
-            "live": out["live_after_fwd"] + out["live_after_bwd"]}
+            "live": out["live_after_fwd"] + out["live_after_bwd"], "progress": err.getvalue()}
 
 
 def test_identical_blocks_compile_once_and_match_reference():
@@ -90,6 +95,11 @@ def test_identical_blocks_compile_once_and_match_reference():
     # the backward's reduce calls do not cross a block boundary, so the blocks stay identical, and
     # they are still grouped (one call per gradient cost more host time than the regions saved)
     assert 0 < r0["reduce_ops"] < r0["reduce_calls"] / 2, (r0["reduce_ops"], r0["reduce_calls"])
+
+    # the user sees it: the compiling step's progress line counts the regions
+    want = (f"Inductor compiled {sum(x['compiled'] for x in r0['stats'])} distinct regions for "
+            f"{sum(x['regions'] for x in r0['stats'])} block regions of {len(r0['stats'])} graphs")
+    assert want in r0["progress"], r0["progress"]
 
     ref_losses, ref_state = _reference()
     mean = torch.tensor([sum(x) / 2 for x in zip(results[0]["losses"], results[1]["losses"])])

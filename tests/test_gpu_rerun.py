@@ -11,20 +11,22 @@ from tests.dist_utils import run_ranks
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")]
 
 
-@pytest.mark.parametrize("blocks", [False, True], ids=["whole", "blocks"])
-def test_rerun_from_seeded_caches_matches_unsharded(tmp_path, monkeypatch, blocks):
-    """``blocks``: config ``blocks`` at 4 layers (the middle blocks share one region compile;
-    the re-run loads the regions' driver from the same seeded entry)."""
+@pytest.mark.parametrize("blocks,accumulation", [(False, 1), ("auto", 1), ("auto", 2)],
+                         ids=["whole", "blocks", "blocks-accumulation2"])
+def test_rerun_from_seeded_caches_matches_unsharded(tmp_path, monkeypatch, blocks, accumulation):
+    """``blocks``: config ``blocks`` (its default, "auto": on CUDA) at 4 layers (the middle blocks
+    share one region compile; the re-run loads the regions' driver from the same seeded entry);
+    whole: ``blocks: false``."""
     from tests.workloads import train_reference, train_sharded
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "inductor" / "triton"))
     over = {"n_layer": 4} if blocks else None
     world, steps = min(2, torch.cuda.device_count()), 10
-    ref_losses, ref_state = train_reference(world, steps, 1, device="cuda:0", model_overrides=over)
+    ref_losses, ref_state = train_reference(world, steps, accumulation, device="cuda:0", model_overrides=over)
     for run in ("planning run", "re-run"):
-        results = run_ranks(train_sharded, world, steps, 1, {"compiler": "inductor", "default_schedule": True, "blocks": blocks},
-                            over, backend="nccl", timeout=600)
+        cfg = {"compiler": "inductor", "default_schedule": True, **({} if blocks == "auto" else {"blocks": blocks})}
+        results = run_ranks(train_sharded, world, steps, accumulation, cfg, over, backend="nccl", timeout=600)
         mean = torch.tensor([r["losses"] for r in results]).mean(0)
         torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=mean.dtype), rtol=1e-4, atol=1e-5,
                                    msg=lambda m: f"{run}: {m}")
