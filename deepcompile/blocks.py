@@ -52,12 +52,11 @@ How
    so the pool compiles one region's kernels while the next is lowered.
 
 Only used where it pays: a graph with fewer than two regions of one key is compiled whole,
-as before (so small models, irregular graphs, the CPU under the default ``blocks: "auto"`` and
-``blocks: false`` behave exactly as they did; ``resolve`` says when it applies). Costs of the cut: no
+as before (so small models, irregular graphs, ``blocks: false`` (the default) and the CPU under
+``"auto"`` behave exactly as they did; ``resolve`` says when it applies). Costs of the cut: no
 fusion across a block boundary (the residual add at the end of a block and the next block's norm
 are separate kernels: 549 kernels a step against 538 at 16 layers on the H100, the same GPU time
-within 0.5%), one Python call per region (the main thread's CPU time per step about 1.4 ms more at
-32 layers, in 2 pairs).
+within 0.5%), one Python call per region; the step was about 5% slower at 32 layers (``resolve``).
 
 Decision and rejected alternatives
 ----------------------------------
@@ -117,22 +116,23 @@ LOADED: list[int] = []
 
 def resolve(config, device_type: str) -> str | None:
     """How the final graphs compile, from config ``blocks``: "on" (``true``: any device, an error
-    is raised), "auto" (``"auto"``, the default, on a CUDA device: a graph that cannot be cut is
-    compiled whole, with a warning) or None (whole graphs: ``false``, auto off CUDA, another
-    compiler than Inductor, or CUDA graphs). The backend's compile and the reduce grouping
+    is raised), "auto" (``"auto"`` on a CUDA device: a graph that cannot be cut is compiled whole,
+    with a warning) or None (whole graphs: ``false``, the default; auto off CUDA; another compiler
+    than Inductor; CUDA graphs). The backend's compile and the reduce grouping
     (``ReduceLayout.by_block``) both take it from here (api.initialize).
 
-    Why auto means CUDA: on the GPU the cut pays for itself at once. One H100, 16 layers, default
-    plan, session 17: the first fast step took 37.7 s cold against 55.4 s whole (Inductor 10.5 s
-    against 22.8); one H200, session 16: 33.7-45.7 s against 41.8-48.4, and at 32 layers
-    57.4-70.3 s against 65.0-86.1. The step: on the H100, 4 pairs of processes, median 71.4 ms
-    against 70.6 (blocks slower in 2 of 4 pairs), the main thread's CPU time per step the same
-    (21.6-29.0 ms against 22.3-27.4), the GPU's kernel time per step the same (27.7 against
-    27.8 ms in the trace's count); on the H200, session 16, median 59.6 against 56.6 ms at 16
-    layers (3 of 3 pairs slower) and 109.8 against 104.6 at 32 (2 of 4). On the CPU each region
-    is its own C++ module and compiler run, which only breaks even near 16 layers (module
-    docstring), so auto leaves the CPU whole."""
-    v = getattr(config, "blocks", "auto")
+    Off by default, on measurement (benchmarks/README.md, sessions 16 and 17; one process per
+    run, modes alternating). Blocks shorten every cold compile. On one H100 the first fast step
+    took 35.4-37.7 s against 46.3-55.4 at 16 layers and 57.2-78.4 against 89.3-94.1 at 32
+    (Inductor's phase 10.5-12.0 s against 18.4-22.8, and 15.9-18.7 against 35.6-42.0). But the
+    step is slower at 32 layers: in 4 of 4 pairs on the H100 (+1.4%, +8%, +7.4%, +5.2%), and 2 of 4
+    on an H200. At 16 layers no difference was measurable on the H100 (4 of 8 pairs slower, the
+    same GPU kernel time), but 3 of 3 pairs were slower on the H200 (+5%). Issue 18 asks for an
+    unchanged step. The cost is not split by cause yet: the main thread's CPU time was higher in
+    every 32-layer pair (1.4-7.6 ms, spin-waits on the GPU included), one Python call per region,
+    no fusion across a boundary (+11 kernels a step at 16 layers). "auto" leaves the CPU whole: each
+    region is its own C++ compile there, which only breaks even near 16 layers (module docstring)."""
+    v = getattr(config, "blocks", False)
     if v is False or getattr(config, "compiler", "inductor") != "inductor" or getattr(config, "cuda_graphs", False):
         return None
     if v is True:

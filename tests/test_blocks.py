@@ -57,7 +57,7 @@ def _rank(rank, world):
         return regions
 
     blocks.split = split
-    # config blocks is "auto" by default, which leaves the CPU whole (blocks.resolve says why)
+    # config blocks is off by default (blocks.resolve says why)
     import contextlib
     import io
 
@@ -134,21 +134,21 @@ def _reference():
 
 
 def test_blocks_setting_resolves_per_device_and_auto_falls_back_to_the_whole_graph(monkeypatch):
-    """Config ``blocks``: "auto" (the default) cuts on CUDA only, never with another compiler or
-    CUDA graphs; true cuts anywhere. Where "auto" cuts and the regions fail, the graph is compiled
+    """Config ``blocks``: false (the default) never cuts; "auto" cuts on CUDA only, never with
+    another compiler or CUDA graphs; true cuts anywhere. Where "auto" cuts and the regions fail, the graph is compiled
     whole with a warning naming the error (a user's run goes on); with true the error is raised."""
     import warnings
 
     from deepcompile import blocks
     from deepcompile.config import Config, ConfigError
 
-    cfg = Config.load({})
-    assert cfg.blocks == "auto"
+    assert Config.load({}).blocks is False and blocks.resolve(Config.load({}), "cuda") is None
+    cfg = Config.load({"blocks": "auto"})
     assert blocks.resolve(cfg, "cuda") == "auto" and blocks.resolve(cfg, "cpu") is None
     assert blocks.resolve(Config.load({"blocks": True}), "cpu") == "on"
     assert blocks.resolve(Config.load({"blocks": False}), "cuda") is None
-    assert blocks.resolve(Config.load({"compiler": "aot_eager"}), "cuda") is None
-    assert blocks.resolve(Config.load({"cuda_graphs": True}), "cuda") is None
+    assert blocks.resolve(Config.load({"blocks": "auto", "compiler": "aot_eager"}), "cuda") is None
+    assert blocks.resolve(Config.load({"blocks": True, "cuda_graphs": True}), "cuda") is None
     with pytest.raises(ConfigError, match=r"config\.blocks: expected true, false or 'auto', got 'yes'"):
         Config.load({"blocks": "yes"})
 

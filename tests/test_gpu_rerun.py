@@ -14,9 +14,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 1,
 @pytest.mark.parametrize("blocks,accumulation", [(False, 1), ("auto", 1), ("auto", 2)],
                          ids=["whole", "blocks", "blocks-accumulation2"])
 def test_rerun_from_seeded_caches_matches_unsharded(tmp_path, monkeypatch, blocks, accumulation):
-    """``blocks``: config ``blocks`` (its default, "auto": on CUDA) at 4 layers (the middle blocks
-    share one region compile; the re-run loads the regions' driver from the same seeded entry);
-    whole: ``blocks: false``."""
+    """``blocks``: config ``blocks: "auto"`` at 4 layers (the middle blocks share one region
+    compile; the re-run loads the regions' driver from the same seeded entry); whole: ``blocks:
+    false``, the default."""
     from tests.workloads import train_reference, train_sharded
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
@@ -25,7 +25,7 @@ def test_rerun_from_seeded_caches_matches_unsharded(tmp_path, monkeypatch, block
     world, steps = min(2, torch.cuda.device_count()), 10
     ref_losses, ref_state = train_reference(world, steps, accumulation, device="cuda:0", model_overrides=over)
     for run in ("planning run", "re-run"):
-        cfg = {"compiler": "inductor", "default_schedule": True, **({} if blocks == "auto" else {"blocks": blocks})}
+        cfg = {"compiler": "inductor", "default_schedule": True, "blocks": blocks}
         results = run_ranks(train_sharded, world, steps, accumulation, cfg, over, backend="nccl", timeout=600)
         mean = torch.tensor([r["losses"] for r in results]).mean(0)
         torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=mean.dtype), rtol=1e-4, atol=1e-5,
