@@ -125,12 +125,15 @@ def resolve(config, device_type: str) -> str | None:
     run, modes alternating). Blocks shorten every cold compile. On one H100 the first fast step
     took 35.4-37.7 s against 46.3-55.4 at 16 layers and 57.2-78.4 against 89.3-94.1 at 32
     (Inductor's phase 10.5-12.0 s against 18.4-22.8, and 15.9-18.7 against 35.6-42.0). But the
-    step is slower at 32 layers: in 4 of 4 pairs on the H100 (+1.4%, +8%, +7.4%, +5.2%), and 2 of 4
-    on an H200. At 16 layers no difference was measurable on the H100 (4 of 8 pairs slower, the
-    same GPU kernel time), but 3 of 3 pairs were slower on the H200 (+5%). Issue 18 asks for an
-    unchanged step. The cost is not split by cause yet: the main thread's CPU time was higher in
-    every 32-layer pair (1.4-7.6 ms, spin-waits on the GPU included), one Python call per region,
-    no fusion across a boundary (+11 kernels a step at 16 layers). "auto" leaves the CPU whole: each
+    step is slower at 32 layers: in 5 of 5 pairs on the H100 (+1.4% to +12%), and 2 of 4 on an
+    H200. At 16 layers no difference was measurable on the H100 (4 of 8 pairs slower), but 3 of 3
+    pairs were slower on the H200 (+5%). Issue 18 asks for an unchanged step.
+
+    The cost is on the host: a trace at 32 layers shows the same GPU kernel time (52.1 against
+    52.7 ms per counted step; 1054 kernels against 1035, the boundaries' unfused pointwise
+    kernels). The main thread's CPU time was higher in every 32-layer pair (by 1.4-14.8 ms, spin-waits
+    included). Which host work costs it is not found yet. The per-region Python that cProfile sees
+    (the driver, the regions' generated ``call``, ``CompiledFxGraph.__call__``) explains only part. "auto" leaves the CPU whole: each
     region is its own C++ compile there, which only breaks even near 16 layers (module docstring)."""
     v = getattr(config, "blocks", False)
     if v is False or getattr(config, "compiler", "inductor") != "inductor" or getattr(config, "cuda_graphs", False):
