@@ -56,7 +56,8 @@ as before (so small models, irregular graphs, ``blocks: false`` (the default) an
 ``"auto"`` behave exactly as they did; ``resolve`` says when it applies). Costs of the cut: no
 fusion across a block boundary (the residual add at the end of a block and the next block's norm
 are separate kernels: 549 kernels a step against 538 at 16 layers on the H100, the same GPU time
-within 0.5%), one Python call per region; the step was about 5% slower at 32 layers (``resolve``).
+within 0.5%), one Python call per region; the step was 1-12% slower at 32 layers, in host time
+(``resolve``).
 
 Decision and rejected alternatives
 ----------------------------------
@@ -133,8 +134,10 @@ def resolve(config, device_type: str) -> str | None:
     52.7 ms per counted step; 1054 kernels against 1035, the boundaries' unfused pointwise
     kernels). The main thread's CPU time was higher in every 32-layer pair (by 1.4-14.8 ms, spin-waits
     included). Which host work costs it is not found yet. The per-region Python that cProfile sees
-    (the driver, the regions' generated ``call``, ``CompiledFxGraph.__call__``) explains only part. "auto" leaves the CPU whole: each
-    region is its own C++ compile there, which only breaks even near 16 layers (module docstring)."""
+    (the driver, the regions' generated ``call``, ``CompiledFxGraph.__call__``) explains only part.
+
+    "auto" leaves the CPU whole: each region is its own C++ compile there, which only breaks even
+    near 16 layers (module docstring)."""
     v = getattr(config, "blocks", False)
     if v is False or getattr(config, "compiler", "inductor") != "inductor" or getattr(config, "cuda_graphs", False):
         return None
