@@ -668,11 +668,19 @@ def train_steps(model, opt, autocast, batches, args):
         import cProfile
         cprof = cProfile.Profile()
         cprof.enable()
+    # BENCH_CPROFILE_STEPS=PATH: rank 0 runs the timed steps (not the compiles) under cProfile, to
+    # compare the host's Python per step of two configurations (functions' own time / steps)
+    steps_path = os.environ.get("BENCH_CPROFILE_STEPS") if os.environ.get("RANK", "0") == "0" else None
+    steps_prof = None
     for s in range(total):
         if cprof is not None and s == args.warmup:
             cprof.disable()
             cprof.dump_stats(cprof_path)
             cprof = None
+        if steps_path and s == args.warmup:
+            import cProfile
+            steps_prof = cProfile.Profile()
+            steps_prof.enable()
         t0, c0 = time.perf_counter(), time.thread_time()
         for j in range(acc):
             x = batches[(s * acc + j) % len(batches)]
@@ -716,6 +724,9 @@ def train_steps(model, opt, autocast, batches, args):
         if s < args.warmup or s == total - 1:
             log(f"  step {s}: {times[-1] * 1e3:.1f} ms loss {losses[-1]:.4f}"
                 + (" (warm-up)" if s < args.warmup else ""))
+    if steps_prof is not None:
+        steps_prof.disable()
+        steps_prof.dump_stats(steps_path)
     trace_steps(model, opt, autocast, batches, args)
     args.host_times, args.host_cpu_times = host, host_cpu
     return times, losses
