@@ -37,6 +37,11 @@ def _child(fn, rank, world, port, backend, out_dir, args):
             torch.cuda.set_device(rank)
         if backend is not None:
             dist.init_process_group(backend, rank=rank, world_size=world)
+            if backend == "gloo":
+                # no rank starts (and may finish and exit) before every rank's gloo mesh is
+                # connected: a rank still connecting to one that exited fails its init with
+                # "connectFullMesh failed ... Connection closed by peer" (seen in CI)
+                dist.barrier()
         result = fn(rank, world, *args)
         path.write_bytes(pickle.dumps(("ok", result)))
         if backend is not None:
