@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deepcompile import blocks, compat
-from deepcompile.backend import Backend
+from deepcompile.backend import Backend, paused_gc
 from deepcompile.config import Config
 from deepcompile.dynamic import DynamicDims
 from deepcompile.runtime import ops, optim_chunks, optimizer_state, seqcheck
@@ -48,8 +48,40 @@ class DeepCompileModel(nn.Module):
         object.__setattr__(self, "dc_dynamic", DynamicDims())  # input dims that vary, agreed across ranks
         object.__setattr__(self, "dc_plan", None)  # the planner's choice and why (deepcompile.plan.planner)
         object.__setattr__(self, "dc_seqcheck", None)  # per-step collective count check (initialize sets it)
+        object.__setattr__(self, "_dc_gc_paused", False)  # the collector paused while compiling (forward)
+        object.__setattr__(self, "_dc_forward_step", -1)  # the step of the last forward
 
     def forward(self, *args, **kwargs):
+        # The collector waits from the first forward to the end of the last compiling step
+        # (backend.paused_gc says why; _dc_on_optimizer_step ends the pause), or to a second
+        # forward in one step that compiled nothing: a loop without optimizer steps (evaluation)
+        # must not run with it off
+        step, frames = self.dc_step, compat.dynamo_frames_compiled()
+        if step <= self._dc_last_compile_step and not self._dc_gc_paused:
+            paused_gc.pause()
+            object.__setattr__(self, "_dc_gc_paused", True)
+        try:
+            out = self._dc_forward(*args, **kwargs)
+        except BaseException:
+            self._dc_resume_gc(collect=False)
+            raise
+        if self._dc_gc_paused and step == self._dc_forward_step and compat.dynamo_frames_compiled() == frames:
+            self._dc_resume_gc(collect=True)
+        object.__setattr__(self, "_dc_forward_step", step)
+        return out
+
+    def _dc_resume_gc(self, collect: bool) -> None:
+        if self._dc_gc_paused:
+            object.__setattr__(self, "_dc_gc_paused", False)
+            paused_gc.resume(collect)
+
+    @property
+    def _dc_last_compile_step(self) -> int:
+        """The last step whose forward may compile: the last scheduled re-compile (a pass
+        change, Dynamo or a re-trace later than that, e.g. new input shapes, runs as usual)."""
+        return max([0, self.dc_config.profile_step or 0] + [e.step for e in self.dc_config.schedule])
+
+    def _dc_forward(self, *args, **kwargs):
         passes = self.dc_config.passes_at(self.dc_step)
         profiling = self.dc_step == self.dc_config.profile_step
         if self.dc_backend.plan_cache is not None and self.dc_backend.plan_cache.hit:
@@ -130,6 +162,8 @@ class DeepCompileModel(nn.Module):
         self.dc_backend.end_step()
         self.dc_dynamic.at_step_end(self.dc_config, self.dc_step, self.dc_group)  # collective before a re-compile
         object.__setattr__(self, "dc_step", self.dc_step + 1)
+        if self.dc_step > self._dc_last_compile_step:
+            self._dc_resume_gc(collect=True)
 
     def _dc_progress(self) -> None:
         """One line on rank 0 for each step that spent a second or more compiling, profiling or

@@ -381,24 +381,33 @@ def make_plan(regions: list[Region], artifact: list[int], placeholders: list[fx.
 
 def run_plan(plan: Plan, fns: list[Callable]):
     """The boxed driver: run the regions in order, free each value after its last reader (the
-    outer argument list is cleared at once, as Inductor's own compiled graphs do)."""
-    steps = [(fns[a], ins, consts, outs, free) for a, ins, consts, outs, free in plan.steps]
-    n_slots, unread, out_slots, as_list = plan.n_slots, plan.unread, plan.outs, plan.out_list
+    outer argument list is cleared at once, as Inductor's own compiled graphs do).
 
-    def run(args):
-        vals: list[Any] = list(args) + [None] * (n_slots - len(args))
-        args.clear()
-        for s in unread:
-            vals[s] = None
-        for fn, ins, consts, outs, free in steps:
-            res = fn([vals[s] for s in ins] + consts)
-            for s in free:
-                vals[s] = None
-            for s, v in zip(outs, res):
-                vals[s] = v
-        out = [None if s is None else vals[s] for s in out_slots]
-        return out if as_list else tuple(out)
-
+    Generated as straight-line Python (one local per value, the ids as literals), as Inductor
+    writes its own wrappers: the loop it replaces indexed a list per input and output and was
+    1.7 ms of host time per step at 32 layers under cProfile (H100, session 18), the largest
+    cost blocks add to a step."""
+    n_outer = plan.n_slots - sum(len(outs) for _, _, _, outs, _ in plan.steps)
+    v = [f"v{i}" for i in range(plan.n_slots)]
+    lines = ["def run(args):"]
+    if n_outer:
+        lines.append(f"    {', '.join(v[:n_outer])}, = args")
+    lines.append("    args.clear()")
+    if plan.unread:
+        lines.append(f"    del {', '.join(v[s] for s in plan.unread)}")
+    for a, ins, consts, outs, free in plan.steps:
+        call = f"f{a}([{', '.join([v[s] for s in ins] + [str(int(c)) for c in consts])}])"
+        if outs:
+            lines.append(f"    {', '.join(v[s] for s in outs)}, *_ = {call}")
+        else:
+            lines.append(f"    {call}")
+        if free:
+            lines.append(f"    del {', '.join(v[s] for s in free)}")
+    out = ", ".join("None" if s is None else v[s] for s in plan.outs)
+    lines.append(f"    return [{out}]" if plan.out_list else f"    return ({out}{',' if len(plan.outs) == 1 else ''})")
+    scope = {f"f{i}": fn for i, fn in enumerate(fns)}
+    exec(compile("\n".join(lines), "<deepcompile blocks driver>", "exec"), scope)  # noqa: S102 - our own plan
+    run = scope["run"]
     run._boxed_call = True
     return run
 

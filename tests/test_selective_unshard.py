@@ -234,3 +234,25 @@ def test_grouped_kept_gathers_match_reference_and_gather_once_per_optimizer_step
     wait_pos = [pos[n["name"]] for n in waits]
     assert wait_pos == sorted(wait_pos) and wait_pos[-1] > compute[len(compute) // 2]  # spread over the forward
     assert [w["args"][1] for w in waits] == [s["args"][1] for s in starts]  # waited in issue order
+
+
+def test_kept_groups_hold_whole_decoder_blocks():
+    """Groups never split a block: cut by size alone, 1 MiB parameters in 3 MiB groups would
+    straddle the 2 MiB layers ([1, 2, 3], [4, 5, 6]) so that no two layers wait alike and
+    blocks.py compiles every forward region on its own. A block over ``group_mb`` starts its own
+    groups, cut by size; the block after it starts afresh."""
+    import torch
+
+    from deepcompile.runtime import ops
+
+    ops.ensure_registered()
+    DC = torch.ops.dc
+    sizes = {1: 1024, 2: 1024, 3: 1024, 4: 1024, 5: 1024, 6: 1024, 7: 1024, 8: 1024, 9: 1024, 10: 1024, 11: 1024}
+    block = {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 2, 7: 3, 8: 3, 9: 3, 10: 3, 11: 4}
+    gm, uses, meta = _chain_graph(sizes)
+    for p, n in uses.items():  # the scope Dynamo records: block i of a ModuleList
+        n.meta["nn_module_stack"] = {"L__self___layers": (f"L['self'].layers.{block[p]}", torch.nn.Linear)}
+    _run_pass(gm, meta, list(sizes), "forward", 3.0)
+    starts = [list(n.args[1]) for n in gm.graph.nodes if n.target is DC.gather_persistent_start.default]
+    # blocks 0+1 would be 4 MiB: apart; block 3 (4 MiB) is cut by size; block 4 starts afresh
+    assert starts == [[1, 2], [3, 4], [5, 6], [7, 8, 9], [10], [11]], starts
