@@ -398,7 +398,7 @@ def run_plan(plan: Plan, fns: list[Callable]):
     for a, ins, consts, outs, free in plan.steps:
         call = f"f{a}([{', '.join([v[s] for s in ins] + [str(int(c)) for c in consts])}])"
         if outs:
-            lines.append(f"    {', '.join(v[s] for s in outs)}, *_ = {call}")
+            lines.append(f"    {', '.join(v[s] for s in outs)}, = {call}")  # (no star: 255 names at most)
         else:
             lines.append(f"    {call}")
         if free:

@@ -164,3 +164,45 @@ def test_blocks_setting_resolves_per_device_and_auto_falls_back_to_the_whole_gra
                in str(m.message) for m in w), [str(m.message) for m in w]
     with pytest.raises(RuntimeError, match="region 3"):
         blocks.compile_graph(None, inputs, None, "on")
+
+
+def test_driver_runs_regions_in_order_frees_values_and_takes_hundreds_of_values():
+    """The generated driver (blocks.run_plan) on a plan as large as a 32-layer graph's: 600
+    outer inputs, a region with 300 outputs (the first forward region hands every gathered
+    parameter on), ids as literals; each value is dropped after its last reader, the argument
+    list is cleared, and the outputs come back as the graph's list or tuple."""
+    import gc
+    import weakref
+
+    from deepcompile import blocks
+
+    n_outer, wide = 600, 300
+    seen = []
+
+    class Box:  # a value whose death the test can see
+        def __init__(self, v):
+            self.v = v
+
+    def spread(a):  # region 0: reads every outer input, writes `wide` values
+        seen.append(("spread", len(a), a[-1]))
+        return tuple(Box(a[i].v + a[n_outer - 1 - i].v) for i in range(wide))
+
+    def total(a):  # region 1: reads region 0's values and two ids
+        seen.append(("total", len(a), a[-2:]))
+        return [Box(sum(b.v for b in a[:-2]))]
+
+    steps = [(0, list(range(n_outer)), [7], list(range(n_outer, n_outer + wide)), list(range(1, n_outer))),
+             (1, list(range(n_outer, n_outer + wide)), [11, 12], [n_outer + wide],
+              list(range(n_outer, n_outer + wide)))]
+    plan = blocks.Plan(steps, n_outer + wide + 1, [], [n_outer + wide, None, 0], True)
+    run = blocks.run_plan(plan, [spread, total])
+    args = [Box(i) for i in range(n_outer)]
+    refs = [weakref.ref(a) for a in args]
+    out = run(args)
+    assert args == []
+    assert seen == [("spread", n_outer + 1, 7), ("total", wide + 2, [11, 12])]
+    assert out[0].v == wide * (n_outer - 1) and out[1] is None and out[2].v == 0
+    gc.collect()
+    assert [r() is not None for r in refs] == [True] + [False] * (n_outer - 1)  # input 0 is an output
+    assert isinstance(blocks.run_plan(blocks.Plan(steps, n_outer + wide + 1, [], [0], False),
+                                      [spread, total])([Box(i) for i in range(n_outer)]), tuple)
