@@ -7,6 +7,7 @@ one of those runs the configured passes in order and then the inner compiler:
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -708,19 +709,23 @@ class Backend:
                 failed.append(f"{type(e).__name__}: {str(e)[:200]}")
         t_workers = time.perf_counter()
         out, fw_strides, restrided = [], {}, 0
-        for k, g, inputs in ready:
-            with compat.trace_once_context(k.traced):
-                if k.kind == "backward" and k.graph_id in fw_strides:
-                    inputs, n = self._restride(k, fw_strides, g, inputs)
-                    restrided += n
-                fn = self._final_inductor(k, g, inputs, fw_strides, timed=False)
-            out.append((k, fn))
+        # block regions: every graph's kernels are waited for once, after the last graph is
+        # lowered (compat.blocks_deferred_kernel_wait), not each graph's before the next
+        with (compat.blocks_deferred_kernel_wait() if self.blocks else contextlib.nullcontext()) as waits:
+            for k, g, inputs in ready:
+                with compat.trace_once_context(k.traced):
+                    if k.kind == "backward" and k.graph_id in fw_strides:
+                        inputs, n = self._restride(k, fw_strides, g, inputs)
+                        restrided += n
+                    fn = self._final_inductor(k, g, inputs, fw_strides, timed=False)
+                out.append((k, fn))
         self.add_phase("inductor", time.perf_counter() - t0)
         self.workers_log.append({
             "workers": self.workers.n, "graphs": len(ready), "sent": sum(j is not None for j in jobs),
             "cache_hits": compat.fx_graph_cache_hits() - hits0, "failed": failed,
             "pickle_s": round(t_sent - t0, 3), "workers_s": round(t_workers - t_sent, 3),
-            "here_s": round(time.perf_counter() - t_workers, 3)})
+            "here_s": round(time.perf_counter() - t_workers, 3),
+            "kernel_wait_s": round(getattr(waits, "wait_s", 0.0), 3)})
         return out, restrided
 
     def _cannot_retarget(self, dynamic_changed: bool = False) -> str | None:
