@@ -583,39 +583,45 @@ class Backend:
         try:
             parallel = self._workers_for(compiler)
             ready: list[tuple[_Kept, fx.GraphModule, list]] = []
-            for k in sorted(self.kept, key=lambda k: (k.graph_id, k.kind == "backward")):
-                tg = k.traced
-                t0 = time.perf_counter()
-                g = compat.fresh_copy(tg)
-                inputs = tg.example_inputs
-                if not parallel and k.kind == "backward" and k.graph_id in fw_strides:
-                    inputs, n = self._restride(k, fw_strides, g, inputs)
-                    restrided += n
-                self.add_phase("reuse", time.perf_counter() - t0)
-                if k.kind in ("forward", "inference"):  # the record keeps one Dynamo graph per compile
-                    self._observe(GraphVersion(k.graph_id, "dynamo", "input", k.dynamo_nodes, [
-                        f"trace once: the step-{old[1]} trace reused (no Dynamo, no AOTAutograd)"], step=step))
-                with compat.trace_once_context(tg):
-                    g = self.run_passes(g, k.graph_id, k.kind)
-                    sig = _signature(g)
-                    if sig != k.signature:
-                        raise _Mismatch(f"graph {k.graph_id} {k.kind}: the passes {[e.name for e in passes]} "
-                                        f"give it {sig[0]} inputs / {len(sig[1])} outputs (None at "
-                                        f"{[i for i, z in enumerate(sig[1]) if z]}), the traced runtime expects "
-                                        f"{k.signature[0]} / {len(k.signature[1])} (None at "
-                                        f"{[i for i, z in enumerate(k.signature[1]) if z]})")
-                    if compiler == "inductor" and not tg.kw:
-                        raise _Mismatch("the warm-up graphs were not traced for Inductor")
-                    if parallel:
-                        ready.append((k, g, inputs))
-                        continue
-                    if compiler == "inductor":
-                        fn = self._final_inductor(k, g, inputs, fw_strides)
-                    elif compiler == "eager":
-                        fn = compat.interpret(g)
-                    else:
-                        fn = compat.boxed_graph(g)
-                new.append((k, fn))
+            # block regions: the forward's kernels compile while the backward is lowered, and all
+            # are waited for once (compat.blocks_deferred_kernel_wait)
+            defer = self.blocks and compiler == "inductor" and not parallel
+            with (compat.blocks_deferred_kernel_wait() if defer else contextlib.nullcontext()) as waits:
+                for k in sorted(self.kept, key=lambda k: (k.graph_id, k.kind == "backward")):
+                    tg = k.traced
+                    t0 = time.perf_counter()
+                    g = compat.fresh_copy(tg)
+                    inputs = tg.example_inputs
+                    if not parallel and k.kind == "backward" and k.graph_id in fw_strides:
+                        inputs, n = self._restride(k, fw_strides, g, inputs)
+                        restrided += n
+                    self.add_phase("reuse", time.perf_counter() - t0)
+                    if k.kind in ("forward", "inference"):  # the record keeps one Dynamo graph per compile
+                        self._observe(GraphVersion(k.graph_id, "dynamo", "input", k.dynamo_nodes, [
+                            f"trace once: the step-{old[1]} trace reused (no Dynamo, no AOTAutograd)"], step=step))
+                    with compat.trace_once_context(tg):
+                        g = self.run_passes(g, k.graph_id, k.kind)
+                        sig = _signature(g)
+                        if sig != k.signature:
+                            raise _Mismatch(f"graph {k.graph_id} {k.kind}: the passes {[e.name for e in passes]} "
+                                            f"give it {sig[0]} inputs / {len(sig[1])} outputs (None at "
+                                            f"{[i for i, z in enumerate(sig[1]) if z]}), the traced runtime expects "
+                                            f"{k.signature[0]} / {len(k.signature[1])} (None at "
+                                            f"{[i for i, z in enumerate(k.signature[1]) if z]})")
+                        if compiler == "inductor" and not tg.kw:
+                            raise _Mismatch("the warm-up graphs were not traced for Inductor")
+                        if parallel:
+                            ready.append((k, g, inputs))
+                            continue
+                        if compiler == "inductor":
+                            fn = self._final_inductor(k, g, inputs, fw_strides)
+                        elif compiler == "eager":
+                            fn = compat.interpret(g)
+                        else:
+                            fn = compat.boxed_graph(g)
+                    new.append((k, fn))
+            if defer:  # the wait is Inductor's (each graph's own compile was timed without it)
+                self.add_phase("inductor", waits.wait_s, step)
             if parallel:
                 new, restrided = self._compile_at_once(ready)
         except Exception as e:  # noqa: BLE001 - anything unexpected: re-trace, never run half-swapped

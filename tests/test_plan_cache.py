@@ -257,6 +257,9 @@ def test_rerun_of_a_blocks_plan_takes_its_driver_from_the_aot_cache(tmp_path, mo
     assert first["cache"]["hit"] is False and second["cache"]["hit"]
     made = first["blocks"]
     assert made and all(s["cached"] is True and s["reused"] >= 1 for s in made), made
+    # the planning run's re-compile waited for the forward's and the backward's kernels together,
+    # after both were lowered (Backend.retarget), not each graph for its own (and it trained)
+    assert all(s["kernel_waits_deferred"] == 0 for s in made), made
     assert first["aot_seed"].get("saved") == 1, first["aot_seed"]
     assert second["aot_hits"] == [0], second["aot_hits"]
     assert second["blocks"] == [], second["blocks"]            # nothing compiled in the re-run
