@@ -56,8 +56,8 @@ as before (so small models, irregular graphs, ``blocks: false`` (the default) an
 ``"auto"`` behave exactly as they did; ``resolve`` says when it applies). Costs of the cut: no
 fusion across a block boundary (the residual add at the end of a block and the next block's norm
 are separate kernels: 549 kernels a step against 538 at 16 layers on the H100, the same GPU time
-within 0.5%), one Python call per region; the step was 1-12% slower at 32 layers, in host time
-(``resolve``).
+within 0.5%), one Python call per region; the step was slower at 32 layers in 7 of 9 pairs, in
+host time (``resolve``).
 
 Decision and rejected alternatives
 ----------------------------------
@@ -122,19 +122,20 @@ def resolve(config, device_type: str) -> str | None:
     than Inductor; CUDA graphs). The backend's compile and the reduce grouping
     (``ReduceLayout.by_block``) both take it from here (api.initialize).
 
-    Off by default, on measurement (benchmarks/README.md, sessions 16 and 17; one process per
-    run, modes alternating). Blocks shorten every cold compile. On one H100 the first fast step
-    took 35.4-37.7 s against 46.3-55.4 at 16 layers and 57.2-78.4 against 89.3-94.1 at 32
-    (Inductor's phase 10.5-12.0 s against 18.4-22.8, and 15.9-18.7 against 35.6-42.0). But the
-    step is slower at 32 layers: in 5 of 5 pairs on the H100 (+1.4% to +12%), and 2 of 4 on an
-    H200. At 16 layers no difference was measurable on the H100 (4 of 8 pairs slower), but 3 of 3
-    pairs were slower on the H200 (+5%). Issue 18 asks for an unchanged step.
+    Off by default, on measurement (benchmarks/README.md, sessions 16-18; one process per run,
+    modes alternating). Blocks shorten every cold compile. On one H100 (session 18) the first fast
+    step took 34.3-41.4 s against 46.1-48.2 at 16 layers and 50.9-70.4 against 75.9-94.6 at 32
+    (Inductor's phase 10.4-11.8 s against 16.5-21.2, and 10.8-15.7 against 28.5-38.8). The step:
+    at 32 layers blocks were slower in 7 of 9 pairs on the H100 (-15% to +12%) and 2 of 4 on an
+    H200; at 16 layers 5 of 10 on the H100 and 3 of 3 (+5%) on the H200. Issue 18 asks for an
+    unchanged step.
 
-    The cost is on the host: a trace at 32 layers shows the same GPU kernel time (52.1 against
+    Any cost is on the host: a trace at 32 layers shows the same GPU kernel time (52.1 against
     52.7 ms per counted step; 1054 kernels against 1035, the boundaries' unfused pointwise
-    kernels). The main thread's CPU time was higher in every 32-layer pair (by 1.4-14.8 ms, spin-waits
-    included). Which host work costs it is not found yet. The per-region Python that cProfile sees
-    (the driver, the regions' generated ``call``, ``CompiledFxGraph.__call__``) explains only part.
+    kernels). cProfile of the timed steps (session 18) attributes ~3.6 ms a step to what blocks
+    add (the driver, now generated code, 1.7; input realignment 0.95; input size asserts 0.55;
+    device guards 0.4; all inflated by the profiler), while the main thread's CPU time per step
+    varies by up to 14 ms between identical processes of one call.
 
     "auto" leaves the CPU whole: each region is its own C++ compile there, which only breaks even
     near 16 layers (module docstring)."""

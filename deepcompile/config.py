@@ -144,8 +144,9 @@ class Config:
                                    "are cut into regions along the model's repeated blocks (entries of an "
                                    "nn.ModuleList) and identical regions share one Inductor compile "
                                    "(deepcompile/blocks.py), so the compile stops growing with depth (a cold "
-                                   "compile 9-32 s shorter on one H100), at a cost to the step (1-12% at 32 "
-                                   "layers); the backward's reduce calls are cut at block boundaries. Inductor "
+                                   "compile 7-32 s shorter on one H100), at a possible cost to the step (slower "
+                                   "in 7 of 9 pairs at 32 layers, -15% to +12%); the backward's reduce calls are "
+                                   "cut at block boundaries. Inductor "
                                    "without cuda_graphs only. false (default): whole graphs; 'auto': on CUDA "
                                    "devices, a graph it cannot cut compiled whole with a warning; true: on any "
                                    "device, errors raised")
