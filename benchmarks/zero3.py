@@ -651,6 +651,25 @@ def step_sync(args) -> None:
         sync(args)
 
 
+def _rank0_profile(var: str):
+    """(cProfile.Profile, path), already enabled, on rank 0 when the environment variable ``var``
+    names a path; None otherwise."""
+    path = os.environ.get(var) if os.environ.get("RANK", "0") == "0" else None
+    if not path:
+        return None
+    import cProfile
+
+    p = cProfile.Profile()
+    p.enable()
+    return p, path
+
+
+def _dump_profile(prof) -> None:
+    if prof is not None:
+        prof[0].disable()
+        prof[0].dump_stats(prof[1])
+
+
 def train_steps(model, opt, autocast, batches, args):
     times, losses, host, host_cpu = [], [], [], []
     total = args.warmup + args.steps
@@ -661,26 +680,14 @@ def train_steps(model, opt, autocast, batches, args):
     peaks = {"fb": 0, "opt": 0, "fb_steps": [], "opt_steps": []}
     args.peak_split = peaks if split else None
     # BENCH_CPROFILE=PATH: rank 0 runs the warm-up (every compile) under cProfile and writes the
-    # stats to PATH, to see where a phase's seconds go on the machine that measures them
-    cprof_path = os.environ.get("BENCH_CPROFILE") if os.environ.get("RANK", "0") == "0" else None
-    cprof = None
-    if cprof_path:
-        import cProfile
-        cprof = cProfile.Profile()
-        cprof.enable()
-    # BENCH_CPROFILE_STEPS=PATH: rank 0 runs the timed steps (not the compiles) under cProfile, to
-    # compare the host's Python per step of two configurations (functions' own time / steps)
-    steps_path = os.environ.get("BENCH_CPROFILE_STEPS") if os.environ.get("RANK", "0") == "0" else None
-    steps_prof = None
+    # stats to PATH, to see where a phase's seconds go on the machine that measures them;
+    # BENCH_CPROFILE_STEPS=PATH: the timed steps (not the compiles), to compare the host's Python
+    # per step of two configurations (functions' own time / steps)
+    prof = _rank0_profile("BENCH_CPROFILE")
     for s in range(total):
-        if cprof is not None and s == args.warmup:
-            cprof.disable()
-            cprof.dump_stats(cprof_path)
-            cprof = None
-        if steps_path and s == args.warmup:
-            import cProfile
-            steps_prof = cProfile.Profile()
-            steps_prof.enable()
+        if s == args.warmup:
+            _dump_profile(prof)
+            prof = _rank0_profile("BENCH_CPROFILE_STEPS")
         t0, c0 = time.perf_counter(), time.thread_time()
         for j in range(acc):
             x = batches[(s * acc + j) % len(batches)]
@@ -724,9 +731,7 @@ def train_steps(model, opt, autocast, batches, args):
         if s < args.warmup or s == total - 1:
             log(f"  step {s}: {times[-1] * 1e3:.1f} ms loss {losses[-1]:.4f}"
                 + (" (warm-up)" if s < args.warmup else ""))
-    if steps_prof is not None:
-        steps_prof.disable()
-        steps_prof.dump_stats(steps_path)
+    _dump_profile(prof)
     trace_steps(model, opt, autocast, batches, args)
     args.host_times, args.host_cpu_times = host, host_cpu
     return times, losses
