@@ -50,13 +50,15 @@ class DeepCompileModel(nn.Module):
         object.__setattr__(self, "dc_seqcheck", None)  # per-step collective count check (initialize sets it)
         object.__setattr__(self, "_dc_gc_paused", False)  # the collector paused while compiling (forward)
         object.__setattr__(self, "_dc_forward_step", -1)  # the step of the last forward
+        object.__setattr__(self, "_dc_forwards_in_step", 0)  # and how many forwards that step ran
 
     def forward(self, *args, **kwargs):
-        # The collector waits from the first forward to the end of the last compiling step
-        # (backend.paused_gc says why; _dc_on_optimizer_step ends the pause), or to a second
-        # forward in one step that compiled nothing: a loop without optimizer steps (evaluation)
-        # must not run with it off
+        # The collector waits from a compiling step's first forward to its optimizer step
+        # (backend.paused_gc says why; _dc_on_optimizer_step ends the pause), or to a forward
+        # past the step's micro-batches that compiled nothing: a loop without optimizer steps
+        # (evaluation) must not run with it off
         step, frames = self.dc_step, compat.dynamo_frames_compiled()
+        seen = self._dc_forwards_in_step + 1 if step == self._dc_forward_step else 1
         if step <= self._dc_last_compile_step and not self._dc_gc_paused:
             paused_gc.pause()
             object.__setattr__(self, "_dc_gc_paused", True)
@@ -65,15 +67,17 @@ class DeepCompileModel(nn.Module):
         except BaseException:
             self._dc_resume_gc(collect=False)
             raise
-        if self._dc_gc_paused and step == self._dc_forward_step and compat.dynamo_frames_compiled() == frames:
+        if self._dc_gc_paused and seen > self.dc_config.gradient_accumulation_steps \
+                and compat.dynamo_frames_compiled() == frames:
             self._dc_resume_gc(collect=True)
         object.__setattr__(self, "_dc_forward_step", step)
+        object.__setattr__(self, "_dc_forwards_in_step", seen)
         return out
 
-    def _dc_resume_gc(self, collect: bool) -> None:
+    def _dc_resume_gc(self, collect: bool, freeze: bool = False) -> None:
         if self._dc_gc_paused:
             object.__setattr__(self, "_dc_gc_paused", False)
-            paused_gc.resume(collect)
+            paused_gc.resume(collect, freeze)
 
     @property
     def _dc_last_compile_step(self) -> int:
@@ -162,8 +166,12 @@ class DeepCompileModel(nn.Module):
         self.dc_backend.end_step()
         self.dc_dynamic.at_step_end(self.dc_config, self.dc_step, self.dc_group)  # collective before a re-compile
         object.__setattr__(self, "dc_step", self.dc_step + 1)
+        # the compiling steps' collector: back on between them (the compile's heap frozen), and
+        # one full collection after the last (backend.paused_gc)
         if self.dc_step > self._dc_last_compile_step:
             self._dc_resume_gc(collect=True)
+        else:
+            self._dc_resume_gc(collect=False, freeze=True)
 
     def _dc_progress(self) -> None:
         """One line on rank 0 for each step that spent a second or more compiling, profiling or
