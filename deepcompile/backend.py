@@ -74,6 +74,7 @@ class paused_gc:
     resumed = False
     dynamo_gc = None  # Dynamo's own collection after each frame, off while paused
     frozen = False    # objects frozen between two compiling steps (resume's freeze)
+    theirs = False    # the user had frozen objects before our first freeze
 
     def __init__(self, collect: bool = False):
         self.collect = collect
@@ -111,13 +112,17 @@ class paused_gc:
         if not paused_gc.resumed:
             return  # the user's own gc.disable() stays
         if freeze and not collect:
+            if not paused_gc.frozen:
+                # objects the user froze (e.g. before forking workers) must stay frozen: then the
+                # compile's heap stays frozen with them rather than unfreezing theirs at the end
+                paused_gc.theirs = gc.get_freeze_count() > 0
             gc.freeze()
             paused_gc.frozen = True
         gc.enable()
         if collect:
-            if paused_gc.frozen:
+            if paused_gc.frozen and not paused_gc.theirs:
                 gc.unfreeze()
-                paused_gc.frozen = False
+            paused_gc.frozen = False
             gc.collect()
 
 
