@@ -51,13 +51,20 @@ class DeepCompileModel(nn.Module):
         object.__setattr__(self, "_dc_gc_paused", False)  # the collector paused while compiling (forward)
         object.__setattr__(self, "_dc_forward_step", -1)  # the step of the last forward
         object.__setattr__(self, "_dc_forwards_in_step", 0)  # and how many forwards that step ran
+        # the last step whose forward compiles: the last scheduled re-compile (a later one, e.g.
+        # for new input shapes, pauses the collector in the backend's own compile calls only)
+        object.__setattr__(self, "_dc_last_compile_step",
+                           max([0, config.profile_step or 0] + [e.step for e in config.schedule]))
 
     def forward(self, *args, **kwargs):
         # The collector waits from a compiling step's first forward to its optimizer step
         # (backend.paused_gc says why; _dc_on_optimizer_step ends the pause), or to a forward
         # past the step's micro-batches that compiled nothing: a loop without optimizer steps
         # (evaluation) must not run with it off
-        step, frames = self.dc_step, compat.dynamo_frames_compiled()
+        step = self.dc_step
+        if step > self._dc_last_compile_step and not self._dc_gc_paused:
+            return self._dc_forward(*args, **kwargs)  # training at speed: nothing to decide
+        frames = compat.dynamo_frames_compiled()
         seen = self._dc_forwards_in_step + 1 if step == self._dc_forward_step else 1
         if step <= self._dc_last_compile_step and not self._dc_gc_paused:
             paused_gc.pause()
@@ -78,12 +85,6 @@ class DeepCompileModel(nn.Module):
         if self._dc_gc_paused:
             object.__setattr__(self, "_dc_gc_paused", False)
             paused_gc.resume(collect, freeze)
-
-    @property
-    def _dc_last_compile_step(self) -> int:
-        """The last step whose forward may compile: the last scheduled re-compile (a pass
-        change, Dynamo or a re-trace later than that, e.g. new input shapes, runs as usual)."""
-        return max([0, self.dc_config.profile_step or 0] + [e.step for e in self.dc_config.schedule])
 
     def _dc_forward(self, *args, **kwargs):
         passes = self.dc_config.passes_at(self.dc_step)

@@ -59,7 +59,8 @@ class _Slot:
 
 class paused_gc:
     """Python's cyclic garbage collector off while we compile (re-entrant; a collector the user
-    turned off stays off). ``collect``: one full collection when the outermost pause ends.
+    turned off stays off): ``with paused_gc()`` around one compile, or ``pause`` / ``resume``
+    across a compiling step (``api``).
 
     A compile allocates millions of long-lived objects (FX nodes, fake tensors, sympy
     expressions, the planner's graph copies), and every time the heap grows by a quarter a full
@@ -76,15 +77,12 @@ class paused_gc:
     frozen = False    # objects frozen between two compiling steps (resume's freeze)
     theirs = False    # the user had frozen objects before our first freeze
 
-    def __init__(self, collect: bool = False):
-        self.collect = collect
-
     def __enter__(self):
         paused_gc.pause()
         return self
 
     def __exit__(self, *exc):
-        paused_gc.resume(self.collect and exc[0] is None)
+        paused_gc.resume()
         return False
 
     @staticmethod
@@ -603,8 +601,8 @@ class Backend:
             parallel = self._workers_for(compiler)
             ready: list[tuple[_Kept, fx.GraphModule, list]] = []
             # block regions: the forward's kernels compile while the backward is lowered, and all
-            # are waited for once (compat.blocks_deferred_kernel_wait)
-            defer = self.blocks and compiler == "inductor" and not parallel
+            # are waited for once (compat.blocks_deferred_kernel_wait), here or in the workers' path
+            defer = self.blocks and compiler == "inductor"
             with (compat.blocks_deferred_kernel_wait() if defer else contextlib.nullcontext()) as waits:
                 for k in sorted(self.kept, key=lambda k: (k.graph_id, k.kind == "backward")):
                     tg = k.traced
@@ -639,10 +637,10 @@ class Backend:
                         else:
                             fn = compat.boxed_graph(g)
                     new.append((k, fn))
+                if parallel:
+                    new, restrided = self._compile_at_once(ready)
             if defer:  # the wait is Inductor's (each graph's own compile was timed without it)
                 self.add_phase("inductor", waits.wait_s, step)
-            if parallel:
-                new, restrided = self._compile_at_once(ready)
         except Exception as e:  # noqa: BLE001 - anything unexpected: re-trace, never run half-swapped
             if isinstance(e, _Mismatch):
                 why = str(e)
@@ -734,23 +732,19 @@ class Backend:
                 failed.append(f"{type(e).__name__}: {str(e)[:200]}")
         t_workers = time.perf_counter()
         out, fw_strides, restrided = [], {}, 0
-        # block regions: every graph's kernels are waited for once, after the last graph is
-        # lowered (compat.blocks_deferred_kernel_wait), not each graph's before the next
-        with (compat.blocks_deferred_kernel_wait() if self.blocks else contextlib.nullcontext()) as waits:
-            for k, g, inputs in ready:
-                with compat.trace_once_context(k.traced):
-                    if k.kind == "backward" and k.graph_id in fw_strides:
-                        inputs, n = self._restride(k, fw_strides, g, inputs)
-                        restrided += n
-                    fn = self._final_inductor(k, g, inputs, fw_strides, timed=False)
-                out.append((k, fn))
+        for k, g, inputs in ready:
+            with compat.trace_once_context(k.traced):
+                if k.kind == "backward" and k.graph_id in fw_strides:
+                    inputs, n = self._restride(k, fw_strides, g, inputs)
+                    restrided += n
+                fn = self._final_inductor(k, g, inputs, fw_strides, timed=False)
+            out.append((k, fn))
         self.add_phase("inductor", time.perf_counter() - t0)
         self.workers_log.append({
             "workers": self.workers.n, "graphs": len(ready), "sent": sum(j is not None for j in jobs),
             "cache_hits": compat.fx_graph_cache_hits() - hits0, "failed": failed,
             "pickle_s": round(t_sent - t0, 3), "workers_s": round(t_workers - t_sent, 3),
-            "here_s": round(time.perf_counter() - t_workers, 3),
-            "kernel_wait_s": round(getattr(waits, "wait_s", 0.0), 3)})
+            "here_s": round(time.perf_counter() - t_workers, 3)})
         return out, restrided
 
     def _cannot_retarget(self, dynamic_changed: bool = False) -> str | None:

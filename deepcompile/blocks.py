@@ -160,7 +160,7 @@ _OUTSIDE = ("outside",)
 MIN_REGION_NODES = 16  # runs with fewer compute nodes join a neighbour (see split)
 
 
-def _label(n: fx.Node):
+def block_label(n: fx.Node):
     """(prefix, index, class name) of the outermost list-indexed scope; _OUTSIDE for a scoped
     node outside any block; None for a node that follows its neighbour (no scope, or a dc op)."""
     if _is_dc(n):
@@ -194,10 +194,10 @@ def running_labels(graph: fx.Graph) -> dict[fx.Node, Any]:
     """The block label of every compute node as ``split`` cuts them: its own, or for a dc op
     or an unscoped node the label of the node before it (the first such nodes: the first label)."""
     body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
-    cur = next((lab for lab in map(_label, body) if lab is not None), _OUTSIDE)
+    cur = next((lab for lab in map(block_label, body) if lab is not None), _OUTSIDE)
     out: dict[fx.Node, Any] = {}
     for n in body:
-        lab = _label(n)
+        lab = block_label(n)
         if lab is not None:
             cur = lab
         out[n] = cur

@@ -212,10 +212,10 @@ def _issue_pids(n: fx.Node) -> list[int]:
 
 
 def _groups(kept: list[int], ctx: PassContext, wait: dict[int, fx.Node],
-            first: dict[int, fx.Node] | None = None) -> list[list[int]]:
+            first: dict[int, fx.Node]) -> list[list[int]]:
     """``kept`` (in need order) cut into consecutive groups of up to ``group_mb`` MiB.
 
-    A group holds whole decoder blocks (the block of a parameter's first use, ``blocks._label``):
+    A group holds whole decoder blocks (the block of a parameter's first use, ``blocks.block_label``):
     consecutive parameters of one block are a unit, and units are packed while they fit. Cut by
     size alone, a group straddled layers by a different amount at every layer (a 112 MiB layer in
     128 MiB groups), so every block's forward waited for a different set and no two blocks were
@@ -227,7 +227,7 @@ def _groups(kept: list[int], ctx: PassContext, wait: dict[int, fx.Node],
     limit = ctx.params.group_mb * 2**20
     units: list[tuple[object, list[int]]] = []
     for pid in kept:
-        lab = blocks._label(first[pid]) if first is not None else None
+        lab = blocks.block_label(first[pid])
         if units and lab is not None and units[-1][0] == lab:
             units[-1][1].append(pid)
         else:
@@ -236,9 +236,10 @@ def _groups(kept: list[int], ctx: PassContext, wait: dict[int, fx.Node],
     size = 0.0
     for _, pids in units:
         sizes = [_gathered_bytes(ctx, pid, wait[pid]) for pid in pids]
-        if out and size + sum(sizes) <= limit:
+        total = sum(sizes)
+        if out and size + total <= limit:
             out[-1].extend(pids)
-            size += sum(sizes)
+            size += total
             continue
         out.append([])
         size = 0.0
@@ -248,7 +249,7 @@ def _groups(kept: list[int], ctx: PassContext, wait: dict[int, fx.Node],
                 size = 0.0
             out[-1].append(pid)
             size += b
-        if sum(sizes) > limit:
+        if total > limit:
             size = limit  # an oversized block's groups are its own: the next block starts afresh
     return out
 
