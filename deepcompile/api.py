@@ -66,7 +66,7 @@ class DeepCompileModel(nn.Module):
             return self._dc_forward(*args, **kwargs)  # training at speed: nothing to decide
         frames = compat.dynamo_frames_compiled()
         seen = self._dc_forwards_in_step + 1 if step == self._dc_forward_step else 1
-        if step <= self._dc_last_compile_step and not self._dc_gc_paused:
+        if seen == 1 and not self._dc_gc_paused:  # (a step's later forwards never pause again)
             paused_gc.pause()
             object.__setattr__(self, "_dc_gc_paused", True)
         try:
