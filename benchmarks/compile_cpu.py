@@ -43,7 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-PHASES = ("dynamo", "aot_autograd", "passes", "inductor", "profiling", "planner", "reuse")
+PHASES = ("dynamo", "aot_autograd", "flatten", "passes", "inductor", "profiling", "planner", "reuse")
 STEPS = 4
 
 
@@ -83,8 +83,10 @@ def _rank(rank: int, world: int, layers: int, hidden: int, seq: int, real_induct
     cfg._attn_implementation = "sdpa"
     model = LlamaForCausalLM(cfg).float().train()
     t0 = time.perf_counter()
+    # BENCH_DC_CONFIG: JSON merged into the config (an A/B of one setting, as benchmarks/zero3.py)
+    extra = json.loads(os.environ.get("BENCH_DC_CONFIG") or "{}")
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-4),
-                                        {"compiler": "inductor", "plan_cache": plan_cache})
+                                        {"compiler": "inductor", "plan_cache": plan_cache, **extra})
     init_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 256, (2, seq), generator=g)

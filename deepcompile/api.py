@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepcompile import blocks, compat
+from deepcompile import blocks, compat, nested
 from deepcompile.backend import Backend, paused_gc
 from deepcompile.config import Config
 from deepcompile.dynamic import DynamicDims
@@ -454,6 +454,8 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
             C.set_replicate_group(replicate_group)
         sharded = shard_module(model, group=shard_group, device=device,
                                gather_dtype=cfg.mixed_precision.torch_param_dtype())
+        if cfg.trace_blocks and not cfg.cuda_graphs:
+            nested.wrap(model)  # each distinct block traced once (nested.py)
         C.set_grad_scale(1.0 / (world * cfg.gradient_accumulation_steps))
         C.set_reduce_dtype(cfg.mixed_precision.torch_reduce_dtype())
         # the backward calls the runtime once per reduce bucket (passes/zero3.group_reduces)

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from deepcompile import compat
+from deepcompile import compat, nested
 from deepcompile.passes import PASSES, PassContext, make_params
 from deepcompile.profile.profiler import profiled_callable
 from deepcompile.record.graph import serialize
@@ -147,7 +147,7 @@ class _Kept:
     dynamo_nodes: list           # the Dynamo graph's serialized nodes (re-recorded at the re-compile)
 
 
-PHASES = ("dynamo", "aot_autograd", "passes", "inductor", "profiling", "planner", "reuse")
+PHASES = ("dynamo", "aot_autograd", "flatten", "passes", "inductor", "profiling", "planner", "reuse")
 
 
 def _signature(gm: fx.GraphModule) -> tuple:
@@ -218,7 +218,8 @@ class Backend:
         # compile seconds per optimizer step and phase (PHASES); see add_phase
         self.phases: dict[int, dict[str, float]] = {}
         self.call_seconds = 0.0         # total seconds inside __call__ (Dynamo's time excludes it)
-        self._acc = {"passes": 0.0, "inductor": 0.0, "aot_autograd": 0.0}  # for nested _timed
+        self._acc = {"passes": 0.0, "inductor": 0.0, "aot_autograd": 0.0, "flatten": 0.0}  # for nested _timed
+        self.nested_calls = 0           # nested-region calls inlined (deepcompile/nested.py)
         # Inductor's compile workers, started now so that they are up by the first Inductor
         # compile (after the warm-up steps); torch.compile's own backend does the same at its
         # entry, ours calls compile_fx directly (compat.warm_inductor_pool says why)
@@ -499,6 +500,15 @@ class Backend:
             self.plan_cache.on_graph(self, graph_id, gm, example_inputs)  # a hit sets the stored passes and profile
             if self.plan_cache.hit:
                 self.close_workers()  # the stored plan compiles now, through AOTAutograd: no re-compile
+        # blocks traced once (deepcompile/nested.py): each partitioned graph is flattened first
+        ids, names, renamed = nested.input_ids(example_inputs), {}, {}
+
+        def flat(g: fx.GraphModule) -> fx.GraphModule:
+            if ids or nested.has_regions(g):
+                t0 = time.perf_counter()
+                self.nested_calls += nested.flatten(g, ids, names, renamed)
+                self.add_phase("flatten", time.perf_counter() - t0)
+            return g
         compiler = self.config.compiler_at(self.step)
         if self.plan_cache is not None and self.plan_cache.hit:
             compiler = self.config.compiler  # the stored plan, compiled at step 0 with the final compiler
@@ -506,7 +516,7 @@ class Backend:
             compiler = "profile"
         if compiler == "inductor":
             def compile_inductor(g, inputs, kind, kw):
-                return self._inductor(self.run_passes(g, graph_id, kind), inputs, kw, f"g{graph_id}.{kind}")
+                return self._inductor(self.run_passes(flat(g), graph_id, kind), inputs, kw, f"g{graph_id}.{kind}")
             # timed per graph: a backward is compiled at its first run, outside __call__
             salt = self._aot_cache_salt()
             hits = compat.aot_cache_hits()
@@ -525,7 +535,10 @@ class Backend:
 
         def make(kind: str):
             def compile_one(g: fx.GraphModule, inputs, kw=None):
+                g = flat(g)
                 traced = compat.TracedGraph(g, inputs, kind, kw or {}) if keep else None
+                if traced is not None:
+                    traced.renamed = renamed  # the forward's inlined names, for its backward's restride
                 g = self.run_passes(g, graph_id, kind)
 
                 def sink(records, key=(graph_id, kind)):
@@ -686,12 +699,12 @@ class Backend:
             return self._inductor(g, inputs, k.traced.kw, f"g{k.graph_id}.{k.kind}", timed)
         with compat.report_output_strides() as strides:
             fn = self._inductor(g, inputs, k.traced.kw, f"g{k.graph_id}.{k.kind}", timed)
-        fw_strides[k.graph_id] = (k.traced.gm, list(strides or []))
+        fw_strides[k.graph_id] = (k.traced.gm, list(strides or []), k.traced.renamed)
         return fn
 
     def _restride(self, k: _Kept, fw_strides: dict, g: fx.GraphModule, inputs: list) -> tuple[list, int]:
-        fw_pre, strides = fw_strides[k.graph_id]
-        inputs, n, unmatched = compat.restride_saved(fw_pre, strides, g, inputs)
+        fw_pre, strides, renamed = fw_strides[k.graph_id]
+        inputs, n, unmatched = compat.restride_saved(fw_pre, strides, g, inputs, renamed)
         if unmatched:
             raise _Mismatch(f"graph {k.graph_id} backward: placeholders {unmatched[:5]} name no "
                             "forward output, so the forward's real strides cannot be carried over")

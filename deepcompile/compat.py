@@ -7,7 +7,7 @@ needed. Public extension points are used wherever torch has one: custom ops with
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
@@ -53,10 +53,122 @@ def tag_unshard_for_recompute(joint: fx.GraphModule) -> None:
     """
     from torch.utils.checkpoint import CheckpointPolicy
 
+    gathers = (torch.ops.dc.unshard.default, torch.ops.dc.unshard_block.default)
     for n in joint.graph.nodes:
-        if n.op == "call_function" and n.target is torch.ops.dc.unshard.default:
+        if n.op == "call_function" and n.target in gathers:
             n.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
             n.meta.setdefault("ac_graph_id", -1)
+
+
+# --- nested regions (deepcompile/nested.py) --------------------------------------------------
+
+def nested_region(fn: Callable) -> Callable:
+    """``torch.compiler.nested_compile_region`` (public since 2.8; 2.11 and 2.13): Dynamo traces a
+    call of ``fn`` as an ``invoke_subgraph`` higher-order op and installs one body for every call
+    whose traced graph and inputs' metadata are the same (keyed by the function object: every
+    layer must call this one wrapper); AOTAutograd traces and partitions each distinct body once."""
+    return torch.compiler.nested_compile_region(fn)
+
+
+def aot_input_index(node: fx.Node) -> int | None:
+    """The index into the Dynamo graph's example inputs of a placeholder of a partitioned graph:
+    AOTAutograd's input descriptor (``node.meta["desc"]``, ``PlainAOTInput(idx)``, set by
+    ``aot_module_simplified`` for the non-parameter inputs, which with Dynamo's inlined modules are
+    all of them; 2.11 and 2.13). The partitioner shares the joint node's meta with the placeholder
+    it makes in either graph, so a forward input saved for the backward keeps its descriptor."""
+    from torch._functorch._aot_autograd.descriptors import PlainAOTInput
+
+    d = node.meta.get("desc")
+    return d.idx if type(d) is PlainAOTInput else None
+
+
+def _restack(stack: dict | None, depth: int, call_stack: list) -> dict | None:
+    """A body node's module scope as it would read at this call: the body was traced at the first
+    call (its scope names that layer), so the call's own scope replaces the first ``depth`` entries
+    and that layer's path prefix in the deeper ones."""
+    if not stack or depth == 0 or len(stack) < depth:
+        return stack
+    items = list(stack.items())
+    old = items[depth - 1][1][0] if isinstance(items[depth - 1][1], (tuple, list)) else str(items[depth - 1][1])
+    new = call_stack[depth - 1][1][0] if isinstance(call_stack[depth - 1][1], (tuple, list)) else str(call_stack[depth - 1][1])
+    out = dict(call_stack[:depth])
+    for k, v in items[depth:]:
+        path, rest = (v[0], tuple(v[1:])) if isinstance(v, (tuple, list)) else (str(v), ())
+        if path == old or path.startswith(old + "."):
+            path = new + path[len(old):]
+        out[f"{k}@{new}"] = (path, *rest)
+    return out
+
+
+def inline_subgraphs(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """Replace every ``invoke_subgraph`` call of a partitioned graph by a copy of its body, in place
+    (nested calls too). The HOP's form (2.11 and 2.13): ``invoke_subgraph(get_attr body, identifier,
+    *operands)``, a tuple whose elements its users take with ``getitem``; the body's placeholders are
+    the operands in order. Each copied node keeps its meta, with its module scope rewritten to the
+    call's layer (``_restack``). Returns, for every ``getitem`` removed, the node that now stands for
+    it: the partitioner names a backward input after the forward node it receives (a value the
+    forward saved), so the backward graph's placeholders can be matched to the forward's values."""
+    import operator
+
+    aliases: dict[str, fx.Node] = {}
+    g = gm.graph
+    hop = torch.ops.higher_order.invoke_subgraph
+    while True:
+        calls = list(g.find_nodes(op="call_function", target=hop))
+        if not calls:
+            break
+        for call in calls:
+            body_ref, operands = call.args[0], call.args[2:]
+            body = getattr(gm, body_ref.target)
+            phs = [n for n in body.graph.nodes if n.op == "placeholder"]
+            if len(phs) != len(operands):
+                raise RuntimeError(f"deepcompile: {call.name} passes {len(operands)} operands to a body "
+                                   f"with {len(phs)} inputs")
+            call_stack = list((call.meta.get("nn_module_stack") or call.meta.get("fwd_nn_module_stack") or {}).items())
+            depth = len(call_stack)
+            env: dict[fx.Node, Any] = dict(zip(phs, operands))
+            outs: tuple = ()
+            with g.inserting_before(call):
+                for n in body.graph.nodes:
+                    if n.op == "placeholder":
+                        continue
+                    if n.op == "output":
+                        outs = tuple(fx.map_arg(n.args[0], lambda x: env[x]))
+                        continue
+                    if n.op == "get_attr":
+                        attr = f"_dc_inlined_{body_ref.target}_{n.target}".replace(".", "_")
+                        if not hasattr(gm, attr):
+                            setattr(gm, attr, getattr(body, n.target))
+                        new = g.get_attr(attr)
+                        new.meta = dict(n.meta)
+                    else:
+                        new = g.node_copy(n, lambda x: env[x])
+                        new.meta = dict(n.meta)
+                    for key in ("nn_module_stack", "fwd_nn_module_stack"):
+                        if key in new.meta:
+                            new.meta[key] = _restack(new.meta[key], depth, call_stack)
+                    env[n] = new
+            for u in list(call.users):
+                if u.op != "call_function" or u.target is not operator.getitem:
+                    raise RuntimeError(f"deepcompile: {u.format_node()} uses {call.name} other than by getitem")
+                v = outs[u.args[1]]
+                if isinstance(v, fx.Node):
+                    aliases[u.name] = v
+                    u.replace_all_uses_with(v, propagate_meta=False)
+                elif u.users:
+                    raise RuntimeError(f"deepcompile: {u.name} takes a non-tensor output ({v!r}) of {call.name}")
+                g.erase_node(u)
+            g.erase_node(call)
+            if not body_ref.users:
+                g.erase_node(body_ref)
+    for name, _ in list(gm.named_children()):
+        if not any(n.op == "get_attr" and n.target == name for n in g.nodes) and isinstance(getattr(gm, name), fx.GraphModule):
+            delattr(gm, name)
+    for k, v in list(aliases.items()):  # an alias of an alias (nested calls): the final node
+        while v.name in aliases and aliases[v.name] is not v:
+            v = aliases[v.name]
+        aliases[k] = v
+    return aliases
 
 
 def partition(joint: fx.GraphModule, joint_inputs, **kwargs):
@@ -886,6 +998,7 @@ class TracedGraph:
         self.example_inputs = list(example_inputs)
         self.kind = kind
         self.kw = dict(kw)
+        self.renamed: dict[str, str] = {}  # a forward's names removed by nested.flatten (restride_saved)
         self.tracing_context = torch._guards.TracingContext.try_get()
         self.fake_mode = detect_fake_mode(self.example_inputs)
         self.symbolic = any(isinstance(x, torch.SymInt) or (
@@ -943,7 +1056,8 @@ def report_output_strides():
     return torch._guards.TracingContext.report_output_strides()
 
 
-def restride_saved(fw: fx.GraphModule, strides, bw: fx.GraphModule, bw_inputs: list) -> tuple[list, int, list]:
+def restride_saved(fw: fx.GraphModule, strides, bw: fx.GraphModule, bw_inputs: list,
+                   renamed: dict[str, str] | None = None) -> tuple[list, int, list]:
     """The backward's example inputs with the strides the compiled forward really gives the saved
     activations: what AOTAutograd does between its forward and backward compile (2.11 and 2.13:
     ``fwd_output_strides[tensors_saved_for_backwards_slice]`` -> the backward's placeholder fake
@@ -956,7 +1070,8 @@ def restride_saved(fw: fx.GraphModule, strides, bw: fx.GraphModule, bw_inputs: l
     and the names are those of the graphs before our passes (the passes keep the output arity,
     which the backend checks). Returns (inputs, how many were restrided, the backward placeholders
     other than tangents that name no forward output: non-empty means the naming assumption does
-    not hold in this torch, and the caller must not trust the match)."""
+    not hold in this torch, and the caller must not trust the match). ``renamed``: forward names
+    the flattening of nested regions removed -> the node standing for each (nested.flatten)."""
     out = next(n for n in fw.graph.nodes if n.op == "output")
     fw_outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     by_name = {}
@@ -965,6 +1080,11 @@ def restride_saved(fw: fx.GraphModule, strides, bw: fx.GraphModule, bw_inputs: l
             by_name[n.name] = st
     placeholders = [n for n in bw.graph.nodes if n.op == "placeholder"]
     names = {n.name for n in fw_outs if isinstance(n, fx.Node)}
+    for old, new in (renamed or {}).items():
+        if new in names:
+            names.add(old)
+            if new in by_name:
+                by_name[old] = by_name[new]
     unmatched = [p.name for p in placeholders if not p.name.startswith("tangents") and p.name not in names]
     inputs, changed = list(bw_inputs), 0
     for i, (ph, x) in enumerate(zip(placeholders, bw_inputs)):

@@ -150,6 +150,13 @@ class Config:
                                    "without cuda_graphs only. false (default): whole graphs; 'auto': on CUDA "
                                    "devices, a graph it cannot cut compiled whole with a warning; true: on any "
                                    "device, errors raised")
+    trace_blocks: bool = spec(True, help="trace each distinct decoder block once: every entry of an nn.ModuleList "
+                                         "of modules of one class is traced as a nested compile region "
+                                         "(torch.compiler.nested_compile_region), so Dynamo installs, and "
+                                         "AOTAutograd traces and partitions, one body for identical layers; each "
+                                         "partitioned graph is flattened back before the passes "
+                                         "(deepcompile/nested.py), which see, plan and schedule the same flat "
+                                         "graph as before. Off with cuda_graphs. false: every layer traced")
     aot_cache: bool = spec(True, help="with a plan-cache hit, take the partitioned and compiled graphs from "
                                       "AOTAutograd's cache when an earlier run stored them: no joint trace, partition "
                                       "or passes (a warm re-run's largest cost); its graph versions come from the run "

@@ -69,9 +69,22 @@ class Unshard(nn.Module):
     def __init__(self, pid: int):
         super().__init__()
         self.pid = pid
+        # inside a block traced once (nested.wrap): the id as a 0-d CPU tensor, an input of the
+        # traced body rather than a constant of it, and the full shape and dtype the int form
+        # reads from ops.PARAMS by id
+        self.pid_t: torch.Tensor | None = None
+        self.full: tuple[list[int], torch.dtype] | None = None
+
+    def use_tensor_id(self) -> None:
+        m = ops.PARAMS[self.pid]
+        self.pid_t = torch.tensor(self.pid, dtype=torch.int64)
+        self.pid_t._dc_pid = self.pid  # read back from the Dynamo graph's inputs (nested.input_ids)
+        self.full = (list(m.shape), m.gather_dtype)
 
     def forward(self, shard: torch.Tensor) -> torch.Tensor:
-        return torch.ops.dc.unshard(shard, self.pid)
+        if self.pid_t is None:
+            return torch.ops.dc.unshard(shard, self.pid)
+        return torch.ops.dc.unshard_block(shard, self.pid_t, *self.full)
 
 
 @dataclass

@@ -59,6 +59,50 @@ REDUCE_LAYOUT: ReduceLayout | None = None
 
 _REGISTERED = False
 C = None  # the compiled extension module, once loaded
+_BLOCK_LIB = None  # the Python-defined fragment of the dc namespace (the block forms below)
+
+
+def _define_block_ops() -> None:
+    """``dc::unshard_block`` / ``dc::shard_grad_block``: ``unshard`` and ``shard_grad`` with the
+    parameter id as a 0-d CPU tensor instead of an int (deepcompile/nested.py). Inside a decoder
+    block traced once as a nested region, an int id would be a constant of the traced body and
+    no two layers would share it; a tensor id is one more input of the body. The full shape and
+    dtype (which the int form reads from :data:`PARAMS` by id) come as arguments, the same for
+    every layer of a block. They exist only between Dynamo and our first pass: every compiled
+    graph gets them back as the int forms (``nested.resolve_ids``); the eager impls (a model run
+    outside the compile) call the int forms."""
+    global _BLOCK_LIB
+    if _BLOCK_LIB is not None:
+        return
+    lib = torch.library.Library("dc", "FRAGMENT")
+    tags = (torch.Tag.cudagraph_unsafe,)
+    lib.define("unshard_block(Tensor shard, Tensor pid, SymInt[] shape, ScalarType dtype) -> Tensor", tags=tags)
+    lib.define("shard_grad_block(Tensor grad, Tensor pid, SymInt[] shape, ScalarType dtype) -> Tensor", tags=tags)
+
+    def unshard_block(shard, pid, shape, dtype):
+        return torch.ops.dc.unshard(shard, int(pid))
+
+    def shard_grad_block(grad, pid, shape, dtype):
+        return torch.ops.dc.shard_grad(grad, int(pid))
+
+    lib.impl("unshard_block", unshard_block, "CompositeExplicitAutograd")
+    lib.impl("shard_grad_block", shard_grad_block, "CompositeExplicitAutograd")
+
+    def fake(t, pid, shape, dtype):
+        return t.new_empty(shape, dtype=dtype)
+
+    torch.library.register_fake("dc::unshard_block", fake, lib=lib)
+    torch.library.register_fake("dc::shard_grad_block", fake, lib=lib)
+
+    def setup(ctx, inputs, output):
+        shard, ctx.pid = inputs[0], inputs[1]
+        ctx.shape, ctx.dtype = list(shard.shape), shard.dtype
+
+    def backward(ctx, grad):
+        return torch.ops.dc.shard_grad_block(grad, ctx.pid, ctx.shape, ctx.dtype), None, None, None
+
+    torch.library.register_autograd("dc::unshard_block", backward, setup_context=setup, lib=lib)
+    _BLOCK_LIB = lib
 
 
 def _meta(pid: int) -> ParamMeta:
@@ -153,6 +197,7 @@ def ensure_registered():
         return torch.ops.dc.shard_grad(grad, ctx.pid), None
 
     lib.register_autograd("dc::unshard", _backward, setup_context=_setup)
+    _define_block_ops()
 
     # Side-effect ops must survive dead-code elimination (FX and Inductor); their schemas
     # already declare a mutated argument, this adds the explicit mark where torch has it.
