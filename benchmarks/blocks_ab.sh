@@ -12,33 +12,39 @@
 #
 # PAIRS re-run pairs after the cold pair (default 2); no run starts after BUDGET_S seconds (default
 # 500), so that the script fits a time-limited machine. Prints one line per run, then the diff.
+# AB_KEY=trace_blocks: the same A/B for another boolean config key (runs named "<key>" / "no_<key>"
+# instead of blocks / whole); AB_BASE='{"blocks": true}': config keys both modes share.
 set -u
 if [ $# -lt 2 ]; then
   sed -n '2,13p' "$0" >&2
   exit 2
 fi
 layers=$1 out=$2 pairs=${3:-2} budget=${4:-500}
+key=${AB_KEY:-blocks} base=${AB_BASE:-"{}"}
+on=blocks off=whole
+[ "$key" != blocks ] && on=$key off=no_$key
 here=$(dirname "$0")
 mkdir -p "$out"
 declare -A cache=([true]=$(mktemp -d) [false]=$(mktemp -d))
-run() { # name blocks [profile]
+run() { # name on/off [profile]
   local c=${cache[$2]}
-  TORCHINDUCTOR_CACHE_DIR=$c TRITON_CACHE_DIR=$c/triton BENCH_DC_CONFIG="{\"blocks\": $2}" \
+  TORCHINDUCTOR_CACHE_DIR=$c TRITON_CACHE_DIR=$c/triton \
+    BENCH_DC_CONFIG=$(python -c "import json,sys; d=json.loads(sys.argv[1]); d[sys.argv[2]]=sys.argv[3]=='true'; print(json.dumps(d))" "$base" "$key" "$2") \
     BENCH_CPROFILE_STEPS=${3:-} timeout 300 python "$here/zero3.py" --layers "$layers" --systems dc_default \
     --warmup 5 --steps 15 --no-plot --out "$out/$1.json" ${BENCH_ARGS:-} > "$out/$1.log" 2>&1
   echo "$1 rc=$? t=$SECONDS"
 }
-run L${layers}_whole_cold false
-run L${layers}_blocks_cold true
+run L${layers}_${off}_cold false
+run L${layers}_${on}_cold true
 for i in $(seq 1 "$pairs"); do
   for m in false true; do
-    name=L${layers}_$([ $m = true ] && echo blocks || echo whole)_$i
+    name=L${layers}_$([ $m = true ] && echo $on || echo $off)_$i
     [ $SECONDS -lt "$budget" ] && run "$name" $m "$([ "${PROFILE:-0}" = 1 ] && echo "$out/$name.prof")"
   done
 done
-python - "$out" "$layers" <<'PY'
+python - "$out" "$layers" "$on" "$off" <<'PY'
 import glob, json, os, pstats, sys
-out, layers = sys.argv[1], sys.argv[2]
+out, layers, on, off = sys.argv[1:5]
 for f in sorted(glob.glob(f"{out}/L{layers}_*.json")):
     e = json.load(open(f))["systems"]["dc_default"]
     if e.get("error"):
@@ -55,11 +61,11 @@ def own(path, steps=15):  # own seconds per step by function, "file:line(name)" 
         k = f"<generated>:{n}" if "torchinductor" in f or f.startswith("/tmp/") else f"{f.split('site-packages/')[-1]}:{l}({n})"
         d[k] = d.get(k, 0.0) + tt / steps
     return d
-profs = {m: sorted(glob.glob(f"{out}/L{layers}_{m}_*.prof")) for m in ("blocks", "whole")}
-if profs["blocks"] and profs["whole"]:
-    b, w = own(profs["blocks"][-1]), own(profs["whole"][-1])
-    print(f"cProfile own time per step (ms): blocks {sum(b.values()) * 1e3:.1f}, whole {sum(w.values()) * 1e3:.1f}")
+profs = {m: sorted(glob.glob(f"{out}/L{layers}_{m}_*.prof")) for m in (on, off)}
+if profs[on] and profs[off]:
+    b, w = own(profs[on][-1]), own(profs[off][-1])
+    print(f"cProfile own time per step (ms): {on} {sum(b.values()) * 1e3:.1f}, {off} {sum(w.values()) * 1e3:.1f}")
     diff = sorted(set(b) | set(w), key=lambda k: -abs(b.get(k, 0) - w.get(k, 0)))
     for k in diff[:25]:
-        print(f"{(b.get(k, 0) - w.get(k, 0)) * 1e3:+8.3f} ms  blocks {b.get(k, 0) * 1e3:7.3f}  whole {w.get(k, 0) * 1e3:7.3f}  {k[:110]}")
+        print(f"{(b.get(k, 0) - w.get(k, 0)) * 1e3:+8.3f} ms  {on} {b.get(k, 0) * 1e3:7.3f}  {off} {w.get(k, 0) * 1e3:7.3f}  {k[:110]}")
 PY

@@ -450,6 +450,7 @@ def dc_prediction(model, opt, res) -> None:
     res["aot_cache_hits"] = len(getattr(model.dc_backend, "aot_cache_hits", []))
     from deepcompile import blocks  # config blocks (BENCH_DC_CONFIG='{"blocks": true}'): regions per graph, compiled / reused, kernel wait
     res["blocks"] = [{k: v for k, v in s.items() if k != "labels"} for s in blocks.STATS]
+    res["nested_calls"] = model.dc_backend.nested_calls  # config trace_blocks: region calls flattened
     prof = model.dc_profile
     # the final graphs are Inductor's unless the run chose another compiler: fused pointwise ops
     p = predict(model.dc_graphs, prof, fused=model.dc_config.compiler == "inductor")
@@ -958,6 +959,7 @@ def summarise(name, per_rank, args, world) -> dict:
         entry["trace_once"] = r0.get("trace_once")
         entry["aot_cache_hits"] = r0.get("aot_cache_hits")
         entry["blocks"] = r0.get("blocks")
+        entry["nested_calls"] = r0.get("nested_calls")
     if args.device == "cuda":
         entry["peak_mem_gib_by_rank"] = {str(r["rank"]): r["peak_alloc_gib"] for r in ran}
         entry["peak_mem_gib"] = max(r["peak_alloc_gib"] for r in ran)

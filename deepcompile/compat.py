@@ -70,6 +70,59 @@ def nested_region(fn: Callable) -> Callable:
     return torch.compiler.nested_compile_region(fn)
 
 
+_SCHEMA_CACHE = None
+
+
+def cache_nested_region_schemas() -> bool:
+    """One schema per distinct body and operand metadata for ``invoke_subgraph`` (torch 2.11).
+
+    ``InvokeSubgraphHOP.gen_schema`` re-traces the body (``materialize_as_graph``) at every call it
+    is asked for, and 2.11 asks at every layer's call in each of AOTAutograd's passes over the
+    graph (autograd's ``maybe_run_autograd``, functionalization's alias/mutation checks): 80 traces
+    of the body at 16 layers, 8 of the 8.4 s of Dynamo+AOTAutograd under cProfile on this CPU, which
+    made the nested trace slower than the flat one (on the H100 host: AOTAutograd 17.3 s against
+    12.4). The schema is a function of the body and its operands' types and tensor metadata only
+    (``HopSchemaGenerator`` records argument types and whether the body mutates each; the outputs'
+    types), so it is cached on (body, identifier, that metadata); the body is held weakly. 2.13
+    does not re-trace per call (measured: no such cost), and is left as it is. Returns whether the
+    cache is installed."""
+    global _SCHEMA_CACHE
+    if _SCHEMA_CACHE is not None:
+        return True
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        return False
+    import weakref
+
+    try:
+        from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+    except ImportError:  # pragma: no cover
+        return False
+    original = InvokeSubgraphHOP.gen_schema
+    cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def meta(o):
+        if isinstance(o, torch.Tensor):
+            return (type(o).__name__, tuple(o.shape), tuple(o.stride()), o.dtype, o.device.type,
+                    o.requires_grad, o.storage_offset())
+        return (type(o).__name__,)
+
+    def gen_schema(self, subgraph, identifier, *operands):
+        body = getattr(subgraph, "subgraph", subgraph)
+        try:
+            key = (identifier, tuple(meta(o) for o in operands))
+            per_body = cache.setdefault(body, {})
+        except TypeError:  # unhashable metadata (symbolic sizes) or a body weakref cannot hold
+            return original(self, subgraph, identifier, *operands)
+        hit = per_body.get(key)
+        if hit is None:
+            hit = per_body[key] = original(self, subgraph, identifier, *operands)
+        return hit
+
+    InvokeSubgraphHOP.gen_schema = gen_schema
+    _SCHEMA_CACHE = cache
+    return True
+
+
 def aot_input_index(node: fx.Node) -> int | None:
     """The index into the Dynamo graph's example inputs of a placeholder of a partitioned graph:
     AOTAutograd's input descriptor (``node.meta["desc"]``, ``PlainAOTInput(idx)``, set by
@@ -98,6 +151,12 @@ def _restack(stack: dict | None, depth: int, call_stack: list) -> dict | None:
             path = new + path[len(old):]
         out[f"{k}@{new}"] = (path, *rest)
     return out
+
+
+def rename_node(n: fx.Node, name: str) -> None:
+    """Give ``n`` the name ``name`` if its graph has not used it (``Node._rename``, 2.11 and 2.13:
+    the namespace's next free name for the candidate, so a used name gets a suffix instead)."""
+    n._rename(name)
 
 
 def inline_subgraphs(gm: fx.GraphModule) -> dict[str, fx.Node]:
@@ -148,16 +207,26 @@ def inline_subgraphs(gm: fx.GraphModule) -> dict[str, fx.Node]:
                         if key in new.meta:
                             new.meta[key] = _restack(new.meta[key], depth, call_stack)
                     env[n] = new
+            copies = {env[n] for n in body.graph.nodes if n.op not in ("placeholder", "output")}
             for u in list(call.users):
                 if u.op != "call_function" or u.target is not operator.getitem:
                     raise RuntimeError(f"deepcompile: {u.format_node()} uses {call.name} other than by getitem")
                 v = outs[u.args[1]]
+                name = u.name
                 if isinstance(v, fx.Node):
-                    aliases[u.name] = v
+                    aliases[name] = v
                     u.replace_all_uses_with(v, propagate_meta=False)
                 elif u.users:
                     raise RuntimeError(f"deepcompile: {u.name} takes a non-tensor output ({v!r}) of {call.name}")
                 g.erase_node(u)
+                if isinstance(v, fx.Node) and v in copies:
+                    # the copy takes the name of the getitem it replaces: the partitioner names a
+                    # backward input after the forward value it receives (restride, offload plans
+                    # and our ids match on it). The erased getitem's name is unique among the live
+                    # nodes and stays reserved in the graph's namespace, so no new node takes it
+                    # (Node._rename would pick a fresh name instead).
+                    copies.discard(v)
+                    v.name = name
             g.erase_node(call)
             if not body_ref.users:
                 g.erase_node(body_ref)

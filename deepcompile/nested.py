@@ -78,7 +78,10 @@ def wrap(model: nn.Module) -> int:
     from deepcompile.sharding import Unshard
 
     n = 0
-    for lst in block_lists(model):
+    lists = block_lists(model)
+    if lists:
+        compat.cache_nested_region_schemas()
+    for lst in lists:
         for blk in lst:
             cls = type(blk)
             if getattr(cls, "_dc_nested_of", None) is None:
@@ -140,6 +143,8 @@ def flatten(gm: fx.GraphModule, ids: dict[int, int], names: dict[str, int],
     placeholder for a saved value keeps the removed name (``compat.restride_saved`` reads it).
     Returns the number of calls inlined."""
     hop = torch.ops.higher_order.invoke_subgraph
+    if renamed:
+        _rename_saved(gm, renamed)
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is hop)
     aliases = compat.inline_subgraphs(gm) if calls else {}
 
@@ -179,6 +184,29 @@ def flatten(gm: fx.GraphModule, ids: dict[int, int], names: dict[str, int],
     gm.graph.lint()
     gm.recompile()
     return calls
+
+
+def _rename_saved(gm: fx.GraphModule, renamed: dict[str, str]) -> None:
+    """A backward's inputs named after forward values the flattening removed take the name of the
+    forward node that stands for each: a body output that is one of its inputs (a layer's input
+    saved for its backward, its shard, its id) stands for the getitem that returned it. Every
+    pass that pairs a backward input with a forward value by name (offload_activations' reloads,
+    the trace-once restride, our ids) then pairs them as in a flat trace. Done before the
+    backward's own bodies are inlined, so none of their copies holds the name. A forward value
+    the backward already receives under its own name (saved twice) is used through that input;
+    the other stays, unused (the calling convention is fixed)."""
+    phs = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    for name, p in list(phs.items()):
+        target = renamed.get(name)
+        if target is None or target == name:
+            continue
+        other = phs.get(target)
+        if other is not None:
+            p.replace_all_uses_with(other)
+            continue
+        compat.rename_node(p, target)
+        if p.name == target:
+            phs[target] = p
 
 
 def check_flat(gm: fx.GraphModule) -> None:
