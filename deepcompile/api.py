@@ -105,13 +105,34 @@ class DeepCompileModel(nn.Module):
         ops.C.set_phase(0)
         b = self.dc_backend
         dyn0, call0 = compat.dynamo_compile_seconds(), b.call_seconds
+        graphs = b.next_graph_id
         try:
-            return self._dc_compiled(*args, **kwargs)
+            try:
+                return self._dc_compiled(*args, **kwargs)
+            except Exception as e:
+                if not (compat.is_dynamo_error(e) and b.next_graph_id == graphs and nested.is_wrapped(self.module)):
+                    raise
+                self._dc_trace_flat(e)
+                return self._dc_compiled(*args, **kwargs)
         finally:
             ops.C.set_phase(1)
             dyn1 = compat.dynamo_compile_seconds()
             if dyn1 is not None and dyn0 is not None and dyn1 > dyn0:  # Dynamo compiled a frame
                 b.add_phase("dynamo", (dyn1 - dyn0) - (b.call_seconds - call0))
+
+    def _dc_trace_flat(self, e: Exception) -> None:
+        """Dynamo could not trace a decoder block as a nested region (config trace_blocks; e.g. a
+        block that returns one of its inputs, which ``invoke_subgraph`` refuses): trace every layer,
+        as with trace_blocks false. Nothing was compiled yet (the caller checks), and every rank
+        fails the same way on the same model, so each falls back alike."""
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        warnings.warn(f"deepcompile: tracing the decoder blocks once failed ({type(e).__name__}: {first[:300]}); "
+                      "tracing every layer instead. Set config trace_blocks: false to skip the attempt.",
+                      stacklevel=4)
+        self.dc_backend.trace_blocks_failed = f"{type(e).__name__}: {first[:300]}"
+        nested.unwrap(self.module)
+        compat.reset_dynamo(self.module)
+        object.__setattr__(self, "_dc_compiled", torch.compile(self.module, backend=self.dc_backend))
 
     def _recompile(self, passes, profiling: bool = False, dynamic_changed: bool = False) -> None:
         optimizer_state.MANAGER.plan(0)  # the new pass list decides again (nothing, without offload_optimizer)

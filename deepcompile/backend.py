@@ -220,6 +220,8 @@ class Backend:
         self.call_seconds = 0.0         # total seconds inside __call__ (Dynamo's time excludes it)
         self._acc = {"passes": 0.0, "inductor": 0.0, "aot_autograd": 0.0, "flatten": 0.0}  # for nested _timed
         self.nested_calls = 0           # nested-region calls inlined (deepcompile/nested.py)
+        self.trace_blocks_failed: str | None = None  # why the nested trace fell back to a flat one
+        self.nested_log: list[dict] = []  # per Dynamo graph traced with nested regions: calls, distinct bodies
         # Inductor's compile workers, started now so that they are up by the first Inductor
         # compile (after the warm-up steps); torch.compile's own backend does the same at its
         # entry, ours calls compile_fx directly (compat.warm_inductor_pool says why)
@@ -502,6 +504,9 @@ class Backend:
                 self.close_workers()  # the stored plan compiles now, through AOTAutograd: no re-compile
         # blocks traced once (deepcompile/nested.py): each partitioned graph is flattened first
         ids, names, renamed = nested.input_ids(example_inputs), {}, {}
+        calls, distinct = nested.bodies(gm)
+        if calls:
+            self.nested_log.append({"step": self.step, "graph": graph_id, "calls": calls, "bodies": distinct})
 
         def flat(g: fx.GraphModule) -> fx.GraphModule:
             if ids or nested.has_regions(g):

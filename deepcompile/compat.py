@@ -123,6 +123,15 @@ def cache_nested_region_schemas() -> bool:
     return True
 
 
+def is_dynamo_error(e: BaseException) -> bool:
+    """An error Dynamo raised while tracing (``torch._dynamo.exc.TorchDynamoException``: Unsupported,
+    the graph-break errors of a higher-order op, ...; 2.11 and 2.13), not one from the user's code
+    run eagerly or from a backend's compile (``BackendCompilerFailed`` wraps ours: excluded)."""
+    from torch._dynamo import exc
+
+    return isinstance(e, exc.TorchDynamoException) and not isinstance(e, exc.BackendCompilerFailed)
+
+
 def aot_input_index(node: fx.Node) -> int | None:
     """The index into the Dynamo graph's example inputs of a placeholder of a partitioned graph:
     AOTAutograd's input descriptor (``node.meta["desc"]``, ``PlainAOTInput(idx)``, set by

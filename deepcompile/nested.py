@@ -126,6 +126,14 @@ def _block_ops() -> dict:
     return _BLOCK_OPS
 
 
+def bodies(gm: fx.GraphModule) -> tuple[int, int]:
+    """(region calls, distinct bodies) of a Dynamo graph: how many layers Dynamo traced as a
+    nested region, and how many bodies it installed for them (one per distinct block)."""
+    hop = torch.ops.higher_order.invoke_subgraph
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is hop]
+    return len(calls), len({id(getattr(gm, c.args[0].target, None)) for c in calls})
+
+
 def has_regions(gm: fx.GraphModule) -> bool:
     hop = torch.ops.higher_order.invoke_subgraph
     ops = _block_ops()
