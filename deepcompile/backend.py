@@ -509,7 +509,7 @@ class Backend:
             self.nested_log.append({"step": self.step, "graph": graph_id, "calls": calls, "bodies": distinct})
 
         def flat(g: fx.GraphModule) -> fx.GraphModule:
-            if ids or nested.has_regions(g):
+            if ids or calls:  # the Dynamo graph's region calls: none, nothing to flatten
                 t0 = time.perf_counter()
                 self.nested_calls += nested.flatten(g, ids, names, renamed)
                 self.add_phase("flatten", time.perf_counter() - t0)

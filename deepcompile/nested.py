@@ -134,12 +134,6 @@ def bodies(gm: fx.GraphModule) -> tuple[int, int]:
     return len(calls), len({id(getattr(gm, c.args[0].target, None)) for c in calls})
 
 
-def has_regions(gm: fx.GraphModule) -> bool:
-    hop = torch.ops.higher_order.invoke_subgraph
-    ops = _block_ops()
-    return any(n.op == "call_function" and (n.target is hop or n.target in ops) for n in gm.graph.nodes)
-
-
 def flatten(gm: fx.GraphModule, ids: dict[int, int], names: dict[str, int],
             renamed: dict[str, str] | None = None) -> int:
     """Inline the nested regions of a partitioned graph and give its gathers int ids, in place.
@@ -215,13 +209,3 @@ def _rename_saved(gm: fx.GraphModule, renamed: dict[str, str]) -> None:
         compat.rename_node(p, target)
         if p.name == target:
             phs[target] = p
-
-
-def check_flat(gm: fx.GraphModule) -> None:
-    """After ``flatten``: no region call and no tensor-id gather left (a pass would not know them)."""
-    if has_regions(gm):
-        left = [n.format_node() for n in gm.graph.nodes if n.op == "call_function"
-                and (n.target is torch.ops.higher_order.invoke_subgraph or n.target in _block_ops())][:3]
-        raise RuntimeError(f"deepcompile: nested regions left after flattening: {left}")
-
-
