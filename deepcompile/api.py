@@ -680,3 +680,9 @@ def destroy(model: DeepCompileModel) -> None:
         sp.shard.grad = None
         sp.shard.data = torch.empty(0, dtype=sp.shard.dtype, device=sp.shard.device)
     object.__setattr__(model, "_dc_compiled", None)
+    # Drop the model's process groups: while it holds them, the user's destroy_process_group()
+    # cannot destroy the groups, so gloo's worker threads live on into interpreter finalization,
+    # where one freeing a finished collective's tensors (it needs the GIL) aborts the process
+    # ("terminate called without an active exception", seen once in CI under torchrun).
+    for name in ("dc_group", "dc_shard_group", "dc_replicate_group", "dc_seqcheck"):
+        object.__setattr__(model, name, None)
