@@ -150,7 +150,7 @@ class Config:
                                    "without cuda_graphs only. false (default): whole graphs; 'auto': on CUDA "
                                    "devices, a graph it cannot cut compiled whole with a warning; true: on any "
                                    "device, errors raised")
-    trace_blocks: bool = spec(False, help="trace each distinct decoder block once: every entry of an nn.ModuleList "
+    trace_blocks: bool = spec(True, help="trace each distinct decoder block once: every entry of an nn.ModuleList "
                                           "of modules of one class is traced as a nested compile region "
                                           "(torch.compiler.nested_compile_region), so Dynamo installs, and "
                                           "AOTAutograd traces and partitions, one body for identical layers; each "
@@ -159,8 +159,8 @@ class Config:
                                           "(each body partitioned on its own: its saved activations may differ a "
                                           "little). AOTAutograd 13.6 -> 7.6 s at 16 layers and 24.8 -> 9.1 s at 32 on "
                                           "one H100. A block Dynamo cannot trace as a region falls back to a flat "
-                                          "trace with a warning. Off with cuda_graphs. Off by default until its GPU "
-                                          "test run is clean (benchmarks/README.md, session 19)")
+                                          "trace with a warning. Off with cuda_graphs. On by default since session 20 "
+                                          "(the CPU suite runs with it; benchmarks/README.md); false: a flat trace")
     aot_cache: bool = spec(True, help="with a plan-cache hit, take the partitioned and compiled graphs from "
                                       "AOTAutograd's cache when an earlier run stored them: no joint trace, partition "
                                       "or passes (a warm re-run's largest cost); its graph versions come from the run "

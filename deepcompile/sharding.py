@@ -218,4 +218,27 @@ def shard_module(module: nn.Module, *, group, device: torch.device,
             continue  # a module reached twice through named_modules(remove_duplicate=False)
         mod._parameters[attr] = by_id[pid].shard
         parametrize.register_parametrization(mod, attr, Unshard(pid), unsafe=True)
+        direct_getter(mod, attr)
     return order
+
+
+def direct_getter(mod: nn.Module, attr: str) -> None:
+    """Make ``mod.<attr>`` call ``Unshard.forward`` on the shard directly.
+
+    The property ``register_parametrization`` installs runs ``ParametrizationList.__call__`` (a
+    module call), ``self[0]`` (a ``ModuleList`` index), the ``Unshard`` module call and a
+    ``hasattr`` that misses (it looks for a second parametrization) at every parameter access.
+    Dynamo inlines all of that at every access of every layer: on this CPU it doubled the Dynamo
+    trace of a 16-layer Llama (benchmarks/README.md, session 20). This getter reads the same
+    shard and calls the same ``Unshard`` (held in the list's ``__dict__``, so ``deepcopy`` copies
+    it with the list) with nothing around it. The class is the one parametrize made for this
+    module alone (``_inject_new_class``); the setter is kept."""
+    plist = mod.parametrizations[attr]
+    plist.__dict__["dc_unshard"] = plist[0]
+    cls = type(mod)
+
+    def unsharded(self, _name=attr):
+        p = self.parametrizations[_name]
+        return p.dc_unshard.forward(p.original)
+
+    setattr(cls, attr, property(unsharded, cls.__dict__[attr].fset))

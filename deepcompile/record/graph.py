@@ -68,6 +68,24 @@ def module_scope(n: fx.Node) -> str:
     return path
 
 
+_ACCESS = {"dc.unshard", "dc.unshard_block", "dc.allgather_param", "dc.wait_allgather"}
+
+
+def access_scope(module: str, pid: int) -> str:
+    """The scope of a parameter access as the record keeps it: ``<module>.<attr>.0``, e.g.
+    ``blocks.0.attn.qkv.weight.0`` (``report.graph_layout.param_module_scope`` reads the module
+    back). It was the scope of the parametrization module Dynamo called; the getter now calls
+    ``Unshard`` directly (``sharding.direct_getter``), so the access is traced in the owning
+    module's scope and the parameter's own name gives the rest."""
+    from deepcompile.runtime import ops
+
+    meta = ops.PARAMS.get(pid)
+    if meta is None:
+        return module
+    attr = meta.name.rsplit(".", 1)[-1]
+    return f"{module}.{attr}.0" if module else f"{attr}.0"
+
+
 _OWN = re.compile(r"/deepcompile/(?!models/)|/torch/")
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
@@ -129,6 +147,8 @@ def serialize(gm: fx.GraphModule) -> list[dict]:
                 pid = n.args[1]
             if pid is not None:
                 d["param"] = int(pid)
+                if "nn_module_stack" in n.meta or target in _ACCESS:  # a root module's access has no stack
+                    d["scope"] = access_scope(d["scope"], int(pid))
             pids = n.meta.get("dc_params")
             if pids is not None and len(pids) > 1:
                 d["params"] = [int(p) for p in pids]

@@ -277,6 +277,7 @@ FRAME_HEADER = 20.0              # pt above a nested level inside an expanded bo
 FRAME_PAD = 8.0
 FRAME_FILL = "#fbfcfe"
 _DIGITS = re.compile(r"\d+")
+_BARE_NAME = re.compile(r"[A-Za-z_]*[A-Za-z]")   # an identifier with no _N suffix (no digits at all)
 
 
 @dataclass
@@ -341,9 +342,14 @@ class LayoutCache:
 LEVEL_CACHE = LayoutCache()
 
 
-def _canon(s: str) -> str:
+def _canon(s: str, title: bool = False) -> str:
     """Layout text: every run of digits as at least three zeros (``add_7``, ``add_31`` and ``add_250``
-    lay out alike: the text is put back, centred, after layout)."""
+    lay out alike: the text is put back, centred, after layout). A box title that is a bare node
+    name (FX names an op's first node ``getitem``, the next ``getitem_1``) lays out as the suffixed
+    form, so a layer holding a graph's first node of a kind still shares its siblings' picture (the
+    nested trace's flattening puts the first ``getitem`` inside layer 0)."""
+    if title and _BARE_NAME.fullmatch(s):
+        s += "_0"
     return _DIGITS.sub(lambda m: "0" * max(3, len(m.group(0))), s)
 
 
@@ -364,7 +370,7 @@ def _html_label(b: Box) -> str:
     for k, ln in enumerate(b.lines):
         if not ln:
             continue
-        t = _h(_canon(ln))
+        t = _h(_canon(ln, title=k == 0))
         t = f"<B>{t}</B>" if k == 0 else f'<FONT POINT-SIZE="9">{t}</FONT>'
         rows.append(f'<TR><TD COLSPAN="{span}">{t}</TD></TR>')
     if b.chips:
