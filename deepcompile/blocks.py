@@ -117,29 +117,26 @@ LOADED: list[int] = []
 
 def resolve(config, device_type: str) -> str | None:
     """How the final graphs compile, from config ``blocks``: "on" (``true``: any device, an error
-    is raised), "auto" (``"auto"`` on a CUDA device: a graph that cannot be cut is compiled whole,
-    with a warning) or None (whole graphs: ``false``, the default; auto off CUDA; another compiler
-    than Inductor; CUDA graphs). The backend's compile and the reduce grouping
+    is raised), "auto" (``"auto"``, the default, on a CUDA device: a graph that cannot be cut is
+    compiled whole, with a warning) or None (whole graphs: ``false``; auto off CUDA; another
+    compiler than Inductor; CUDA graphs). The backend's compile and the reduce grouping
     (``ReduceLayout.by_block``) both take it from here (api.initialize).
 
-    Off by default, on measurement (benchmarks/README.md, sessions 16-18; one process per run,
-    modes alternating). Blocks shorten every cold compile. On one H100 (session 18) the first fast
-    step took 34.3-41.4 s against 46.1-48.2 at 16 layers and 50.9-70.4 against 75.9-94.6 at 32
-    (Inductor's phase 10.4-11.8 s against 16.5-21.2, and 10.8-15.7 against 28.5-38.8). The step:
-    at 32 layers blocks were slower in 7 of 9 pairs on the H100 (-15% to +12%) and 2 of 4 on an
-    H200; at 16 layers 5 of 10 on the H100 and 3 of 3 (+5%) on the H200. Issue 18 asks for an
-    unchanged step.
-
-    Any cost is on the host: a trace at 32 layers shows the same GPU kernel time (52.1 against
-    52.7 ms per counted step; 1054 kernels against 1035, the boundaries' unfused pointwise
-    kernels). cProfile of the timed steps (session 18) attributes ~3.6 ms a step to what blocks
-    add (the driver, now generated code, 1.7; input realignment 0.95; input size asserts 0.55;
-    device guards 0.4; all inflated by the profiler), while the main thread's CPU time per step
-    varies by up to 14 ms between identical processes of one call.
+    On by default on CUDA since session 20 (benchmarks/README.md). On 2 H200s, cold caches, the
+    default plan's first fast step took 23.1 s at 16 layers and 32.1 s at 32 with blocks, 39.1
+    and 63.0 s without (Inductor's phase 5.3 and 7.2 s against 18.4 and 36.3), and the step was
+    58.0 against 63.4 ms and 106.2 against 115.9 (one pair each). Sessions 16-18 measured the
+    step on one GPU: blocks slower in 7 of 9 pairs at 32 layers on an H100 (-15% to +12%) and
+    3 of 3 (+5%) at 16 layers on an H200; any cost is on the host: a trace at 32 layers shows the
+    same GPU kernel time (52.1 against 52.7 ms per counted step; 1054 kernels against 1035, the
+    boundaries' unfused pointwise kernels), and cProfile of the timed steps attributes ~3.6 ms a
+    step to what blocks add (the driver, now generated code, 1.7; input realignment 0.95; input
+    size asserts 0.55; device guards 0.4; all inflated by the profiler), while the main thread's
+    CPU time per step varies by up to 14 ms between identical processes of one call.
 
     "auto" leaves the CPU whole: each region is its own C++ compile there, which only breaks even
     near 16 layers (module docstring)."""
-    v = getattr(config, "blocks", False)
+    v = getattr(config, "blocks", "auto")
     if v is False or getattr(config, "compiler", "inductor") != "inductor" or getattr(config, "cuda_graphs", False):
         return None
     if v is True:

@@ -134,15 +134,16 @@ def _reference():
 
 
 def test_blocks_setting_resolves_per_device_and_auto_falls_back_to_the_whole_graph(monkeypatch):
-    """Config ``blocks``: false (the default) never cuts; "auto" cuts on CUDA only, never with
-    another compiler or CUDA graphs; true cuts anywhere. Where "auto" cuts and the regions fail, the graph is compiled
+    """Config ``blocks``: "auto" (the default) cuts on CUDA only, never with another compiler or CUDA
+    graphs; false never cuts; true cuts anywhere. Where "auto" cuts and the regions fail, the graph is compiled
     whole with a warning naming the error (a user's run goes on); with true the error is raised."""
     import warnings
 
     from deepcompile import blocks
     from deepcompile.config import Config, ConfigError
 
-    assert Config.load({}).blocks is False and blocks.resolve(Config.load({}), "cuda") is None
+    assert Config.load({}).blocks == "auto" and blocks.resolve(Config.load({}), "cuda") == "auto"
+    assert blocks.resolve(Config.load({}), "cpu") is None
     cfg = Config.load({"blocks": "auto"})
     assert blocks.resolve(cfg, "cuda") == "auto" and blocks.resolve(cfg, "cpu") is None
     assert blocks.resolve(Config.load({"blocks": True}), "cpu") == "on"
