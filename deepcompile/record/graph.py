@@ -141,6 +141,8 @@ def serialize(gm: fx.GraphModule) -> list[dict]:
              "shape": shape, "dtype": dtype, "scope": module_scope(n)}
         if kwargs := _arg(dict(n.kwargs)):
             d["kwargs"] = kwargs
+        if n.op == "call_function" and target == "unshard" and len(n.args) > 1 and isinstance(n.args[1], int):
+            d["scope"] = access_scope(d["scope"], n.args[1])  # Dynamo's graph names the op packet
         if n.op == "call_function" and target.split(".")[0] == "dc":
             pid = n.meta.get("dc_param")
             if pid is None and len(n.args) > 1 and isinstance(n.args[1], int):
