@@ -35,6 +35,38 @@ def gpu_spin(cycles: int) -> None:
     torch.cuda._sleep(int(cycles))
 
 
+def direct_parametrization_getter(mod, attr: str) -> None:
+    """Make ``mod.<attr>`` call the parametrization's ``forward`` on the original directly.
+
+    The property ``torch.nn.utils.parametrize.register_parametrization`` installs runs
+    ``ParametrizationList.__call__`` (a module call), ``self[0]`` (a ``ModuleList`` index), the
+    parametrization's module call and a ``hasattr`` that misses (it looks for a second
+    parametrization) at every access. Dynamo inlines all of that at every access of every layer:
+    it doubled the Dynamo trace of a 16-layer CPU Llama (benchmarks/README.md, session 20). This
+    getter reads the same original and calls the same (single) parametrization, held in the
+    list's ``__dict__`` so that ``deepcopy`` copies it with the list; the setter is kept.
+
+    Internal: the property lives on the class parametrize made for this module alone
+    (``_inject_new_class``, 2.11 and 2.13); it is replaced there and nowhere else. The getter
+    reads everything through ``self``, so it stays right for any module of that class."""
+    from torch.nn.utils import parametrize
+
+    cls = type(mod)
+    prop = cls.__dict__.get(attr)
+    plist = mod.parametrizations[attr]
+    if not (parametrize.is_parametrized(mod, attr) and isinstance(prop, property) and len(plist) == 1
+            and plist.is_tensor):
+        raise RuntimeError(f"deepcompile: {cls.__name__}.{attr} is not a single parametrization of one tensor "
+                           "as torch.nn.utils.parametrize installs it; this torch version is not supported")
+    plist.__dict__["dc_parametrization"] = plist[0]
+
+    def unsharded(self, _name=attr):
+        p = self.parametrizations[_name]
+        return p.dc_parametrization.forward(p.original)
+
+    setattr(cls, attr, property(unsharded, prop.fset))
+
+
 def is_compiled_module(model) -> bool:
     """``torch.compile(model)`` returns an OptimizedModule (torch._dynamo.eval_frame)."""
     from torch._dynamo.eval_frame import OptimizedModule

@@ -16,9 +16,12 @@ getter is the custom op ``torch.ops.dc.unshard(shard, id)``:
 * the autograd formula of ``unshard`` is ``shard_grad`` (a reduce-scatter), which the pass lowers
   to the bucketed ``reduce_grads`` (one runtime call per reduce bucket; ``reduce_grad`` for a
   gradient called on its own);
-* nothing in torch's tracing is patched: the only internal touch is one node tag on the joint graph
+* nothing in torch's tracing is patched: the internal touches are one node tag on the joint graph
   (``compat.tag_unshard_for_recompute``) so the partitioner re-gathers in backward instead of
-  saving full parameters between forward and backward.
+  saving full parameters between forward and backward, and a leaner getter on the class
+  parametrize made for each module (``compat.direct_parametrization_getter``: it calls
+  ``Unshard.forward`` on the shard directly, where parametrize's own property made Dynamo inline
+  three module calls at every access).
 
 Why rows, not a flat range of ``ceil(numel / world)`` elements (the layout until issue 14): a
 user's loop asks the parameters questions. nanoGPT and most recipes put ``p.dim() >= 2`` in
@@ -60,6 +63,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
+from deepcompile import compat
 from deepcompile.runtime import ops
 
 
@@ -218,27 +222,5 @@ def shard_module(module: nn.Module, *, group, device: torch.device,
             continue  # a module reached twice through named_modules(remove_duplicate=False)
         mod._parameters[attr] = by_id[pid].shard
         parametrize.register_parametrization(mod, attr, Unshard(pid), unsafe=True)
-        direct_getter(mod, attr)
+        compat.direct_parametrization_getter(mod, attr)
     return order
-
-
-def direct_getter(mod: nn.Module, attr: str) -> None:
-    """Make ``mod.<attr>`` call ``Unshard.forward`` on the shard directly.
-
-    The property ``register_parametrization`` installs runs ``ParametrizationList.__call__`` (a
-    module call), ``self[0]`` (a ``ModuleList`` index), the ``Unshard`` module call and a
-    ``hasattr`` that misses (it looks for a second parametrization) at every parameter access.
-    Dynamo inlines all of that at every access of every layer: on this CPU it doubled the Dynamo
-    trace of a 16-layer Llama (benchmarks/README.md, session 20). This getter reads the same
-    shard and calls the same ``Unshard`` (held in the list's ``__dict__``, so ``deepcopy`` copies
-    it with the list) with nothing around it. The class is the one parametrize made for this
-    module alone (``_inject_new_class``); the setter is kept."""
-    plist = mod.parametrizations[attr]
-    plist.__dict__["dc_unshard"] = plist[0]
-    cls = type(mod)
-
-    def unsharded(self, _name=attr):
-        p = self.parametrizations[_name]
-        return p.dc_unshard.forward(p.original)
-
-    setattr(cls, attr, property(unsharded, cls.__dict__[attr].fset))

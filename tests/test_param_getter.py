@@ -1,6 +1,6 @@
-"""A sharded parameter's getter (sharding.direct_getter): one ``dc.unshard`` per access, traced in
-the owning module's scope (no parametrization module calls for Dynamo to inline), the full value
-it gathers is the unsharded parameter, and a deep copy's getter reads its own shard."""
+"""A sharded parameter's getter (``compat.direct_parametrization_getter``): one ``dc.unshard``
+per access, traced in the owning module's scope (no parametrization module calls for Dynamo to
+inline), and a deep copy's getter reads its own shard."""
 from __future__ import annotations
 
 import copy
@@ -24,9 +24,9 @@ def _check(rank, world):
     owners = [s.rsplit(".", 2)[0] if s.count(".") >= 2 else "" for s in scopes]
     lin = model.module.blocks[0].attn.qkv
     twin = copy.deepcopy(lin)
-    u = twin.parametrizations["weight"].dc_unshard
+    u = twin.parametrizations["weight"].dc_parametrization
     own = (isinstance(u, Unshard) and u is twin.parametrizations["weight"][0]
-           and u is not lin.parametrizations["weight"].dc_unshard and twin.parametrizations["weight"].original.shape
+           and u is not lin.parametrizations["weight"].dc_parametrization and twin.parametrizations["weight"].original.shape
            == lin.parametrizations["weight"].original.shape)
     return dict(scopes=scopes, known=[o in mods for o in owners], own=own)
 
@@ -37,4 +37,4 @@ def test_each_access_is_one_unshard_in_its_owners_scope():
         # the record keeps an access's scope as <owner module>.<attr>.0 (report.graph_layout reads
         # the module back); a parametrization module in the stack would add a level
         assert r["scopes"] and all(r["known"]), r["scopes"]
-        assert not any("parametrizations" in s or "dc_unshard" in s for s in r["scopes"]), r["scopes"]
+        assert not any("parametrizations" in s or "dc_parametrization" in s for s in r["scopes"]), r["scopes"]
