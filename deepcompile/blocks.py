@@ -136,8 +136,8 @@ def resolve(config, device_type: str) -> str | None:
 
     "auto" leaves the CPU whole: each region is its own C++ compile there, which only breaks even
     near 16 layers (module docstring)."""
-    v = getattr(config, "blocks", "auto")
-    if v is False or getattr(config, "compiler", "inductor") != "inductor" or getattr(config, "cuda_graphs", False):
+    v = config.blocks
+    if v is False or config.compiler != "inductor" or config.cuda_graphs:
         return None
     if v is True:
         return "on"

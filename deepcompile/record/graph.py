@@ -68,7 +68,7 @@ def module_scope(n: fx.Node) -> str:
     return path
 
 
-_ACCESS = {"dc.unshard", "dc.unshard_block", "dc.allgather_param", "dc.wait_allgather"}
+_ACCESS = {"unshard", "dc.unshard", "dc.unshard_block", "dc.allgather_param", "dc.wait_allgather"}
 
 
 def access_scope(module: str, pid: int) -> str:
@@ -141,16 +141,16 @@ def serialize(gm: fx.GraphModule) -> list[dict]:
              "shape": shape, "dtype": dtype, "scope": module_scope(n)}
         if kwargs := _arg(dict(n.kwargs)):
             d["kwargs"] = kwargs
-        if n.op == "call_function" and target == "unshard" and len(n.args) > 1 and isinstance(n.args[1], int):
-            d["scope"] = access_scope(d["scope"], n.args[1])  # Dynamo's graph names the op packet
-        if n.op == "call_function" and target.split(".")[0] == "dc":
-            pid = n.meta.get("dc_param")
-            if pid is None and len(n.args) > 1 and isinstance(n.args[1], int):
-                pid = n.args[1]
+        dc = n.op == "call_function" and target.split(".")[0] == "dc"
+        pid = n.meta.get("dc_param") if dc else None
+        if pid is None and (dc or (n.op == "call_function" and target == "unshard")) and len(n.args) > 1 and isinstance(n.args[1], int):
+            pid = n.args[1]  # Dynamo's graph names the op packet ("unshard"): a scope, no "param"
+        # a root module's access has no stack; other runtime ops keep the scope they were given
+        if pid is not None and ("nn_module_stack" in n.meta or target in _ACCESS):
+            d["scope"] = access_scope(d["scope"], int(pid))
+        if dc:
             if pid is not None:
                 d["param"] = int(pid)
-                if "nn_module_stack" in n.meta or target in _ACCESS:  # a root module's access has no stack
-                    d["scope"] = access_scope(d["scope"], int(pid))
             pids = n.meta.get("dc_params")
             if pids is not None and len(pids) > 1:
                 d["params"] = [int(p) for p in pids]
