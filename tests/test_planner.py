@@ -363,3 +363,54 @@ def test_coarse_to_fine_pricing_keeps_the_decision_and_prices_less():
     # an unpriced candidate ranks last (inf), never chosen or runner-up
     c = P.choose(FACTS, mem(126.9), kept_bytes, slow_timer, {}, "")
     assert "cut by the coarse-to-fine search" in c.why
+
+
+def _split_pricing(rank, world, fail_rank):
+    """choose() with the ranks sharing the pricing (SplitTimer) against every rank pricing all."""
+    import torch.distributed as dist
+
+    calls = []
+
+    def slow_timer(c):
+        calls.append(c.params())
+        if rank == fail_rank:
+            raise ValueError("no graphs to price on")
+        return timer(c)
+    slow_timer.coarse_to_fine = True
+    out = {}
+    if fail_rank < 0:
+        for limit in (126.9, 11.3):
+            whole = P.choose(FACTS, mem(limit), kept_bytes, slow_timer, {}, "")
+            n_whole = len(calls)
+            calls.clear()
+            split = P.choose(FACTS, mem(limit), kept_bytes, P.SplitTimer(slow_timer, None, world, rank), {}, "")
+            out[limit] = {"whole": (whole.chosen.summary(), whole.runner_up and whole.runner_up.summary()),
+                          "split": (split.chosen.summary(), split.runner_up and split.runner_up.summary()),
+                          "mine": list(calls), "n_whole": n_whole}
+            calls.clear()
+    else:
+        try:
+            P.choose(FACTS, mem(126.9), kept_bytes, P.SplitTimer(slow_timer, None, world, rank), {}, "")
+        except P.PlanError as ex:
+            out["error"] = str(ex)
+    dist.barrier()
+    return out
+
+
+def test_ranks_share_the_pricing_and_decide_as_one_rank_would():
+    """planner.SplitTimer on 3 gloo ranks: every rank chooses what pricing everything alone chose
+    (the same plan, runner-up and prices), each priced only its share, and together every
+    candidate was priced exactly once."""
+    r = run_ranks(_split_pricing, 3, -1, timeout=120)
+    for limit in (126.9, 11.3):
+        assert all(x[limit]["split"] == r[0][limit]["whole"] for x in r), limit
+        shares = [x[limit]["mine"] for x in r]
+        assert all(0 < len(s) < r[0][limit]["n_whole"] for s in shares), (limit, [len(s) for s in shares])
+        flat = [repr(p) for s in shares for p in s]
+        assert len(flat) == len(set(flat)), "a candidate was priced twice"
+
+
+def test_a_rank_whose_pricing_fails_fails_every_rank_instead_of_hanging():
+    r = run_ranks(_split_pricing, 2, 1, timeout=120)
+    for x in r:
+        assert "rank 1: ValueError: no graphs to price on" in x["error"], x

@@ -19,6 +19,8 @@ record says which one decided.
 Every rank must decide alike, or ranks issue different collectives and the job deadlocks: the
 profile is agreed (element-wise max), and the memory the decision uses is one all-reduce MIN of
 every rank's capacity, free memory and limit (:func:`agree_memory`); the rest is deterministic.
+The ranks share the candidates' pricing out (:class:`SplitTimer`) and gather the prices, so each
+rank decides from the very same numbers in a fraction of the time.
 Hand-set pass parameters (given in the config's pass entries) are kept as they are and the
 planner plans around them.
 """
@@ -49,6 +51,7 @@ FUSE_MB = 128.0                                  # coalesced group size, never a
 # optimizer.step takes 8-11 ms of host, so chunks only where the whole-group step does not fit.
 CHUNK_FRACTIONS = (1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64)   # of the largest param group
 CHUNK_HOST_MS = 0.1
+SPLIT_PRICING = True  # the ranks share out the candidates' pricing (SplitTimer); False: every rank prices all
 HOST_BYTES_PER_US = 38e3  # pinned host <-> device, both ranks of a host copying at once (2 H200s: 37.9 GB/s each)
 PLANNED = {"selective_unshard": ("budget_mb",), "prefetch": ("budget_mb", "fuse_mb"),
            "offload_optimizer": ("limit_mb", "plan_extra_mb", "final_reload")}
@@ -330,11 +333,65 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
 
 
 def _with_chunks(step_ms: Callable[[Candidate], float], facts: MemoryFacts) -> Callable[[Candidate], float]:
-    """``step_ms`` plus the chunk groups' host time; keeps the timer's ``coarse_to_fine``."""
+    """``step_ms`` plus the chunk groups' host time; keeps the timer's ``coarse_to_fine`` and
+    ``many`` (:class:`SplitTimer`)."""
     def timed(c: Candidate) -> float:
         return float(step_ms(c)) + chunk_ms(facts, c.chunk_mb)
     timed.coarse_to_fine = getattr(step_ms, "coarse_to_fine", False)
+    many = getattr(step_ms, "many", None)
+    if many is not None:
+        timed.many = lambda cs: [float(ms) + chunk_ms(facts, c.chunk_mb) for ms, c in zip(many(cs), cs)]
     return timed
+
+
+def _price_all(cands: list[Candidate], step_ms: Callable[[Candidate], float]) -> None:
+    """Set ``step_ms`` of each of ``cands``: in one batch where the timer prices batches
+    (``many``: :class:`SplitTimer`, the ranks sharing the work), else one by one."""
+    many = getattr(step_ms, "many", None)
+    times = many(cands) if many is not None else [step_ms(c) for c in cands]
+    for c, ms in zip(cands, times):
+        c.step_ms = float(ms)
+
+
+class SplitTimer:
+    """A candidate timer whose batches are shared out among the ranks of ``group``: rank r prices
+    candidates r, r + world, ... of each batch and one ``all_gather_object`` gives every rank every
+    price. Pricing runs the passes and the cost model on full-depth graph copies (0.2 s a candidate
+    at 32 layers on the 2-H200 host, 12-17 candidates), the same deterministic work on every rank
+    (the profile and the memory are agreed): shared out, the planner's time is divided by the
+    world size, and every rank still decides from the very same numbers. A rank whose pricing
+    raises still joins the gather (else the others wait there forever) and every rank raises
+    :class:`PlanError` naming it."""
+
+    def __init__(self, step_ms: Callable[[Candidate], float], group, world: int, rank: int):
+        self.step_ms, self.group, self.world, self.rank = step_ms, group, world, rank
+        self.coarse_to_fine = getattr(step_ms, "coarse_to_fine", False)
+
+    def __call__(self, c: Candidate) -> float:
+        return float(self.step_ms(c))
+
+    def many(self, cands: list[Candidate]) -> list[float]:
+        import torch.distributed as dist
+
+        mine: dict = {}
+        try:
+            for i in range(self.rank, len(cands), self.world):
+                mine[i] = float(self.step_ms(cands[i]))
+        except Exception as ex:  # noqa: BLE001 - reach the gather below, or the other ranks hang
+            mine = {"error": f"{type(ex).__name__}: {ex}"}
+        every: list = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        bad = [(r, d["error"]) for r, d in enumerate(every) if "error" in d]
+        if bad:
+            raise PlanError("pricing the plan candidates failed on "
+                            + "; ".join(f"rank {r}: {why}" for r, why in bad))
+        out: dict = {}
+        for d in every:
+            out.update(d)
+        if sorted(out) != list(range(len(cands))):
+            raise PlanError(f"pricing the plan candidates: the ranks priced {sorted(out)} of {len(cands)} "
+                            "(they planned from different candidate lists)")
+        return [out[i] for i in range(len(cands))]
 
 
 REFINE_WITHIN = 0.10  # coarse-to-fine: a group's middle prefetch budgets are priced within this of the best
@@ -347,7 +404,8 @@ def price(fit: list[Candidate], step_ms: Callable[[Candidate], float]) -> int:
     set) costs ~80 ms a candidate on the 953M record; it is searched coarse to fine: in each group
     of candidates alike but for their prefetch budget, the smallest and the largest budget first,
     and the budgets between them only where the better of those two is within ``REFINE_WITHIN``
-    of the fastest plan found (so ties within ``HOST_TIE`` are always all priced). What this
+    of the fastest end (so ties within ``HOST_TIE`` are always all priced). Two batches, all the
+    ends then the middles worth pricing, so that a :class:`SplitTimer` shares each out. What this
     assumes: the predicted step does not dip between a group's two ends by more than
     ``REFINE_WITHIN - HOST_TIE`` below both (on the 953M record's 4 settings (NVLink, 40 GB/s,
     each at a 125.8 and a 9.07 GiB limit) the middle budgets were within 3% of the better end,
@@ -356,31 +414,31 @@ def price(fit: list[Candidate], step_ms: Callable[[Candidate], float]) -> int:
     ``REFINE_WITHIN`` of the choice, else the best one priced. Any other timer (the analytic
     model) prices everything."""
     if not getattr(step_ms, "coarse_to_fine", False):
-        for c in fit:
-            c.step_ms = float(step_ms(c))
+        _price_all(fit, step_ms)
         return len(fit)
     groups: dict = {}
     for c in fit:
         p = c.params()
         p.pop("prefetch", None)
         groups.setdefault(repr(sorted((k, sorted(v.items())) for k, v in p.items())), []).append(c)
-    n, later = 0, []
+    ends, later = [], []
     for g in groups.values():
         g.sort(key=lambda c: (c.prefetch_mb, c.fuse_mb))
-        ends = [g[0], g[-1]] if len(g) > 2 else g
-        for c in ends:
-            c.step_ms = float(step_ms(c))
-            n += 1
+        ends += [g[0], g[-1]] if len(g) > 2 else g
+    _price_all(ends, step_ms)   # every group's ends in one batch
+    n = len(ends)
+    for g in groups.values():
         if len(g) > 2:
             later.append((min(g[0].step_ms, g[-1].step_ms), g[1:-1]))
+    # The middles worth pricing, as the one-by-one search would pick them (each group in order of
+    # its better end, against the best price of the ends), in one batch. Where a priced middle
+    # would have lowered the bar for a later group, that group is priced anyway: a candidate more,
+    # never one fewer, so the choice is the one-by-one search's or a faster plan.
     best = min(c.step_ms for c in fit)
-    for lo, middle in sorted(later, key=lambda x: x[0]):
-        if lo <= best * (1 + REFINE_WITHIN):
-            for c in middle:
-                c.step_ms = float(step_ms(c))
-                n += 1
-            best = min(best, *(c.step_ms for c in middle))
-    return n
+    middles = [c for lo, middle in sorted(later, key=lambda x: x[0]) if lo <= best * (1 + REFINE_WITHIN)
+               for c in middle]
+    _price_all(middles, step_ms)
+    return n + len(middles)
 
 
 def _nothing_fits(facts: MemoryFacts, mem: DeviceMemory, cands: list[Candidate], headroom_mb: float) -> str:
@@ -564,6 +622,8 @@ def plan_model(model, entries: list) -> list:
                           fused=cfg.compiler_at(model.dc_step) == "inductor", accumulation=accumulation, facts=facts)
         timer = GraphRunner(src, extra, {}, ctx_path="plan.{}").step_ms
         time_model = "cost model on the planned graphs"
+        if b.world_size > 1 and model.dc_group is not None and SPLIT_PRICING:
+            timer = SplitTimer(timer, model.dc_group, b.world_size, b.rank)
     else:
         compute = sum(n.latency_ms for g in prof.graphs.values() for n in g.nodes)
         from deepcompile.plan.cost_model import default_model
@@ -588,6 +648,8 @@ def plan_model(model, entries: list) -> list:
     d = plan.to_dict()
     d["step"] = model.dc_step
     d["seconds"] = round(time.perf_counter() - t0, 3)  # planning time (every rank, at the re-compile)
+    if isinstance(timer, SplitTimer):
+        d["pricing_shared_by_ranks"] = timer.world
     object.__setattr__(model, "dc_plan", d)
     return out
 
