@@ -117,6 +117,7 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
                command: dict | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    fault = _fault_stack_to(Path(out) / f"rank{rank}" / FAULT_FILE)
     import torch
     import torch.distributed as dist
 
@@ -189,7 +190,9 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
         rec.close()
         dist.barrier()
         dist.destroy_process_group()
+        _fault_stack_done(fault)
     except BaseException as e:
+        _fault_stack_done(fault)   # an exception, not a signal: error.txt has its traceback
         err = Path(out) / f"rank{rank}" / "error.txt"
         err.parent.mkdir(parents=True, exist_ok=True)
         err.write_text(traceback.format_exc())
@@ -203,6 +206,57 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
         # thread, and the process group's teardown at interpreter exit would wait for it. The
         # launcher reads error.txt for the message.
         os._exit(130 if interrupted else 1)
+
+
+FAULT_FILE = "fault.txt"
+
+
+def _fault_stack_to(path: Path):
+    """Python's stack of every thread goes to ``path`` if this rank is killed by a signal
+    (a segfault in native code leaves no exception and no error.txt): the launcher shows it."""
+    import faulthandler
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "w")  # noqa: SIM115 - open while the rank runs: faulthandler writes to its descriptor
+    except OSError:
+        return None
+    faulthandler.enable(f, all_threads=True)
+    return f
+
+
+def _fault_stack_done(f) -> None:
+    """The rank finished: no stack to keep (an empty file would only clutter the record)."""
+    import faulthandler
+
+    if f is None:
+        return
+    faulthandler.disable()
+    f.close()
+    try:
+        if os.path.getsize(f.name) == 0:
+            os.remove(f.name)
+    except OSError:
+        pass
+
+
+def _fault_stack(out: Path, rank: int, frames: int = 12) -> str | None:
+    """The crashing thread's innermost frames from a rank's fault stack (``_fault_stack_to``:
+    faulthandler writes the fault, every other thread, then "Current thread ..."), or None."""
+    try:
+        lines = (out / f"rank{rank}" / FAULT_FILE).read_text(errors="replace").splitlines()
+    except OSError:
+        return None
+    start = next((i for i, ln in enumerate(lines) if ln.startswith("Current thread")), None)
+    if start is None:
+        return None
+    body = []
+    for ln in lines[start + 1:]:
+        if not ln.startswith("  "):   # the block ends at a blank line, another thread, the module list
+            break
+        body.append(ln)
+    head = [lines[0]] if lines and lines[0].startswith("Fatal Python error") else []
+    return "\n".join(head + [lines[start]] + body[:frames] + (["  ..."] if len(body) > frames else []))
 
 
 def _last_line(e: BaseException) -> str:
@@ -327,9 +381,15 @@ def cmd_demo(a: argparse.Namespace) -> int:
         else:
             how = (f"signal {e.signal_name}" if getattr(e, "signal_name", None) else f"exit code {e.exit_code}")
             why = f"rank {e.error_index} died ({how})"
+        stack = None if err is not None else _fault_stack(out, e.error_index)
+        for f in out.glob(f"rank*/{FAULT_FILE}"):   # the stopped ranks' (SIGTERM writes no stack)
+            if f.stat().st_size == 0:
+                f.unlink()
         finalize_manifest(out, "interrupted" if e.exit_code == 130 else "failed", why)
         print(f"deepcompile demo: {why}"
-              + (f" (traceback in {out / f'rank{e.error_index}' / 'error.txt'})" if err else ""), file=sys.stderr)
+              + (f" (traceback in {out / f'rank{e.error_index}' / 'error.txt'})" if err else "")
+              + (f"; its Python stack when it died ({out / f'rank{e.error_index}' / FAULT_FILE}):\n{stack}"
+                 if stack else ""), file=sys.stderr)
         return 130 if e.exit_code == 130 else 1
     finally:
         del store  # the rendezvous server stops with the run

@@ -32,3 +32,18 @@ def diverging_gpt():
             return self.inner(x, y) * 1e39   # > float32 max (3.4e38): inf
 
     return Diverging(model), make_batch
+
+
+def crashing_gpt():
+    """``tiny_gpt`` whose rank 1 dies of a segfault when it makes its second batch (native code
+    crashing, as a use-after-free would): the demo must say where."""
+    model, make_batch = tiny_gpt()
+
+    def crash_in_rank1_step2(step, rank, device):
+        if rank == 1 and step == 2:
+            import faulthandler
+
+            faulthandler._sigsegv()
+        return make_batch(step, rank, device)
+
+    return model, crash_in_rank1_step2

@@ -69,6 +69,20 @@ def test_demo_trains_a_user_model_factory(tmp_path):
     fw = rec.versions(rec.graph_ids[0], "forward")[-1]
     gathered = {n.get("param") for n in fw.nodes if n.get("target") == "dc.wait_allgather"}
     assert len(gathered) == 26, sorted(gathered)
+    assert not list(out.glob("rank*/fault.txt"))   # ranks that ended well keep no (empty) fault stack file
+
+
+def test_a_rank_killed_by_a_signal_shows_its_python_stack(tmp_path):
+    """A segfault in a rank (native code) leaves no exception: the demo names the rank and the
+    signal, fails the record, and prints the rank's Python stack where it died."""
+    out = tmp_path / "run"
+    r = run_cli("demo", "--ranks", "2", "--steps", "3", "--cpu", "--passes", "zero3", "--model",
+                "tests.factories:crashing_gpt", "--out", str(out), timeout=600)
+    assert r.returncode == 1, f"STDOUT:\n{r.stdout}\nSTDERR:\n{r.stderr}"
+    assert "rank 1 died (signal SIGSEGV)" in r.stderr, r.stderr
+    assert "crash_in_rank1_step2" in r.stderr and "fault.txt" in r.stderr, r.stderr
+    assert json.loads((out / "manifest.json").read_text())["status"] == "failed"
+    assert not (out / "rank0" / "fault.txt").exists()   # a rank stopped by the launcher: no empty file left
 
 
 def test_bad_model_factory_exits_2(tmp_path):
