@@ -100,3 +100,21 @@ def test_cost_model_measures_and_prices_both_links():
     # rate. (At 1000x the tiny model's bandwidth share was too small against the measured latency,
     # which a loaded CI host inflates: 11.3 ms against 2.0 once, and the factor 10 failed.)
     assert slow - none > 10 * max(measured - none, 1e-3), r0["step_ms"]
+
+
+def test_hsdp_default_plan_is_priced_by_every_rank_and_trains_like_the_reference():
+    """The default plan under mesh.shard: the planner shares its pricing out over the model's whole
+    group (4 ranks), not the shard group the backend counts in (2), every rank takes the same
+    plan, and training still matches the unsharded reference."""
+    from tests.test_planner import _train_planned
+
+    steps = 3
+    results = run_ranks(_train_planned, 4, steps, 1, {"compiler": "aot_eager", "mesh": {"shard": 2}}, timeout=600)
+    ref_losses, ref_state = train_reference(4, steps, 1)
+    _check(results, ref_losses, ref_state)
+    plans = [dict(r["plan"]) for r in results]
+    for p in plans:
+        p.pop("seconds")
+    assert all(p == plans[0] for p in plans), "the ranks planned differently"
+    assert plans[0]["step"] == 2 and plans[0]["time_model"] == "cost model on the planned graphs"
+    assert plans[0]["pricing_shared_by_ranks"] == 4

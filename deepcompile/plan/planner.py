@@ -622,8 +622,14 @@ def plan_model(model, entries: list) -> list:
                           fused=cfg.compiler_at(model.dc_step) == "inductor", accumulation=accumulation, facts=facts)
         timer = GraphRunner(src, extra, {}, ctx_path="plan.{}").step_ms
         time_model = "cost model on the planned graphs"
-        if b.world_size > 1 and model.dc_group is not None and SPLIT_PRICING:
-            timer = SplitTimer(timer, model.dc_group, b.world_size, b.rank)
+        if model.dc_group is not None and SPLIT_PRICING:
+            import torch.distributed as dist
+
+            # the model's whole group, every rank of which plans now: under mesh.shard it is
+            # larger than the shard group the backend's world_size and rank count in
+            n = dist.get_world_size(model.dc_group)
+            if n > 1:
+                timer = SplitTimer(timer, model.dc_group, n, dist.get_rank(model.dc_group))
     else:
         compute = sum(n.latency_ms for g in prof.graphs.values() for n in g.nodes)
         from deepcompile.plan.cost_model import default_model
