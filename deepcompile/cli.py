@@ -233,9 +233,13 @@ def _fault_stack_done(f) -> None:
         return
     faulthandler.disable()
     f.close()
+    _drop_if_empty(Path(f.name))
+
+
+def _drop_if_empty(path: Path) -> None:
     try:
-        if os.path.getsize(f.name) == 0:
-            os.remove(f.name)
+        if path.stat().st_size == 0:
+            path.unlink()
     except OSError:
         pass
 
@@ -383,8 +387,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
             why = f"rank {e.error_index} died ({how})"
         stack = None if err is not None else _fault_stack(out, e.error_index)
         for f in out.glob(f"rank*/{FAULT_FILE}"):   # the stopped ranks' (SIGTERM writes no stack)
-            if f.stat().st_size == 0:
-                f.unlink()
+            _drop_if_empty(f)
         finalize_manifest(out, "interrupted" if e.exit_code == 130 else "failed", why)
         print(f"deepcompile demo: {why}"
               + (f" (traceback in {out / f'rank{e.error_index}' / 'error.txt'})" if err else "")

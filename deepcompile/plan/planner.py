@@ -51,7 +51,6 @@ FUSE_MB = 128.0                                  # coalesced group size, never a
 # optimizer.step takes 8-11 ms of host, so chunks only where the whole-group step does not fit.
 CHUNK_FRACTIONS = (1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64)   # of the largest param group
 CHUNK_HOST_MS = 0.1
-SPLIT_PRICING = True  # the ranks share out the candidates' pricing (SplitTimer); False: every rank prices all
 HOST_BYTES_PER_US = 38e3  # pinned host <-> device, both ranks of a host copying at once (2 H200s: 37.9 GB/s each)
 PLANNED = {"selective_unshard": ("budget_mb",), "prefetch": ("budget_mb", "fuse_mb"),
            "offload_optimizer": ("limit_mb", "plan_extra_mb", "final_reload")}
@@ -622,7 +621,7 @@ def plan_model(model, entries: list) -> list:
                           fused=cfg.compiler_at(model.dc_step) == "inductor", accumulation=accumulation, facts=facts)
         timer = GraphRunner(src, extra, {}, ctx_path="plan.{}").step_ms
         time_model = "cost model on the planned graphs"
-        if model.dc_group is not None and SPLIT_PRICING:
+        if model.dc_group is not None:
             import torch.distributed as dist
 
             # the model's whole group, every rank of which plans now: under mesh.shard it is
