@@ -16,6 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     dc::runtime().set_node_names(std::move(names));
   });
   m.def("begin_check", []() { return dc::runtime().begin_check(); });
+  m.def("set_wait_slice_ms", [](int64_t ms) { dc::runtime().set_wait_slice_ms(ms); });
   m.def("set_phase", [](int phase) { dc::runtime().set_phase(phase); });
   m.def("cleanup", &dc::cleanup, "destroy the runtime and everything it holds");
   m.def("is_initialized", &dc::has_runtime);

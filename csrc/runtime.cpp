@@ -761,15 +761,25 @@ void Runtime::wait_work(const c10::intrusive_ptr<c10d::Work>& work, bool on_cuda
   using clock = std::chrono::steady_clock;
   const auto t0 = clock::now();
   const auto deadline = t0 + std::chrono::milliseconds(timeout_ms_);
-  const auto slice = std::chrono::milliseconds(std::min<int64_t>(timeout_ms_, 1000));
+  const auto slice = std::chrono::milliseconds(std::min<int64_t>(timeout_ms_, wait_slice_ms_));
   while (true) {
     try {
       work->wait(slice);
       return;
-    } catch (const c10::Error& e) {
-      if (work->isCompleted()) {  // the collective itself failed (a peer died, gloo's own timeout)
-        TORCH_CHECK(false, "deepcompile: rank ", rank_, ": ", what(), where(), " failed: ",
-                    e.what_without_backtrace());
+    } catch (const c10::Error&) {
+      // Work::wait(timeout) throws "Operation timed out!" when the slice ends, after releasing
+      // its lock: the collective may complete between that throw and this check (seen in CI
+      // under load, reported as a failed allgather). So the slice's exception says nothing; a
+      // completed work is asked again, untimed, which returns at once on success and rethrows
+      // the collective's own error (a peer died, gloo's own timeout) on failure.
+      if (work->isCompleted()) {
+        try {
+          work->wait();
+          return;
+        } catch (const c10::Error& e) {
+          TORCH_CHECK(false, "deepcompile: rank ", rank_, ": ", what(), where(), " failed: ",
+                      e.what_without_backtrace());
+        }
       }
     }
     std::string peer = probe_peers();

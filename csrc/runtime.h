@@ -209,6 +209,8 @@ class Runtime {
     store_prefix_ = prefix;
   }
   int64_t timeout_ms() const { return timeout_ms_; }
+  // the host wait's probe interval (1 s); tests shorten it to make many slice ends race completions
+  void set_wait_slice_ms(int64_t ms) { wait_slice_ms_ = ms > 0 ? ms : 1; }
 
  private:
   // Work::wait with the collective timeout, probing the store for mismatches while it waits;
@@ -276,6 +278,7 @@ class Runtime {
   int64_t step_peak_gathered_ = 0;  // take_step_peaks
   int64_t step_peak_reduce_ = 0;
   int64_t timeout_ms_;
+  int64_t wait_slice_ms_ = 1000;
   int64_t issued_ = 0;          // collectives issued since the last sequence check
   int64_t check_index_ = 0;     // sequence checks done (optimizer steps)
   int64_t reduce_buckets_ = 0;  // reduce-scatter buckets flushed since the last check
