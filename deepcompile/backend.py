@@ -509,6 +509,7 @@ class Backend:
             self.nested_log.append({"step": self.step, "graph": graph_id, "calls": calls, "bodies": distinct})
 
         def flat(g: fx.GraphModule) -> fx.GraphModule:
+            g = compat.lazy_graph(g)  # code generated once, when run (not at each pass's recompile)
             if ids or calls:  # the Dynamo graph's region calls: none, nothing to flatten
                 t0 = time.perf_counter()
                 self.nested_calls += nested.flatten(g, ids, names, renamed)
