@@ -167,7 +167,9 @@ def test_planned_default_plan_matches_reference_and_gathers_once_per_step():
     from tests.workloads import train_reference
 
     steps, acc = 4, 4
-    results = run_ranks(_train_planned, 2, steps, acc, {"compiler": "aot_eager"}, timeout=400)
+    # spawned: each rank its own string-hash seed, as under torchrun (a set order that differs
+    # between ranks must not change what they plan or gather)
+    results = run_ranks(_train_planned, 2, steps, acc, {"compiler": "aot_eager"}, timeout=400, start="spawn")
     ref_losses, ref_state = train_reference(2, steps, acc)
     mean = torch.tensor([r["losses"] for r in results]).mean(0)
     torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=mean.dtype), rtol=1e-5, atol=1e-6)
