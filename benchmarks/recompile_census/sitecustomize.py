@@ -49,3 +49,15 @@ if _OUT:
             f.write("seconds  calls  where (innermost first); a LAZY real recompile also counts under the plain one\n")
             for k, (n, t) in sorted(_stats.items(), key=lambda x: -x[1][1]):
                 f.write(f"{t:8.3f} {n:5d}  {k}\n")
+
+    # ranks forked from tests/dist_utils' fork server end in os._exit (multiprocessing's fork
+    # path), which skips atexit: their table is written there
+    _real_exit = os._exit
+
+    def _exit(code: int) -> None:
+        try:
+            _dump()
+        finally:
+            _real_exit(code)
+
+    os._exit = _exit
