@@ -327,10 +327,10 @@ def boxed_graph(gm: fx.GraphModule) -> Callable:
         from torch.fx.graph import CodeGen, _BoxedCodeGen
         from torch.fx.graph_module import _forward_from_src
     except ImportError:
-        return boxed(gm.forward)
+        return boxed(_generated_forward(gm))
     g = gm.graph
     if type(g._codegen) is not CodeGen:
-        return boxed(gm.forward)
+        return boxed(_generated_forward(gm))
     saved = g._codegen
     g._codegen = _BoxedCodeGen()
     try:
@@ -343,6 +343,15 @@ def boxed_graph(gm: fx.GraphModule) -> Callable:
         return fn(gm, args)
     run._boxed_call = True
     return run
+
+
+def _generated_forward(gm: fx.GraphModule) -> Callable:
+    """``gm.forward`` with its code generated now: a lazy graph's (``lazy_graph``) ``forward``
+    taken before that would check for the code and go through ``Module.__call__`` at every step."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+
+    _LazyGraphModule.force_recompile(gm)
+    return gm.forward
 
 
 def inductor_compile(gm: fx.GraphModule, example_inputs,
