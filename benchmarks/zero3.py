@@ -448,11 +448,6 @@ def dc_prediction(model, opt, res) -> None:
     res["trace_once"] = getattr(model, "dc_trace_once", None)
     # graphs taken from AOTAutograd's cache (config aot_cache, a plan-cache hit): no trace, no passes
     res["aot_cache_hits"] = len(getattr(model.dc_backend, "aot_cache_hits", []))
-    # the first collectives run while step 0 traces (config warm_collectives, runtime/warm.py): the
-    # thread's seconds, and what step 0 still waited for it (the part not overlapped)
-    w = getattr(model.dc_backend, "comm_warmup", None)
-    res["comm_warmup"] = None if w is None else {"seconds": w.seconds and round(w.seconds, 3),
-                                                  "waited_s": round(w.waited_s, 3), "done": list(w.done)}
     from deepcompile import blocks  # config blocks (BENCH_DC_CONFIG='{"blocks": true}'): regions per graph, compiled / reused, kernel wait
     res["blocks"] = [{k: v for k, v in s.items() if k != "labels"} for s in blocks.STATS]
     res["nested_calls"] = model.dc_backend.nested_calls  # config trace_blocks: region calls flattened
@@ -963,7 +958,6 @@ def summarise(name, per_rank, args, world) -> dict:
             ph: round(max(sum(d.get(ph, 0.0) for d in per_rank) for per_rank in steps), 3) for ph in phases}
         entry["trace_once"] = r0.get("trace_once")
         entry["aot_cache_hits"] = r0.get("aot_cache_hits")
-        entry["comm_warmup_by_rank"] = {str(r["rank"]): r.get("comm_warmup") for r in ran}
         entry["blocks"] = r0.get("blocks")
         entry["nested_calls"] = r0.get("nested_calls")
     if args.device == "cuda":

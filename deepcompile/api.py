@@ -18,7 +18,6 @@ from deepcompile.backend import Backend, paused_gc
 from deepcompile.config import Config
 from deepcompile.dynamic import DynamicDims
 from deepcompile.runtime import ops, optim_chunks, optimizer_state, seqcheck
-from deepcompile.runtime import warm as comm_warm
 from deepcompile.runtime.offload import ENGINE
 from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
 
@@ -101,9 +100,6 @@ class DeepCompileModel(nn.Module):
             if profiling:  # the profiling step's cost, end to end (until _finish_profile)
                 object.__setattr__(self, "_dc_profile_t0", time.perf_counter())
         self.dc_dynamic.observe(args, kwargs)
-        warm = self.dc_backend.comm_warmup
-        if warm is not None and self.dc_step == 0:
-            warm.start()  # (no-op after the first) joined by the backend's first call or below
         # the runtime names the graph node of a collective timeout by phase: forward while the
         # compiled forward runs, backward after it (two pybind calls per forward)
         ops.C.set_phase(0)
@@ -119,8 +115,6 @@ class DeepCompileModel(nn.Module):
                 self._dc_trace_flat(e)
                 return self._dc_compiled(*args, **kwargs)
         finally:
-            if warm is not None:
-                warm.join()  # nothing of it may run past step 0's forward (collective order)
             ops.C.set_phase(1)
             dyn1 = compat.dynamo_compile_seconds()
             if dyn1 is not None and dyn0 is not None and dyn1 > dyn0:  # Dynamo compiled a frame
@@ -504,11 +498,6 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     from deepcompile.plan.cache import PlanCache
 
     backend.plan_cache = PlanCache.create(wrapped)  # a re-run of this job reuses its plan (config plan_cache)
-    if comm_warm.wanted(cfg.warm_collectives, shard_group):  # the first collectives, overlapped with step 0's trace
-        gather_dtype = next((m.gather_dtype for m in ops.PARAMS.values()), torch.float32)
-        backend.comm_warmup = comm_warm.CommWarmup(
-            [(shard_group, "shard"), (replicate_group, "replicate")], device, gather_dtype,
-            cfg.mixed_precision.torch_reduce_dtype(), cfg.collective_timeout_s)
     for sp in sharded:
         # who owns a shard: deepcompile.clip_grad_norm_ (and torch's, routed there) finds the
         # model's group and accumulation window from the parameters alone

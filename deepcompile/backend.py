@@ -215,7 +215,6 @@ class Backend:
         self.graph_pools: list = []
         self.trace_once_log: list[dict] = []   # one entry per scheduled re-compile: reused or why not
         self.plan_cache = None          # deepcompile.plan.cache.PlanCache (initialize sets it), or None: off
-        self.comm_warmup = None         # runtime.warm.CommWarmup: step 0's first collectives (initialize sets it), or None
         # compile seconds per optimizer step and phase (PHASES); see add_phase
         self.phases: dict[int, dict[str, float]] = {}
         self.call_seconds = 0.0         # total seconds inside __call__ (Dynamo's time excludes it)
@@ -479,8 +478,6 @@ class Backend:
             self.add_phase("aot_autograd", spent - (sum(self._acc.values()) - before))
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]):
-        if self.comm_warmup is not None:
-            self.comm_warmup.join()  # before the plan cache's agreement, our first collective (runtime/warm.py)
         t0 = time.perf_counter()
         try:
             return self._timed(self._compile, gm, example_inputs)

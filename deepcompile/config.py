@@ -166,10 +166,6 @@ class Config:
                                       "or passes (a warm re-run's largest cost); its graph versions come from the run "
                                       "that stored the entry. The run that plans stores it for the next run (from its "
                                       "final compile); false: neither, trace and run the passes every run")
-    warm_collectives: bool | None = spec(None, help="run the first all-gather and reduce-scatter of each of the runtime's "
-                                                      "groups in a background thread while step 0 is traced (their "
-                                                      "one-time cost, about 2 s each on 2 H200s, overlaps Dynamo; "
-                                                      "deepcompile/runtime/warm.py); default: on with NCCL, off with gloo")
     compile_workers: int = spec(-1, min=-1, max=64,
                                 help="worker processes that run Inductor's codegen for the final compile, the forward "
                                      "and backward graphs at once (each graph's lowering, scheduling and code "
