@@ -8,10 +8,7 @@ cd "$(dirname "$0")/.."
 arc=$1; L=$2; REPS=${3:-3}; RUNS=${4:-"cold warm"}
 R=$(mktemp -d /tmp/dc_s21.XXXX)
 export PYTHONUNBUFFERED=1 OUTDIR=$R
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/gpus.txt" 2>&1
-python -c "import torch, sys; print(torch.__version__, sys.version.split()[0])" >> "$R/gpus.txt"
-git log --oneline -1 >> "$R/gpus.txt" 2>/dev/null
-python -c "from deepcompile.runtime import ops; ops.ensure_registered()" > "$R/build.log" 2>&1
+source benchmarks/device_prelude.sh && device_prelude "$R"
 timeout "${BUDGET_S:-540}" bash -c '
   for r in $(seq 1 '"$REPS"'); do
     TAG=r$r RUNS="'"$RUNS"'" PER_RUN_TIMEOUT=200 bash benchmarks/compile_time.sh '"$L"' > "$OUTDIR/sets_r$r.txt" 2>&1

@@ -10,10 +10,7 @@ arc=$1; L=$2; SETS=${3:-3}
 start=$(date +%s); budget=${BUDGET_S:-380}
 R=$(mktemp -d /tmp/dc_s23.XXXX)
 export PYTHONUNBUFFERED=1 OUTDIR=$R
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$R/gpus.txt" 2>&1
-python -c "import torch, sys; print(torch.__version__, sys.version.split()[0])" >> "$R/gpus.txt"
-git log --oneline -1 >> "$R/gpus.txt" 2>/dev/null
-python -c "from deepcompile.runtime import ops; ops.ensure_registered()" > "$R/build.log" 2>&1
+source benchmarks/device_prelude.sh && device_prelude "$R"
 left() { echo $(( budget - ($(date +%s) - start) )); }
 for r in $(seq 1 "$SETS"); do
   [ "$(left)" -lt 110 ] && { echo "set r$r skipped: $(left) s left"; break; }

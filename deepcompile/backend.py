@@ -436,16 +436,11 @@ class Backend:
         path = self._versions_file(salt) if salt else None
         if path is None:
             return
-        import dataclasses
         import json
 
-        from deepcompile.record.writer import atomic_write
+        from deepcompile.record.writer import atomic_write, version_fields
 
-        # the fields as they are, not dataclasses.asdict: that deep-copies every node's dict before
-        # JSON reads them once (0.13-0.2 s of this 0.25-0.4 s at 32 layers on 2 H200s, session 23's
-        # py-spy; the JSON is the same, the nodes being plain dicts, lists and strings already)
-        kept = [{f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
-                for v in self.versions if v.step == self.step and v.kind != "dynamo"]
+        kept = [version_fields(v) for v in self.versions if v.step == self.step and v.kind != "dynamo"]
         try:
             atomic_write(path, json.dumps({"salt": salt, "versions": kept}).encode())
         except (OSError, TypeError, ValueError) as e:  # costs a later run its graph views, not this run

@@ -24,7 +24,7 @@ import platform
 import re
 import socket
 import sys
-from dataclasses import asdict, is_dataclass
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -191,11 +191,15 @@ def _script_argv(argv: list[str], orig: list[str]) -> list[str] | None:
     return [sys.executable] + argv
 
 
-def _as_dict(v: Any) -> dict:
+def version_fields(v: Any) -> dict:
+    """A graph version (``backend.GraphVersion``, an equivalent dict or object) as a dict of its
+    fields, shallow: its nodes are plain dicts, lists and strings already, and ``dataclasses.asdict``
+    deep-copied every node before JSON read them once (0.13-0.2 s of step 2 at 32 layers on 2 H200s,
+    session 23's py-spy)."""
     if isinstance(v, dict):
         return v
     if is_dataclass(v):
-        return asdict(v)
+        return {f.name: getattr(v, f.name) for f in fields(v)}
     return dict(vars(v))
 
 
@@ -246,7 +250,7 @@ class RunRecorder:
 
         Usable directly as a backend observer: ``model.dc_backend.observers.append(rec.graph_version)``.
         """
-        d = _as_dict(v)
+        d = version_fields(v)
         gid, kind, after = int(d["graph_id"]), str(d["kind"]), str(d["after"])
         seq = self._seq.get((gid, kind), 0)
         self._seq[(gid, kind)] = seq + 1
