@@ -60,10 +60,13 @@ def _child(fn, rank, world, port, backend, out_dir, args, env=None):
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     path = Path(out_dir) / f"rank{rank}.pkl"
     # a rank killed by a signal (a segfault in native code) leaves no result: its Python stack
-    # (every thread's) goes to a file the parent puts into the failure message
+    # (every thread's) goes to a file the parent puts into the failure message. The rank's stderr
+    # goes there too: native code that aborts says why only on stderr ("terminate called after
+    # throwing ...", a gloo or OpenMP assertion), which pytest's capture of a passing parent drops
     import faulthandler
 
     fault = open(Path(out_dir) / f"rank{rank}.fault", "w")  # noqa: SIM115 - open until the process ends
+    os.dup2(fault.fileno(), 2)
     faulthandler.enable(fault, all_threads=True)
     try:
         import torch
@@ -131,7 +134,7 @@ def run_ranks(fn, world: int, *args, backend: str | None = "gloo", timeout: floa
             f = Path(d) / f"rank{r}.pkl"
             if not f.exists():
                 fault = Path(d) / f"rank{r}.fault"
-                stack = fault.read_text(errors="replace").strip() if fault.exists() else ""
+                stack = fault.read_text(errors="replace").strip()[-20000:] if fault.exists() else ""
                 errors.append(f"rank {r}: no result (exit code {procs[r].exitcode})"
                               + (f"\n{stack}" if stack else ""))
                 results.append(None)
