@@ -13,6 +13,12 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 
+# one OpenMP thread per process unless the caller says otherwise, as torchrun sets for several ranks
+# on one host: the suite runs 2 ranks (and 2 pytest workers) on 2 cores, and torch's default of one
+# thread per core would put 4-8 spinning OpenMP threads on them (about 10% slower, measured). Set
+# before anything imports torch, and so before the fork server starts (tests/dist_utils.py)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # deepcompile's plan cache (deepcompile/plan/cache.py, on by default) would let a default-plan run
 # reuse the plan an earlier test (or an earlier pytest run) stored, and skip the warm-up and the
 # profiling step that test is about: the suite never touches the user's cache, and each test gets
