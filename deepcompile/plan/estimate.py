@@ -34,17 +34,17 @@ MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution"
 
 
 # The host's time to launch each op of a compiled step on a GPU (microseconds): what a host-bound
-# step's pace follows. Measured on the 2-H200 host (torch 2.11, the issue-16 runtime: one wait
-# per coalesced group, reduce_grad without a clone), 953M Llama, by the profiler per op kind
-# (benchmarks/results/host_profile_dc_default_16l_c.json: 40.2 ms of compiled graphs and 10.1
+# step's pace follows. Measured on the 2-H200 host (torch 2.11, a runtime with one wait per
+# coalesced group and reduce_grad without a clone), 953M Llama, by the profiler per op kind
+# (benchmarks/results/host_profile_L16_h200_2gpu.json: 40.2 ms of compiled graphs and 10.1
 # ms of optimizer step per step), scaled by 0.863 so that they add up to the host time the same
-# run measured without the profiler (43.4 ms, zero3_h200_2gpu_16l_nvlink_c.json). "node": the
+# run measured without the profiler (43.4 ms). "node": the
 # generated wrapper's Python, spread over every op node (9.2 ms / 3086 nodes); "kernel": an
 # Inductor kernel, charged per fused kernel (``fused_us``'s written outputs; 3.9 ms / 717);
 # "per_param": a kept-gathered collective's per-parameter work. The gathers of parameters that
 # are not kept were not in that run (it kept everything): allgather_params/allgather_param and
-# the waits are the earlier runtime's figures (host_profile_before_h200.json, 424 us a fused
-# gather, 31 us a wait) and are the least certain. gather_persistent_start / _wait (kept
+# the waits are a profile of a runtime without coalesced waits (424 us a fused gather, 31 us
+# a wait) and are the least certain. gather_persistent_start / _wait (kept
 # parameters gathered in need order, selective_unshard.group_mb) are not measured yet: a start
 # is taken as a coalesced launch (40 us) plus the per-parameter work of gather_persistent_many,
 # a wait as wait_allgather_many's.
@@ -53,12 +53,12 @@ HOST_US = {"node": 2.6, "matmul": 18.7, "attention": 81.0, "kernel": 4.7, "reduc
            "gather_persistent_start": 40.0, "gather_persistent_wait": 31.0,
            "allgather_params": 424.0, "allgather_param": 60.0, "wait_allgather": 31.0,
            "wait_allgather_many": 31.0, "release_param": 1.0, "end_backward": 141.0,
-           # reduce_grads: one call per reduce bucket (passes/zero3.group_reduces, issue 16). Most of
+           # reduce_grads: one call per reduce bucket (passes/zero3.group_reduces). Most of
            # reduce_grad's 70 us stays per gradient: on the CPU (1 rank, tiny tensors, no profiler) a
            # gradient costs ~0.8 us to add and ~8 us in its bucket's flush and hand-over (coalesced
            # reduce-scatter member, output slice, .grad view), the call itself ~1 us; on 2 H200s under
            # the profiler 40 calls took 12.5 ms a step where 147 reduce_grad calls took 14.4
-           # (results/host_profile_dc_default_16l_s8_keep_reduce.log). So a call is charged 20 us and
+           # (results/host_profile_L16_reduce_calls_h200_2gpu.log). So a call is charged 20 us and
            # each gradient it hands over ("per_grad") 50 us.
            "reduce_grads": 20.0, "per_grad": 50.0}
 
