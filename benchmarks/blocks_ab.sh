@@ -1,8 +1,8 @@
 #!/bin/bash
 # Blocks (config "blocks": true) against whole graphs, the default plan, one GPU: each mode cold on
 # its own Inductor cache, then re-runs of its stored plan, modes alternating, one process per run
-# (issue 18; benchmarks/README.md "session 17" says why a single pair decides nothing on these
-# hosts). With PROFILE=1 the re-runs' timed steps run under cProfile (BENCH_CPROFILE_STEPS), and
+# (the step's host time wanders by more than blocks' cost between processes on one host, so a
+# single pair decides nothing). With PROFILE=1 the re-runs' timed steps run under cProfile (BENCH_CPROFILE_STEPS), and
 # the functions whose own time per step differs most between the modes are listed: where blocks'
 # host time goes.
 #

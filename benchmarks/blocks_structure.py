@@ -1,4 +1,4 @@
-"""How much Inductor would lower with and without deepcompile.blocks (issue 18), per depth.
+"""How much Inductor would lower with and without deepcompile.blocks, per depth.
 
 Runs the tiny GPT of tests/workloads.py on one gloo rank on CPU under a config (default: the
 default ZeRO-3 plan, compiler inductor) for a few steps with ``compile_fx_inner`` replaced by a

@@ -202,8 +202,8 @@ def _gib(x):
 def summarize(gathered: list, args, world: int) -> dict:
     """Every repeat's time (rank 0's wall clock, barrier to barrier) and the worst rank's peak host
     growth against that rank's own shards; the targets judged on the median and on the worst repeat.
-    A median alone hid a first save that was twice as slow as the later ones and over the memory
-    bound (session 8)."""
+    A median alone would hide a first save that is twice as slow as the later ones and over the
+    memory bound (DCP's default writer pins every staged tensor on the first save)."""
     names = list(gathered[0]["runs"])
     repeats: dict = {}
     for name in names:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Compile time of the default plan on the CPU, per depth (issue 18): where the host's time goes
+"""Compile time of the default plan on the CPU, per depth: where the host's time goes
 before the first fast step, phase by phase, and how it grows with the number of layers.
 
     python benchmarks/compile_cpu.py [--layers 16 32] [--ranks 1 2] [--repeats 2] [--profile]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile time of the default plan (issue 18): everything before the first step at training speed,
+# Compile time of the default plan: everything before the first step at training speed,
 # per depth, with a cold and then a warm Inductor/Triton cache, one process per measurement.
 #   bash benchmarks/compile_time.sh [LAYERS...]        (default: 16 32; 2 GPUs)
 # Writes benchmarks/results/compile_L<L>_<cold|warm>_<device>_2gpu.json (zero3.py's JSON: compile_s,

@@ -1,4 +1,4 @@
-# Sourced by the device scripts (compile_2gpu_s21.sh, compile_2gpu_s23.sh): into directory $1, the
+# Sourced by the device scripts (compile_2gpu.sh): into directory $1, the
 # GPUs, torch and Python versions and the commit, then the native runtime's one-time build (kept
 # out of every timed run). On the device machine the copy's git log can name the commit before
 # uncommitted changes: the result files say which tree ran where that matters.

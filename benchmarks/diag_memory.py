@@ -3,8 +3,8 @@ also runs on CPU).
 
 ``saved``: a probe op wraps the first decoder layer's input; its backward (near the end of the
 backward graph) reports the forward's saved tensors (``saved_tensors_hooks``) still alive, their
-bytes, and the allocator's current and peak bytes at that moment. Session 9 found with it that
-the saved activations were gone there while ~1.8 GiB of gradients were still held.
+bytes, and the allocator's current and peak bytes at that moment: whether what is still held
+there is saved activations or gradients.
 
 ``sites``: the allocator's bytes around forward and backward per step, then
 ``torch.cuda.memory._snapshot()`` right after a final-compile backward (recorded from before its

@@ -1,4 +1,4 @@
-"""Host time per training step on the CPU (issue 16): what the step costs that does not scale with
+"""Host time per training step on the CPU: what the step costs that does not scale with
 the model. A small GPT on N gloo ranks, so compute is short and the fixed per-step work (the
 runtime ops' calls, the generated wrapper, Python hooks, the sequence check) shows.
 

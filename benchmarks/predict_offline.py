@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         print(f"{a.record}: no profile in this record (the system ran no profiling step)", file=sys.stderr)
         return 2
     prof = Profile.from_records(rec.profile)
-    drop_stalls(prof)  # records from before the profiler dropped stalls (session 9) still carry them
+    drop_stalls(prof)  # records made by a profiler that kept stalls still carry them
     versions = [vars(g) for g in rec.graphs]
     out = {}
     for fused in (True, False):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where the host's time goes before the first fast step on the GPU (issue 18): one cold default-plan
+# Where the host's time goes before the first fast step on the GPU: one cold default-plan
 # run of benchmarks/zero3.py under py-spy (sampling, nonblocking: the ranks are not paused; idle
 # stacks kept, so waits show), every process and thread, as a speedscope file.
 #   bash benchmarks/pyspy_compile.sh OUTDIR LAYERS        (py-spy on PATH; 2 GPUs)

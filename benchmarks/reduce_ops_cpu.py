@@ -1,4 +1,4 @@
-"""The reduce ops called directly (issue 16): one gloo rank, 91 tiny gradients (no compute), main-thread
+"""The reduce ops called directly: one gloo rank, 91 tiny gradients (no compute), main-thread
 CPU per backward of reduce_grad x91 vs one reduce_grads, then adds vs end_backward (flush + hand-over) and
 a torch profiler table of where end_backward goes. Scratch measurement behind estimate.HOST_US["reduce_grads"]."""
 import os, time, torch, torch.distributed as dist

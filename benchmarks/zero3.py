@@ -108,6 +108,10 @@ def add_common_args(p: argparse.ArgumentParser, bench: str, all_systems: list[st
     p.add_argument("--systems", default=",".join(all_systems),
                    help=f"comma-separated, run in this order; known: {','.join(all_systems)}{systems_help}")
     p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1024, seq 128 (smoke test)")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="llama_1b",
+                   help="model shape: llama_1b (hidden 2048, ffn 5632, 16 heads, vocab 32000; --layers sets "
+                        "the depth, 16 by default) or llama3_8b (Llama-3-8B: hidden 4096, ffn 14336, 32 heads, "
+                        "8 kv heads, vocab 128256, 32 layers unless --layers)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None,
                    help="cuda (NCCL) if available, else cpu (gloo)")
     p.add_argument("--dtype", choices=tuple(DTYPES), default=None,
@@ -174,7 +178,7 @@ def common_defaults(p: argparse.ArgumentParser, args, all_systems: list[str], re
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     if args.layers is None:
-        args.layers = 2 if args.tiny else 16
+        args.layers = 2 if args.tiny else SHAPE_LAYERS[getattr(args, "shape", "llama_1b")]
 
 
 def load_previous(path: str, result: dict, world: int, key: str, mine: set) -> dict:
@@ -218,13 +222,21 @@ def finish(args, result, plot_fn, table_fn, header: str) -> None:
     print(table_fn(result), flush=True)
 
 
+SHAPES = {
+    "llama_1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
+                     num_key_value_heads=16),
+    "llama3_8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, rope_theta=500000.0),
+}
+SHAPE_LAYERS = {"llama_1b": 16, "llama3_8b": 32}
+
+
 def model_config_dict(args) -> dict:
     if args.tiny:
         d = dict(vocab_size=1024, hidden_size=256, intermediate_size=704, num_attention_heads=4,
                  num_key_value_heads=4)
     else:
-        d = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_attention_heads=16,
-                 num_key_value_heads=16)
+        d = dict(SHAPES[getattr(args, "shape", "llama_1b")])
     d.update(num_hidden_layers=args.layers, max_position_embeddings=max(args.seq, 128),
              tie_word_embeddings=False, use_cache=False)
     return d
@@ -345,7 +357,8 @@ def process_state(args) -> dict:
     """What a process carries from one system to the next: threads, Python objects, resident
     memory, and the CUDA allocator's device allocations and retries. Recorded before and after
     every system, because a deepcompile system measured later in a process ran slower than one
-    measured earlier (benchmarks/README.md, "order mattered") and the cause is not yet found."""
+    measured earlier (the reason ``zero3_each.sh`` runs one process per system); the cause is not
+    known."""
     st = {"threads": len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else None,
           "python_objects": len(gc.get_objects())}
     try:
@@ -858,14 +871,6 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
                 split_peaks = [v for k, v in (res.get("peak_split_gib") or {}).items() if not k.endswith("step")]
                 res["peak_alloc_gib"] = max([torch.cuda.max_memory_allocated() / GIB, *split_peaks])
                 res["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
-                pool = getattr(getattr(model, "dc_backend", None), "graph_pool", None)
-                if pool is not None:
-                    # CUDA graphs (runtime/cudagraphs.py): after the capture step the graphs' memory
-                    # is the pool's, held for good and not counted by max_memory_allocated; the
-                    # honest peak is what was allocated outside it plus all of it
-                    res["cuda_graphs"] = pool.summary()
-                    res["peak_alloc_outside_pool_gib"] = res["peak_alloc_gib"]
-                    res["peak_alloc_gib"] += res["cuda_graphs"]["pool_bytes"] / GIB
             res["process_after_train"] = process_state(args)
             if after_train is not None:
                 after_train(model, opt, res)
@@ -970,8 +975,6 @@ def summarise(name, per_rank, args, world) -> dict:
         if any(r.get("peak_split_gib") for r in ran):
             entry["peak_split_gib_by_rank"] = {str(r["rank"]): r.get("peak_split_gib") for r in ran}
         entry["peak_reserved_gib_by_rank"] = {str(r["rank"]): r["peak_reserved_gib"] for r in ran}
-        if any(r.get("cuda_graphs") for r in ran):
-            entry["cuda_graphs_by_rank"] = {str(r["rank"]): r.get("cuda_graphs") for r in ran}
         entry["setup_peak_gib_by_rank"] = {str(r["rank"]): r["setup_peak_gib"] for r in ran}
         entry["alloc_before_gib_by_rank"] = {str(r["rank"]): r["alloc_before_gib"] for r in ran}
         entry["alloc_after_gib_by_rank"] = {str(r["rank"]): r["alloc_after_gib"] for r in ran}

@@ -1,7 +1,7 @@
 #!/bin/bash
 # Every system of benchmarks/zero3.py in a process of its own, into one JSON (--append), so that
-# no system is measured after another in the same process (see "order mattered" in
-# benchmarks/README.md). A system that fails is recorded in the JSON and the next one still runs.
+# no system is measured after another in the same process (one measured after another ran
+# measurably differently, benchmarks/README.md). A system that fails is recorded in the JSON and the next one still runs.
 #
 #   benchmarks/zero3_each.sh NPROC OUT SYSTEMS [more zero3.py options]
 #   benchmarks/zero3_each.sh 2 benchmarks/results/zero3_h200_2gpu_each.json \

@@ -1,4 +1,4 @@
-"""Where a compile generates Python code for FX graphs, and how long it takes (issue 18).
+"""Where a compile generates Python code for FX graphs, and how long it takes.
 
 Put this folder first on PYTHONPATH and every Python process started with it (the spawned ranks
 too) times each ``GraphModule.recompile`` and each real recompile of a ``_LazyGraphModule``, keyed
