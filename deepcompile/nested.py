@@ -1,8 +1,8 @@
-"""Trace each distinct decoder block once (issue 18): a hierarchical capture.
+"""Trace each distinct decoder block once: a hierarchical capture.
 
-Dynamo and AOTAutograd traced every layer of the model one after the other, so the warm-up
-trace grew with depth (32 layers: Dynamo 8-10 s and AOTAutograd 20-32 s on the H100 host,
-session 18). Here each decoder block is a nested compile region: Dynamo traces every call but
+A flat trace has Dynamo and AOTAutograd trace every layer of the model one after the other, so
+the warm-up trace grows with depth (32 layers: Dynamo 8-10 s and AOTAutograd 20-32 s on an H100
+host). Here each decoder block is a nested compile region: Dynamo traces every call but
 installs one body for identical layers, and AOTAutograd traces, runs Inductor's joint-graph
 passes on and partitions that body once. Our passes, the record and ``blocks.py`` never see the
 regions: each partitioned graph is flattened back (a copy of the body at every call) before

@@ -1,6 +1,6 @@
 """Row-aligned, padded parameter shards and how tracing sees them.
 
-Design decision (DESIGN.md, "how tracing sees a sharded parameter")
+Design decision (docs/architecture.md, "how tracing sees a sharded parameter")
 ------------------------------------------------------------------
 Each parameter of the user's model is replaced by an ``nn.Parameter`` holding this rank's rows
 of it: ``ceil(d0 / world)`` rows along dim 0, the last ranks zero-padded (``shard_layout``), so
@@ -23,19 +23,19 @@ getter is the custom op ``torch.ops.dc.unshard(shard, id)``:
   ``Unshard.forward`` on the shard directly, where parametrize's own property made Dynamo inline
   three module calls at every access).
 
-Why rows, not a flat range of ``ceil(numel / world)`` elements (the layout until issue 14): a
+Why rows, not a flat range of ``ceil(numel / world)`` elements: a
 user's loop asks the parameters questions. nanoGPT and most recipes put ``p.dim() >= 2`` in
-the weight-decay group; every flat shard was 1-D, so that group came out empty and training
-differed silently. Row shards answer ``dim()``/``ndim``/``len(shape)`` as the unsharded
+the weight-decay group; every flat shard would be 1-D, so that group would come out empty and
+training would differ silently. Row shards answer ``dim()``/``ndim``/``len(shape)`` as the unsharded
 parameter does without any lie, and they are still one contiguous range of the flattened
-parameter, so the runtime's gathers and reduce-scatters did not change. The layout is also
+parameter, so the runtime gathers and reduce-scatters them as flat ranges. The layout is also
 exactly DTensor ``Shard(0)`` (torch.chunk's uneven split): ``deepcompile.checkpoint`` wraps
 shards as DTensors (``DTensor.from_local``) only when saving, so ``torch.distributed.checkpoint``
 reshards and writes original shapes. Cost: up to ``world - 1`` padded rows per parameter instead
 of ``world - 1`` elements, and a parameter of fewer rows than ranks lives on the first ranks only
 (FSDP2 makes the same trade).
 
-Weighed and rejected (issue 14): the shard *as* a DTensor parameter, as FSDP2 and SimpleFSDP
+Weighed and rejected: the shard *as* a DTensor parameter, as FSDP2 and SimpleFSDP
 do, which would also make torch's own ``clip_grad_norm_`` global. Against it: the optimizer's
 foreach/fused kernels would run through DTensor dispatch every step (host time, which the
 host-bound step cannot spare); Dynamo and AOTAutograd would trace a tensor subclass at every

@@ -1,6 +1,6 @@
 """GPU (1 or more): the default plan with Inductor matches the unsharded model, in the run that
 plans (trace once) and in its re-run, which takes the plan from the plan cache and the graphs from
-the AOTAutograd entry the first run seeded (issue 18). Marked `gpu`; skips without CUDA."""
+the AOTAutograd entry the first run seeded. Marked `gpu`; skips without CUDA."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""Host work per training step (issue 16): the runtime's own op counters on the tiny GPT.
+"""Host work per training step: the runtime's own op counters on the tiny GPT.
 
 * one host wait per coalesced gather group (``wait_allgather_many``), not one per parameter;
 * ``reduce_grad`` copies a gradient only where it must (zero padding, a dtype cast), never
@@ -305,7 +305,7 @@ def _op_counts(rank: int, world: int):
 
 
 def test_runtime_dispatcher_calls_per_gradient_and_parameter():
-    """Host work per gradient (issue 16): counted, not timed. The reduce path makes one flat view
+    """Host work per gradient: counted, not timed. The reduce path makes one flat view
     of each gradient (add_grad), one output slice of it (the coalesced reduce-scatter) and one
     .grad slice (apply_grads), plus an empty, a cast and a scale per bucket; a gathered kept
     parameter costs one output allocation (and here, gloo, one cast input) when started and one

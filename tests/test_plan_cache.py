@@ -1,4 +1,4 @@
-"""The plan cache (issue 18, deepcompile.plan.cache): a re-run of the same job reuses the first run's
+"""The plan cache (deepcompile.plan.cache): a re-run of the same job reuses the first run's
 agreed profile and plan, compiles the planned passes at step 0 and skips the profiling step and the
 planner; it makes the same decisions and trains to the same losses, bitwise (CPU, aot_eager: the
 planned passes move gathers and keep parameters gathered, which changes no value). A changed
@@ -213,7 +213,7 @@ def test_prune_keeps_the_newest_entries_and_clears_crashed_writes(tmp_path):
 
 
 def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch):
-    """Issue 18 (warm compile): with a plan-cache hit the planned passes are fixed before step
+    """Warm compile: with a plan-cache hit the planned passes are fixed before step
     0's compile, so AOTAutograd's cache is turned on for it (config aot_cache), keyed by the plan.
     The run that plans seeds that entry from its trace-once compile (its warm-up compile computed
     the re-run's key; the final Inductor graphs fill it), so already the first re-run takes its

@@ -238,8 +238,8 @@ def test_real_953m_profile_memory_model_and_fsdp_limit_offloads():
 
 def test_real_953m_profile_slow_links_keeps_everything_as_measured_fastest():
     """At 40 GB/s allgather (slow links) a roomy limit keeps every parameter gathered, the plan
-    that measured fastest on the GPUs (1.35-1.38x FSDP2; session 6: 98.0 ms against 115.9 ms for
-    keep 448 MiB + prefetch 512 MiB in session 7).
+    that measured fastest on the GPUs (1.35-1.38x FSDP2; 98.0 ms against 115.9 ms for keep
+    448 MiB + prefetch 512 MiB).
 
     The kept parameters are gathered in need-order groups (selective_unshard group_mb, default
     128), each waited before its first use, so the forward's compute runs under the gathers of

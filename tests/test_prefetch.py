@@ -341,7 +341,7 @@ def _hoist_reference(g, gathers, ctx):
 @pytest.mark.parametrize("cover", [0.0, 0.5, 3.0])
 @pytest.mark.parametrize("fuse_mb", [0.0, 0.02])
 def test_hoist_moves_exactly_as_the_plain_walk(cover, fuse_mb):
-    """The linear _hoist (issue 18: the planner runs prefetch on every candidate, and the walk per
+    """The linear _hoist (the planner runs prefetch on every candidate, and the walk per
     gather was quadratic in the graph) gives the reference's node order, for budgets from nothing
     to the whole model, fused or not, and with a profile deciding how far (cover > 0), including
     a gather an earlier pass already issued above its anchor."""

@@ -1,4 +1,4 @@
-"""What-if (issue 17): editing a pass parameter re-runs the passes and the planner on a record's
+"""What-if: editing a pass parameter re-runs the passes and the planner on a record's
 graphs and predicts step time and memory, without Dynamo. One real 2-rank CPU demo run (gloo,
 tiny GPT, profiled step 1, zero3 + prefetch + selective_unshard) for the module."""
 from __future__ import annotations

@@ -114,7 +114,7 @@ def _wait_once(g: fx.Graph, h: fx.Node, waits: list[fx.Node], pids: list[int]) -
 
     All members of one coalesced collective finish together, so waiting for all of them at the
     first member's use costs no time, and the host makes one dispatcher call and one wait
-    instead of one per parameter (issue 16: 213 waits per step on the 16-layer Llama). Each
+    instead of one per parameter (213 waits per step on the 16-layer Llama otherwise). Each
     member's value is a ``getitem`` at the same place; releases stay per parameter.
     """
     import operator

@@ -21,7 +21,7 @@ for the first 6-8 ms of a 45 ms step on NVLink, and ~24 ms exposed on slow links
 the same: kept parameters stay gathered for the whole step anyway. The backward keeps one
 ``gather_persistent_many`` at its top: there every kept parameter is already in the runtime's
 cache (one host call, nothing gathered). ``group_mb`` 0 gives that single collective, waited at
-the top, in the forward too (the schedule before session 8).
+the top, in the forward too.
 
 Only the first forward after an optimizer step gathers; every later graph (the backward, later
 micro-batches under gradient accumulation) finds the parameters kept and gathers nothing.

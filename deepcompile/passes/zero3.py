@@ -157,7 +157,7 @@ def plan_reduce_calls(items: list[tuple[int, int, bool]], bucket_elems: int) -> 
 
 def group_reduces(sgs: list[fx.Node], ctx: PassContext) -> list[list[fx.Node]]:
     """The ``shard_grad`` nodes (graph order) grouped into one runtime call per reduce bucket
-    (``plan_reduce_calls``; issue 16: a call per gradient was the backward's largest host cost).
+    (``plan_reduce_calls``: a call per gradient would be the backward's largest host cost).
     One group per gradient where the grouping cannot replay the runtime: a parameter without
     metadata, or the runtime copying every gradient (``ReduceLayout.copies_each``).
 
@@ -165,7 +165,7 @@ def group_reduces(sgs: list[fx.Node], ctx: PassContext) -> list[list[fx.Node]]:
     from layer to layer: there a call ends at each block boundary instead of at each flush, so a
     bucket that fills inside a block is handed over at that block's last gradient (at most one
     block's backward later; the runtime flushes it inside the call) instead of one call per
-    gradient, a host cost of the step (issue 16)."""
+    gradient, a host cost of the step."""
     from deepcompile import blocks
 
     lay = reduce_layout(ctx)

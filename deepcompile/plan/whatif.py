@@ -303,7 +303,7 @@ def _build_base(root: Path, rank: int) -> _Base:
                           "the profiled latencies and memory: run with profile_step set (the default ZeRO-3 plan "
                           "profiles step 1), e.g. `python -m deepcompile demo --profile-step 1`")
     prof = Profile.from_records(rec.profile)
-    # records written before the profiler dropped stalls (session 9) still carry them: a wait or
+    # records written by a profiler that kept stalls still carry them: a wait or
     # node charged with the other rank's profiler spin would price every plan ~4x too slow
     drop_stalls(prof)
     graphs, base, profiled, scope = {}, {}, {}, {}

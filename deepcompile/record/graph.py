@@ -100,7 +100,7 @@ def source_line(n: fx.Node) -> str | None:
 
     Answers are kept per trace text: the record serializes each graph after every pass (a dozen
     times per compile at the default plan), and the same node carries the same trace string
-    each time; parsing it again was a tenth of the passes phase (issue 18)."""
+    each time; parsing it again would be a tenth of the passes phase."""
     st = n.meta.get("stack_trace")
     if not st:
         return None

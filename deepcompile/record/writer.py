@@ -194,8 +194,8 @@ def _script_argv(argv: list[str], orig: list[str]) -> list[str] | None:
 def version_fields(v: Any) -> dict:
     """A graph version (``backend.GraphVersion``, an equivalent dict or object) as a dict of its
     fields, shallow: its nodes are plain dicts, lists and strings already, and ``dataclasses.asdict``
-    deep-copied every node before JSON read them once (0.13-0.2 s of step 2 at 32 layers on 2 H200s,
-    session 23's py-spy)."""
+    would deep-copy every node before JSON reads them once (0.13-0.2 s of step 2 at 32 layers on
+    2 H200s, under py-spy)."""
     if isinstance(v, dict):
         return v
     if is_dataclass(v):

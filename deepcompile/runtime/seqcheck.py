@@ -138,7 +138,7 @@ class SequenceCheck:
         t0 = time.monotonic()
         # From check 2 on every rank's key of this slot exists (each posted check k-2 before
         # check k-1, which this rank passed): one multi_get per poll, not a check first (a store
-        # round trip per step, issue 16). The first pause is short: the ranks' hosts arrive
+        # round trip per step). The first pause is short: the ranks' hosts arrive
         # within a fraction of a millisecond of each other when the step is host-bound, and
         # every pause of this rank's host lengthens its step.
         exist = k >= 2
