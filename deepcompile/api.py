@@ -247,7 +247,7 @@ class DeepCompileModel(nn.Module):
         # the gathers the passes schedule run in the shard group (all ranks but under mesh.shard)
         prof.comm = benchmark_comm(self.dc_shard_group, self._dc_device())
         if self._dc_device().type == "cuda":
-            # the host's pace (issue 17): the host model (plan.estimate.host_model) follows the machine
+            # the host's pace: the host model (plan.estimate.host_model) follows the machine
             from deepcompile.profile.host import host_benchmark
 
             prof.host = host_benchmark(self._dc_device())

@@ -1,4 +1,4 @@
-"""Compile each distinct decoder block once (issue 18).
+"""Compile each distinct decoder block once.
 
 Inductor used to compile every partitioned forward/backward graph whole, so its time grew with
 depth (16 layers about 19 s on an H200 host, 32 layers about 40 s). Here a graph *after our
@@ -90,8 +90,8 @@ Real Inductor on this shared 2-core CPU machine (caches off, default plan, load 
 one-time start-up, each block region 5-6 s, tails 2-3 s) vs 64.6 s whole (2 compiles); 8
 layers 94.5 vs 76.8 s (under load 6). On CPU each region pays a fixed cost (its own C++
 module and compiler run), so blocks only break even near 16 layers there and win beyond, as
-the whole graph keeps growing and the regions do not. The H200 numbers (issue 18's target,
-where kernels are Triton and the per-graph cost differs) are still to be measured.
+the whole graph keeps growing and the regions do not. On the GPU, where kernels are Triton,
+the gain comes from the first layers on (benchmarks/README.md).
 """
 from __future__ import annotations
 
@@ -122,11 +122,11 @@ def resolve(config, device_type: str) -> str | None:
     compiler than Inductor; CUDA graphs). The backend's compile and the reduce grouping
     (``ReduceLayout.by_block``) both take it from here (api.initialize).
 
-    On by default on CUDA since session 20 (benchmarks/README.md). On 2 H200s, cold caches, the
+    On by default on CUDA (benchmarks/README.md, docs/architecture.md). On 2 H200s, cold caches, the
     default plan's first fast step took 23.1 s at 16 layers and 32.1 s at 32 with blocks, 39.1
     and 63.0 s without (Inductor's phase 5.3 and 7.2 s against 18.4 and 36.3), and the step was
-    58.0 against 63.4 ms and 106.2 against 115.9 (one pair each). Sessions 16-18 measured the
-    step on one GPU: blocks slower in 7 of 9 pairs at 32 layers on an H100 (-15% to +12%) and
+    58.0 against 63.4 ms and 106.2 against 115.9 (one pair each). Pairs on one GPU measured the
+    step: blocks slower in 7 of 9 pairs at 32 layers on an H100 (-15% to +12%) and
     3 of 3 (+5%) at 16 layers on an H200; any cost is on the host: a trace at 32 layers shows the
     same GPU kernel time (52.1 against 52.7 ms per counted step; 1054 kernels against 1035, the
     boundaries' unfused pointwise kernels), and cProfile of the timed steps attributes ~3.6 ms a
@@ -383,7 +383,7 @@ def run_plan(plan: Plan, fns: list[Callable]):
 
     Generated as straight-line Python (one local per value, the ids as literals), as Inductor
     writes its own wrappers: the loop it replaces indexed a list per input and output and was
-    1.7 ms of host time per step at 32 layers under cProfile (H100, session 18), the largest
+    1.7 ms of host time per step at 32 layers under cProfile (H100), the largest
     cost blocks add to a step."""
     n_outer = plan.n_slots - sum(len(outs) for _, _, _, outs, _ in plan.steps)
     v = [f"v{i}" for i in range(plan.n_slots)]

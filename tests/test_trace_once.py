@@ -1,4 +1,4 @@
-"""Trace once (issue 18): the default plan's final compile reuses the warm-up's partitioned graphs.
+"""Trace once: the default plan's final compile reuses the warm-up's partitioned graphs.
 
 Steps 0-1 run the warm-up graphs (Python code); at step 2 the planned passes and Inductor run on
 copies of the graphs the warm-up traced, and the callables AOTAutograd holds are re-pointed: Dynamo

@@ -1,4 +1,4 @@
-"""The plan cache (issue 18): a re-run of the same job skips the warm-up, the profiling step and
+"""The plan cache: a re-run of the same job skips the warm-up, the profiling step and
 the planner, and compiles the planned passes at step 0.
 
 The default plan spends its first steps deciding: step 0 traces and runs the graphs as Python,
