@@ -158,7 +158,7 @@ def _demo(capsys, *args: str) -> str:
 
 
 def test_demo_option_errors(capsys, tmp_path):
-    """Checked before any rank starts (``--batch 0`` used to train on empty batches: NaN loss, exit 0)."""
+    """Checked before any rank starts (unchecked, ``--batch 0`` would train on empty batches: NaN loss, exit 0)."""
     assert "--batch 0: need at least 1" in _demo(capsys, "--batch", "0", "--out", str(tmp_path / "a"))
     assert "--batch -3: need at least 1" in _demo(capsys, "--batch", "-3", "--out", str(tmp_path / "b"))
     f = tmp_path / "file"

@@ -1,9 +1,9 @@
 """Per-rank dynamic padding (each rank pads its batch to its own longest sequence, as Hugging
 Face's DataCollatorWithPadding does) under the default ZeRO-3 plan, on 2 gloo ranks.
 
-It used to die in the profiling step's ``agree`` ("ranks profiled different graphs"): rank 0
-saw one length twice and ran its static graph, rank 1 had recompiled a symbolic one. Now the
-ranks agree on which input dims vary before the profiling step and every re-compile, compile
+The failure it guards against: the profiling step's ``agree`` stops with "ranks profiled
+different graphs" when rank 0 saw one length twice and ran its static graph while rank 1 had
+recompiled a symbolic one. The ranks therefore agree on which input dims vary before the profiling step and every re-compile, compile
 the same symbolic graph, and reuse it for every later length."""
 from __future__ import annotations
 

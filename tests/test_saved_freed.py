@@ -1,10 +1,9 @@
 """The forward's saved activations die during the backward, in every kind of step.
 
-The warm-up steps used to run the rewritten graphs as ``make_boxed_func(gm.forward)``, which
-keeps the caller's argument list (every saved activation of the forward) alive until the
-backward returns: the warm-up's peak was the steady step's plus all activations (about 2 GiB
-on the 953M Llama), and a tight memory limit could fail in the warm-up that the plan itself
-fits. A probe op sits on the first block's input; its backward runs near the end of the
+Warm-up steps that ran the rewritten graphs as ``make_boxed_func(gm.forward)`` would keep the
+caller's argument list (every saved activation of the forward) alive until the backward
+returns: the warm-up's peak would be the steady step's plus all activations (about 2 GiB on
+the 953M Llama), and a tight memory limit could fail in the warm-up that the plan itself fits. A probe op sits on the first block's input; its backward runs near the end of the
 backward graph and counts how many of the forward's saved tensors are still alive there.
 """
 from __future__ import annotations

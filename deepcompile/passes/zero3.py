@@ -197,7 +197,7 @@ def lower_grad_reduce(gm: fx.GraphModule, ctx: PassContext) -> int:
         return 0
     reduced: list[fx.Node] = []
     for group in group_reduces(sgs, ctx):
-        n = group[-1]  # where its last gradient is ready: where reduce_grad used to call for it
+        n = group[-1]  # where its last gradient is ready: where a per-gradient reduce_grad would be
         grads, pids = [m.args[0] for m in group], [int(m.args[1]) for m in group]
         with g.inserting_before(n):
             if len(group) == 1:

@@ -1,6 +1,6 @@
 """Nothing hangs: the per-step collective sequence check and the graph-node names of timeouts.
 
-Two ways a job used to hang or die without a Python error:
+Two ways a job would hang or die without a Python error, without these checks:
 
 * a rank that never joins a collective (it raised and stayed alive, is stuck in user code, or runs
   a different forward) blocked every other rank until the process group's timeout (30 minutes);
