@@ -1,8 +1,9 @@
 """Where a step's time goes, from a Chrome trace written by ``BENCH_TRACE`` (or any
 ``torch.profiler`` export): per GPU stream, what it runs and how busy it is, an occupancy strip
-per stream, and the longest host-side waits.
+per stream, the longest host-side waits, and the GPU time per step by kernel kind (attention,
+matmul, each collective, the optimizer, casts, Inductor's fused kernels).
 
-    python benchmarks/trace_streams.py /path/dc_offload_rank0.json.gz [--bin-ms 5]
+    python benchmarks/trace_streams.py /path/dc_offload_rank0.json.gz [--bin-ms 5] [--steps 3]
 
 Streams are labelled by what they mostly run: ``compute`` (kernels), ``nccl`` (collectives),
 ``d2h`` / ``h2d`` (memcpys). In the strips ``#`` is a bin more than half busy, ``.`` partly busy,
@@ -73,6 +74,32 @@ def analyse(events: list[dict], bin_ms: float = 5.0) -> dict:
             "waits": [{"name": e["name"], "at_ms": (e["ts"] - t0) / 1e3, "ms": e["dur"] / 1e3} for e in waits]}
 
 
+# What a GPU kernel is, from its name: the first pattern that matches names the kind.
+KINDS = (
+    ("attention", ("sdpa", "flash", "fmha", "attention")),
+    ("all-gather", ("allgather",)),
+    ("reduce-scatter", ("reducescatter",)),
+    ("all-reduce", ("allreduce",)),
+    ("matmul", ("nvjet", "gemm", "cutlass", "sm90_xmma", "wgmma")),
+    ("optimizer", ("multi_tensor_apply",)),
+    ("copy/cast", ("copy_kernel", "memcpy", "memset")),
+    ("fused (Inductor)", ("triton_",)),
+)
+
+
+def kinds(events: list[dict], steps: int) -> list[tuple[str, int, float]]:
+    """GPU time per kernel kind, per step: (kind, launches per step, ms per step), largest first."""
+    out: dict = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.get("cat") not in GPU_CATS:
+            continue
+        name = e["name"].lower().replace("_", "")
+        kind = next((k for k, pats in KINDS if any(p.replace("_", "") in name for p in pats)), "other")
+        out[kind][0] += 1
+        out[kind][1] += e["dur"] / 1e3
+    return sorted(((k, round(n / steps), ms / steps) for k, (n, ms) in out.items()), key=lambda r: -r[2])
+
+
 def strip(occupancy: list[float]) -> str:
     return "".join(" " if x < 0.1 else ("." if x < 0.5 else "#") for x in occupancy)
 
@@ -94,8 +121,14 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
     ap.add_argument("--bin-ms", type=float, default=5.0)
+    ap.add_argument("--steps", type=int, default=3, help="steps in the trace (BENCH_TRACE records 3): "
+                    "the kernel table is per step")
     a = ap.parse_args(argv)
-    print(report(analyse(load(a.trace), a.bin_ms), a.bin_ms))
+    events = load(a.trace)
+    print(report(analyse(events, a.bin_ms), a.bin_ms))
+    print(f"\nGPU time per step by kernel kind (all streams; communication overlaps compute):")
+    for kind, n, ms in kinds(events, a.steps):
+        print(f"  {kind:18s} {ms:8.1f} ms  {n:6d} kernels")
 
 
 if __name__ == "__main__":
