@@ -1,8 +1,7 @@
 """Gradient clipping over sharded gradients: the global norm, identical on every rank.
 
 Each rank holds only its rows of every gradient, so ``torch.nn.utils.clip_grad_norm_`` run as
-it is would compute each rank's own norm (rank 0 saw 0.715, rank 1 0.816 where the true norm
-was 1.085) and clip every rank by a different factor. :func:`clip_grad_norm_` reduces the
+it is would compute each rank's own norm and clip every rank by a different factor. :func:`clip_grad_norm_` reduces the
 per-rank partial norms (a sum of ``|g|^p`` or a max for ``inf``) across the group, so every
 rank clips by the same, correct coefficient. ``deepcompile`` routes the plain torch call here
 when it is given deepcompile parameters (``compat.route_clip_grad_norm``).
@@ -71,7 +70,8 @@ def _clip(model, params: list[torch.Tensor], max_norm: float, norm_type: float,
         seen.add(id(p))
         # padded rows hold zeros; leave them out anyway, so a non-zero pad can never count
         rows = metas[id(p)].valid_rows if id(p) in metas else p.shape[0]
-        grads.append(p.grad[:rows])
+        if rows > 0:  # a rank may hold only padding of a parameter with fewer rows than ranks:
+            grads.append(p.grad[:rows])  # torch has no infinity norm of an empty tensor
     device = model._dc_device()
     if grads:
         local = torch.nn.utils.get_total_norm(grads, norm_type, False, foreach).to(device, torch.float32)
