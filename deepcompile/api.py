@@ -173,9 +173,7 @@ class DeepCompileModel(nn.Module):
         # The step changes the shards, so kept gathered copies go stale; they are dropped before
         # the step, not after it: the step does not read them and would otherwise carry them at
         # its peak (the planner's memory model counts on this).
-        # With CUDA graphs on, their buffers stay allocated and are gathered into again: the
-        # graphs read kept parameters at the addresses they were captured with
-        ops.C.invalidate_persistent(bool(self.dc_config.cuda_graphs))
+        ops.C.invalidate_persistent()
         # the profiling step times optimizer.step() too (and its peak memory): the cost model
         # predicts whole steps
         if self.dc_backend.profiling and self.dc_backend.measured:
@@ -475,7 +473,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
             C.set_replicate_group(replicate_group)
         sharded = shard_module(model, group=shard_group, device=device,
                                gather_dtype=cfg.mixed_precision.torch_param_dtype())
-        if cfg.trace_blocks and not cfg.cuda_graphs:
+        if cfg.trace_blocks:
             nested.wrap(model)  # each distinct block traced once (nested.py)
         C.set_grad_scale(1.0 / (world * cfg.gradient_accumulation_steps))
         C.set_reduce_dtype(cfg.mixed_precision.torch_reduce_dtype())

@@ -124,14 +124,6 @@ class paused_gc:
             gc.collect()
 
 
-def _release(pool) -> None:
-    """Drop a pool's CUDA graphs (and their memory, once nothing uses it): the generated module
-    that calls them stays in Inductor's code cache, and would keep them."""
-    if pool is not None:
-        for p in pool.parts:
-            p.release()
-
-
 def _no_recompile() -> None:
     """GraphModule.recompile while passes run (Backend.run_passes generates the code once, after them)."""
 
@@ -159,28 +151,6 @@ def _signature(gm: fx.GraphModule) -> tuple:
     return n_in, tuple(o is None for o in out)
 
 
-def codegen_workers(config) -> int:
-    """How many compile worker processes the trace-once re-compile gets: config
-    ``compile_workers`` (-1, the default: none, see below), 0 where the final compiler is not
-    Inductor or no re-compile is scheduled. ``DEEPCOMPILE_COMPILE_WORKERS`` overrides.
-
-    Off by default on measurement (one H200, torch 2.11, 953M/1.8B Llama, cold caches, session
-    14): both graphs hit the cache the workers filled, but the two workers together took 16.0 s at
-    16 layers and 21.1 s at 32, against 16.5 and 27.2 s for both graphs in the training process,
-    and starting them (each imports torch and Inductor and starts its Triton compile processes)
-    during the warm-up steps slowed those: first fast step 41.7 s with them against 37.4 at 16
-    layers, 71.7 against 60.1 at 32 (one process each, a noisy host)."""
-    import os
-
-    if getattr(config, "compiler", None) != "inductor":
-        return 0
-    if not any(e.step > 0 for e in getattr(config, "schedule", []) or []):
-        return 0
-    env = os.environ.get("DEEPCOMPILE_COMPILE_WORKERS")
-    n = int(env) if env not in (None, "") else int(getattr(config, "compile_workers", -1))
-    return max(n, 0)
-
-
 class Backend:
     def __init__(self, config, param_meta: dict, world_size: int, rank: int,
                  observers: list[Callable[[GraphVersion], None]] | None = None, blocks: str | None = None):
@@ -205,14 +175,10 @@ class Backend:
         self.profiling = False          # compile for the profiling interpreter instead
         self.profile = None             # the agreed Profile, once a profiling step has run
         self.measured = {}              # (graph_id, kind) -> node records of the profiling step
-        # trace once (issue 18): the scheduled re-compile reuses the warm-up's partitioned graphs
-        # instead of tracing again; DEEPCOMPILE_TRACE_ONCE=0 turns it off (re-trace, as before)
+        # trace once: the scheduled re-compile reuses the warm-up's partitioned graphs instead of
+        # tracing again; DEEPCOMPILE_TRACE_ONCE=0 turns it off (every compile traces)
         self.trace_once = os.environ.get("DEEPCOMPILE_TRACE_ONCE", "1") != "0"
         self.kept: list[_Kept] = []
-        # CUDA graphs around the compute between runtime ops (runtime/cudagraphs.py): the pool
-        # of the graphs compiled now, and every pool of this model (their summaries for reports)
-        self.graph_pool = None
-        self.graph_pools: list = []
         self.trace_once_log: list[dict] = []   # one entry per scheduled re-compile: reused or why not
         self.plan_cache = None          # deepcompile.plan.cache.PlanCache (initialize sets it), or None: off
         # compile seconds per optimizer step and phase (PHASES); see add_phase
@@ -230,18 +196,6 @@ class Backend:
 
             if torch.cuda.is_available():
                 compat.warm_inductor_pool()
-        # worker processes for Inductor's codegen at the trace-once re-compile, started now so
-        # that they are up by then (compat.CompileWorkers); closed once that compile is done
-        self.workers = None
-        self.workers_log: list[dict] = []
-        n = codegen_workers(config)
-        if n and self.trace_once:
-            try:
-                self.workers = compat.CompileWorkers(n)
-            except Exception as e:  # noqa: BLE001 - no workers: compile in this process, as before
-                import warnings
-                warnings.warn(f"deepcompile: Inductor's codegen workers did not start ({type(e).__name__}: {e}); "
-                              "the final graphs compile one by one in this process")
 
     def add_phase(self, phase: str, seconds: float, step: int | None = None) -> None:
         """Accumulate ``seconds`` of compile work in ``phase`` for ``step`` (default: the step the
@@ -260,8 +214,6 @@ class Backend:
         self.next_graph_id = 0
         self.compiled.clear()
         self.kept.clear()  # Dynamo traces again: the graphs kept from the last trace are gone with it
-        _release(self.graph_pool)  # a new compile's graphs capture into a new pool
-        self.graph_pool = None
 
     def profile_in_place(self) -> bool:
         """Make the graphs compiled now run through the profiler, without compiling again.
@@ -309,32 +261,12 @@ class Backend:
         self.add_phase("passes", time.perf_counter() - t0)  # the record's serialization included
         return gm
 
-    def _graph_pool(self, kw: dict):
-        """The CUDA graph pool of this compile's training graphs (runtime/cudagraphs.py), or None:
-        config ``cuda_graphs`` off, no CUDA, an inference graph, or the profiling interpreter."""
-        if kw.get("is_inference") or self.profiling or not getattr(self.config, "cuda_graphs", False):
-            return None
-        import torch
-
-        if not torch.cuda.is_available():
-            return None
-        if self.graph_pool is None:
-            from deepcompile.runtime.cudagraphs import Pool
-
-            self.graph_pool = Pool(torch.device("cuda", torch.cuda.current_device()))
-            self.graph_pools.append(self.graph_pool)
-        return self.graph_pool
-
-    def _inductor(self, gm: fx.GraphModule, inputs, kw: dict, label: str = "graph", timed: bool = True):
+    def _inductor(self, gm: fx.GraphModule, inputs, kw: dict):
         t0 = time.perf_counter()
         try:
-            pool = self._graph_pool(kw)
-            if pool is not None:
-                kw = {**kw, "dc_graph_pool": pool, "dc_graph_label": label}
             return compat.inductor_inner(gm, inputs, dc_blocks=self.blocks, **kw)
         finally:
-            if timed:
-                self.add_phase("inductor", time.perf_counter() - t0)
+            self.add_phase("inductor", time.perf_counter() - t0)
 
     def _aot_cache_salt(self) -> str | None:
         """What makes AOTAutograd's cache safe for this compile, or None (keep it off).
@@ -343,9 +275,8 @@ class Backend:
         cache hit at step 0, whose key covers the model's graph, the config and the ranks), the
         passes only rewrite the graph (a hit skips them: no runtime state may be set while they
         run) and our compiled graphs are ones its cache can store: Inductor's own, or blocks'
-        driver, which is made one (compat.blocks_cached_driver; CUDA graphs wrap them in
-        callables AOTAutograd cannot store). Issue 18: a warm re-run then skips the joint
-        trace, the partition and our passes (AOTAutograd's 8 s of a 16-layer warm compile)."""
+        driver, which is made one (compat.blocks_cached_driver). A warm re-run then skips the
+        joint trace, the partition and our passes (most of a warm compile's AOTAutograd time)."""
         pc = self.plan_cache
         if pc is None or not pc.hit or pc.key is None or self.profiling or not self._aot_cacheable():
             return None
@@ -361,16 +292,11 @@ class Backend:
     def _plan_salt(self, key: str, nonce: str) -> str:
         return f"{key}-{nonce}-r{self.rank}of{self.world_size}"
 
-    def _inductor_own(self) -> bool:
-        """Our compiled graphs are Inductor's own whole graphs, not wrapped in callables of ours
-        (CUDA graphs) nor cut into regions (blocks): what the compile workers can fill."""
-        return not getattr(self.config, "cuda_graphs", False) and not self.blocks
-
     def _aot_cacheable(self) -> bool:
         """AOTAutograd's cache may keep our graphs: Inductor's own, or blocks' driver, which
         compat.blocks_cached_driver makes an entry of Inductor's FX graph cache (where it
         cannot, the graph has no cache key and AOTAutograd stores nothing)."""
-        return bool(getattr(self.config, "aot_cache", True)) and not getattr(self.config, "cuda_graphs", False)
+        return bool(getattr(self.config, "aot_cache", True))
 
     def _stateful_passes(self) -> list[str]:
         """The passes in force that set runtime state while they compile (a cache hit skips them)."""
@@ -499,8 +425,6 @@ class Backend:
         self._observe(GraphVersion(graph_id, "dynamo", "input", dynamo_nodes, notes, step=self.step))
         if self.plan_cache is not None and self.step == 0:
             self.plan_cache.on_graph(self, graph_id, gm, example_inputs)  # a hit sets the stored passes and profile
-            if self.plan_cache.hit:
-                self.close_workers()  # the stored plan compiles now, through AOTAutograd: no re-compile
         # blocks traced once (deepcompile/nested.py): each partitioned graph is flattened first
         ids, names, renamed = nested.input_ids(example_inputs), {}, {}
         calls, distinct = nested.bodies(gm)
@@ -521,7 +445,7 @@ class Backend:
             compiler = "profile"
         if compiler == "inductor":
             def compile_inductor(g, inputs, kind, kw):
-                return self._inductor(self.run_passes(flat(g), graph_id, kind), inputs, kw, f"g{graph_id}.{kind}")
+                return self._inductor(self.run_passes(flat(g), graph_id, kind), inputs, kw)
             # timed per graph: a backward is compiled at its first run, outside __call__
             salt = self._aot_cache_salt()
             hits = compat.aot_cache_hits()
@@ -606,7 +530,6 @@ class Backend:
         t_start = time.perf_counter()
         old = (self.passes, self.step, self.profiling, dict(self.compiled))
         self.passes, self.step, self.profiling = passes, step, False
-        old_pool, self.graph_pool = self.graph_pool, None  # the re-compiled graphs capture into a new pool
         self.compiled.clear()
         compiler = self.config.compiler_at(step)
         buffered: list[GraphVersion] = []
@@ -616,10 +539,8 @@ class Backend:
         fw_strides: dict[int, tuple] = {}  # graph_id -> (forward graph before passes, its output strides)
         restrided = 0
         try:
-            parallel = self._workers_for(compiler)
-            ready: list[tuple[_Kept, fx.GraphModule, list]] = []
             # block regions: the forward's kernels compile while the backward is lowered, and all
-            # are waited for once (compat.blocks_deferred_kernel_wait), here or in the workers' path
+            # are waited for once (compat.blocks_deferred_kernel_wait)
             defer = self.blocks and compiler == "inductor"
             with (compat.blocks_deferred_kernel_wait() if defer else contextlib.nullcontext()) as waits:
                 for k in sorted(self.kept, key=lambda k: (k.graph_id, k.kind == "backward")):
@@ -627,7 +548,7 @@ class Backend:
                     t0 = time.perf_counter()
                     g = compat.fresh_copy(tg)
                     inputs = tg.example_inputs
-                    if not parallel and k.kind == "backward" and k.graph_id in fw_strides:
+                    if k.kind == "backward" and k.graph_id in fw_strides:
                         inputs, n = self._restride(k, fw_strides, g, inputs)
                         restrided += n
                     self.add_phase("reuse", time.perf_counter() - t0)
@@ -645,9 +566,6 @@ class Backend:
                                             f"{[i for i, z in enumerate(k.signature[1]) if z]})")
                         if compiler == "inductor" and not tg.kw:
                             raise _Mismatch("the warm-up graphs were not traced for Inductor")
-                        if parallel:
-                            ready.append((k, g, inputs))
-                            continue
                         if compiler == "inductor":
                             fn = self._final_inductor(k, g, inputs, fw_strides)
                         elif compiler == "eager":
@@ -655,8 +573,6 @@ class Backend:
                         else:
                             fn = compat.boxed_graph(g)
                     new.append((k, fn))
-                if parallel:
-                    new, restrided = self._compile_at_once(ready)
             if defer:  # the wait is Inductor's (each graph's own compile was timed without it)
                 self.add_phase("inductor", waits.wait_s, step)
         except Exception as e:  # noqa: BLE001 - anything unexpected: re-trace, never run half-swapped
@@ -670,10 +586,7 @@ class Backend:
             self.passes, self.step, self.profiling = old[:3]
             self.compiled.clear()
             self.compiled.update(old[3])
-            _release(self.graph_pool)  # graphs of the discarded compile
-            self.graph_pool = old_pool  # the running graphs' pool stays theirs
             self.trace_once_log.append({"step": step, "reused": False, "why": why})
-            self.close_workers()
             return why
         finally:
             self.observers = observers
@@ -682,28 +595,20 @@ class Backend:
                 o(v)
         for k, fn in new:
             k.slot.fn = fn
-        _release(old_pool)  # the graphs it served are not called any more
         seeded = self._seed_aot_cache(new, step) if self.aot_seeds else None
         self.trace_once_log.append({
             "step": step, "reused": True, "graphs": len(new), "restrided_inputs": restrided,
             "seconds": round(time.perf_counter() - t_start, 3),
-            **({"codegen_workers": self.workers_log[-1]} if parallel else {}),
             **({"aot_seeded": seeded} if seeded else {})})
-        self.close_workers()
         return None
 
-    def close_workers(self) -> None:
-        if self.workers is not None:
-            self.workers.close()
-            self.workers = None
-
-    def _final_inductor(self, k: _Kept, g: fx.GraphModule, inputs: list, fw_strides: dict, timed: bool = True):
+    def _final_inductor(self, k: _Kept, g: fx.GraphModule, inputs: list, fw_strides: dict):
         """Inductor for one trace-once graph; a forward's compiled output strides go into
         ``fw_strides`` for its backward (see _restride)."""
         if k.kind != "forward":
-            return self._inductor(g, inputs, k.traced.kw, f"g{k.graph_id}.{k.kind}", timed)
+            return self._inductor(g, inputs, k.traced.kw)
         with compat.report_output_strides() as strides:
-            fn = self._inductor(g, inputs, k.traced.kw, f"g{k.graph_id}.{k.kind}", timed)
+            fn = self._inductor(g, inputs, k.traced.kw)
         fw_strides[k.graph_id] = (k.traced.gm, list(strides or []), k.traced.renamed)
         return fn
 
@@ -714,56 +619,6 @@ class Backend:
             raise _Mismatch(f"graph {k.graph_id} backward: placeholders {unmatched[:5]} name no "
                             "forward output, so the forward's real strides cannot be carried over")
         return inputs, n
-
-    def _workers_for(self, compiler: str):
-        """The codegen workers, where this compile can use them: Inductor, and nothing that wraps
-        its output in a callable of ours (CUDA graphs, blocks)."""
-        if self.workers is None or compiler != "inductor" or not self._inductor_own():
-            return None
-        return self.workers
-
-    def _compile_at_once(self, ready: list) -> tuple[list, int]:
-        """Compile the trace-once graphs (after our passes) with Inductor: first all at once in the
-        worker processes (compat.CompileWorkers), which store them in Inductor's FX graph cache,
-        then here one by one as before, each a cache hit. A forward keeps its outputs' traced
-        strides (compat.force_output_strides), so its backward can be compiled beside it for the
-        strides it was traced with; should a compiled forward still report another stride for a
-        saved activation, the backward's inputs take it as before, and its key then misses."""
-        t0 = time.perf_counter()
-        hits0 = compat.fx_graph_cache_hits()
-        jobs, failed = [], []
-        for k, g, inputs in ready:
-            if k.kind == "forward":
-                compat.force_output_strides(g)
-            with compat.trace_once_context(k.traced):
-                data, why = compat.pickle_for_worker(g, inputs, k.traced.kw)
-            jobs.append(self.workers.submit(data) if data is not None else None)
-            if why:
-                failed.append(f"g{k.graph_id}.{k.kind} not sent: {why}")
-        t_sent = time.perf_counter()
-        for f in jobs:
-            if f is None:
-                continue
-            try:  # bounded: a stuck worker costs its graph the time saved, never the job
-                f.result(timeout=max(60.0, float(getattr(self.config, "collective_timeout_s", 600.0))))
-            except Exception as e:  # noqa: BLE001 - this process compiles that graph itself below
-                failed.append(f"{type(e).__name__}: {str(e)[:200]}")
-        t_workers = time.perf_counter()
-        out, fw_strides, restrided = [], {}, 0
-        for k, g, inputs in ready:
-            with compat.trace_once_context(k.traced):
-                if k.kind == "backward" and k.graph_id in fw_strides:
-                    inputs, n = self._restride(k, fw_strides, g, inputs)
-                    restrided += n
-                fn = self._final_inductor(k, g, inputs, fw_strides, timed=False)
-            out.append((k, fn))
-        self.add_phase("inductor", time.perf_counter() - t0)
-        self.workers_log.append({
-            "workers": self.workers.n, "graphs": len(ready), "sent": sum(j is not None for j in jobs),
-            "cache_hits": compat.fx_graph_cache_hits() - hits0, "failed": failed,
-            "pickle_s": round(t_sent - t0, 3), "workers_s": round(t_workers - t_sent, 3),
-            "here_s": round(time.perf_counter() - t_workers, 3)})
-        return out, restrided
 
     def _cannot_retarget(self, dynamic_changed: bool = False) -> str | None:
         if not self.trace_once:

@@ -137,7 +137,7 @@ def resolve(config, device_type: str) -> str | None:
     "auto" leaves the CPU whole: each region is its own C++ compile there, which only breaks even
     near 16 layers (module docstring)."""
     v = config.blocks
-    if v is False or config.compiler != "inductor" or config.cuda_graphs:
+    if v is False or config.compiler != "inductor":
         return None
     if v is True:
         return "on"

@@ -42,7 +42,7 @@ def direct_parametrization_getter(mod, attr: str) -> None:
     ``ParametrizationList.__call__`` (a module call), ``self[0]`` (a ``ModuleList`` index), the
     parametrization's module call and a ``hasattr`` that misses (it looks for a second
     parametrization) at every access. Dynamo inlines all of that at every access of every layer:
-    it doubled the Dynamo trace of a 16-layer CPU Llama (benchmarks/README.md, session 20). This
+    it doubled the Dynamo trace of a 16-layer CPU Llama. This
     getter reads the same original and calls the same (single) parametrization, held in the
     list's ``__dict__`` so that ``deepcopy`` copies it with the list; the setter is kept.
 
@@ -426,14 +426,7 @@ def inductor_inner(gm: fx.GraphModule, example_inputs, **kw):
 
     from deepcompile import blocks
 
-    pool = kw.pop("dc_graph_pool", None)
-    label = kw.pop("dc_graph_label", "graph")
     by_block = kw.pop("dc_blocks", None)  # blocks.resolve's mode (the backend's): "on", "auto" or None
-    if pool is not None:
-        why = cuda_graph_unsuitable(gm)
-        if why is None:
-            return _compile_partitioned(gm, example_inputs, pool, label, kw)
-        pool.reasons[f"{label}: not captured: {why}"] += 1
     cudagraphs = kw.get("cudagraphs")
     if by_block and not (cudagraphs is not None and bool(getattr(cudagraphs, "value", cudagraphs))):
         fn = blocks.compile_graph(gm, example_inputs, cfx.compile_fx_inner, by_block, **kw)
@@ -459,13 +452,13 @@ class _JointPass(_CGP):
         return self.fn(graph)
 
     def uuid(self):
-        # v2: dc.reduce_grad's inputs are never reused (compat.never_reuse_inputs, issue 16). The
-        # FX graph cache does not key on our lowerings; an artifact compiled before them would
-        # reuse a gradient's memory while the runtime's bucket still holds it.
-        # v3: the dc ops' ids are SymInt (issue 18, blocks.py): an artifact of a block region
-        # compiled while they were int has its ids pinned by guards.
-        # v4: the gradients handed to dc.reduce_grad(s) are deleted after it (free_never_reused);
-        # an artifact from before would hold them to the end of the backward.
+        # The FX graph cache does not key on our lowerings, so this name changes with them, and a
+        # cached artifact compiled under other lowerings is never reused: dc.reduce_grad's inputs
+        # are never reused (compat.never_reuse_inputs; otherwise a gradient's memory is reused
+        # while the runtime's bucket still holds it), the dc ops' ids are SymInt (blocks.py; int
+        # ids would be pinned by guards in a block region), and the gradients handed to
+        # dc.reduce_grad(s) are deleted after it (free_never_reused; otherwise they are held to
+        # the end of the backward).
         return "deepcompile-tag-unshard-recompute-v4" + (f"-{self.salt}" if self.salt else "")
 
 
@@ -918,8 +911,8 @@ class blocks_deferred_kernel_wait:
     generated code: ``AsyncCompile.wait`` -> ``_wait_futures``, which swaps each kernel future
     in the module's globals for its result; 2.11 and 2.13). A whole graph's kernels compile in
     the worker pool while its long codegen runs, so that wait is short (1.2 s at 32 layers on
-    the H200 host); a region's codegen is short, so each region waited for its slowest kernel in
-    turn (8.1 s of the 17.9 s Inductor phase, session 12). Here the wait of every module loaded
+    the H200 host); a region's codegen is short, so each region would wait for its slowest kernel
+    in turn (about half of the Inductor phase). Here the wait of every module loaded
     inside the context is recorded instead, and all of them are done on exit, before any region
     runs: the pool compiles one region's kernels while the next region is lowered. Re-entrant:
     inside an outer context (the trace-once re-compile of a forward and its backward,
@@ -1088,7 +1081,7 @@ def blocks_specialized(ids) -> bool:
 # --- trace once ---
 # The default plan compiles its final graphs at step 2 from the same model it traced at step 0.
 # Instead of dropping everything and tracing again (Dynamo + AOTAutograd: about a third of the
-# whole compile at 16 layers, issue 18), the backend keeps each partitioned forward/backward graph
+# whole compile at 16 layers), the backend keeps each partitioned forward/backward graph
 # of the warm-up compile as it was before our passes, with what compiling it later needs (below),
 # re-runs only the passes and Inductor on a copy, and re-points the callable that AOTAutograd's
 # runtime wrapper already holds (backend._Slot). Checked in torch 2.13 (CPU, here) and read in
@@ -1131,9 +1124,9 @@ def lazy_graph(gm: fx.GraphModule) -> fx.GraphModule:
 
     AOTAutograd hands the compiler eager GraphModules, so every pass's ``recompile()``, the
     flatten of block regions and each deep copy of a kept graph generated the whole graph's
-    code, most of it never run (4.6 s of a 32-layer CPU compile, the recompile census of
-    session 21). Inductor uses the same class for its own graphs. The wrapper takes the graph
-    (``owning_module`` moves to it, so get_attr targets resolve against it); the caller uses the
+    code, most of it never run (seconds of a 32-layer CPU compile). Inductor uses the same class
+    for its own graphs. The wrapper takes the graph (``owning_module`` moves to it, so get_attr
+    targets resolve against it); the caller uses the
     returned module from then on. ``meta`` and ``shape_env`` are carried over (``__init__``
     resets them). Checked on 2.13 and in 2.11's source: ``_LazyGraphModule(root, graph)`` and
     its deepcopy (``_deepcopy_init``) are the same."""
@@ -1318,125 +1311,7 @@ def fast_graph_copy(src: fx.Graph) -> fx.Graph:
         return out
 
 
-# --- cuda graphs (runtime/cudagraphs.py, issue 16) ---
-def cuda_graph_unsuitable(gm: fx.GraphModule) -> str | None:
-    """Why a graph's partitions cannot be CUDA graphs, or None. Random ops draw their seeds on
-    the host per call, which a replay would not (each step would repeat the first one's
-    numbers); a graph on the CPU has nothing to capture."""
-    for n in gm.graph.nodes:
-        if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload):
-            if torch.Tag.nondeterministic_seeded in n.target.tags and not _no_dropout(n):
-                return f"random op {n.target} ({n.name})"
-    for n in gm.graph.nodes:
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor) and v.device.type == "cuda":
-            return None
-    return "no CUDA tensors"
-
-
-def _no_dropout(n: fx.Node) -> bool:
-    """An attention op is tagged random for its dropout; with ``dropout_p`` 0 it draws nothing."""
-    names = [a.name for a in n.target._schema.arguments]
-    if "dropout_p" not in names:
-        return False
-    i = names.index("dropout_p")
-    v = n.kwargs.get("dropout_p", n.args[i] if i < len(n.args) else n.target._schema.arguments[i].default_value)
-    return isinstance(v, (int, float)) and v == 0
-
-
-def _dc_ops_in_partitions(source: str) -> list[str]:
-    """Runtime ops the generated code calls from inside a partition function (there they would
-    be captured once and never run their host logic again): must be none."""
-    import re
-
-    bad = []
-    for m in re.finditer(r"^def (partition_\d+)\(args\):\n(.*?)(?=^\S)", source, re.S | re.M):
-        bad += [f"{m.group(1)}: {op}" for op in sorted(set(re.findall(r"torch\.ops\.dc\.\w+", m.group(2))))]
-    return bad
-
-
-def _compile_partitioned(gm: fx.GraphModule, example_inputs, pool, label: str, kw: dict):
-    """``compile_fx_inner`` with the graph cut into partitions at our runtime ops, each partition
-    then wrapped in a ``runtime.cudagraphs.PartitionGraph``.
-
-    Inductor writes partitions (``Runner.partitions``, ``recursively_apply_fns``,
-    ``CompiledFxGraph.partition_maps``: 2.11 and 2.13) when ``graph_partition`` is on and
-    ``triton.cudagraphs`` is set in its config, and cuts at every op tagged ``cudagraph_unsafe``
-    (all ``dc`` ops: csrc/zero3.cpp, runtime/offload.py; 2.11 ignores the
-    ``custom_should_partition_ops`` config, seen on the GPU). ``triton.cudagraphs`` is set in the
-    config *only*: the ``cudagraphs`` flag
-    compile_fx hands its inner compile stays False, so Inductor's own CUDA graph trees never wrap
-    the graph (their static-input copies would double the gathered parameters' memory) and its
-    post-compile still reports output strides and realigns inputs as usual. Inductor's
-    partition reordering (``reorder_for_reducing_graph_partitions``) is off: it moves the runtime
-    ops, and where communication happens is the passes' decision."""
-    from torch._inductor import compile_fx as cfx
-    from torch._inductor import config as iconfig
-
-    from deepcompile.runtime import cudagraphs
-
-    patch = {"graph_partition": True, "triton.cudagraphs": True,
-             "triton.reorder_for_reducing_graph_partitions": False}
-    with iconfig.patch(patch):
-        compiled = cfx.compile_fx_inner(gm, example_inputs, **kw)
-    runner = getattr(compiled, "compiled_fn_runner", None)
-    maps = getattr(compiled, "partition_maps", None)
-    if runner is None or not maps or getattr(compiled, "recursively_apply_fns", None) is None:
-        pool.reasons[f"{label}: compiled without partitions"] += 1
-        return compiled
-    bad = _dc_ops_in_partitions(getattr(compiled, "source_code", "") or "")
-    if bad:
-        pool.reasons[f"{label}: runtime ops inside partitions, not captured: {bad[:3]}"] += 1
-        return compiled
-    # a module loaded again from Inductor's code cache is the same module: unwrap, never nest
-    runner.partitions = [getattr(f, "fn", f) if isinstance(f, cudagraphs.PartitionGraph) else f
-                         for f in runner.partitions]
-    # AOTAutograd names the gradients it hands a backward graph ``tangents_N`` (2.11 and 2.13)
-    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-    tangents = [i for i, n in enumerate(names) if n.startswith("tangents")]
-    cudagraphs.wrap_partitions(runner, maps, getattr(compiled, "mutated_input_idxs", ()), pool, label, tangents)
-    return compiled
-
-
-def tensor_metadata(t: torch.Tensor) -> dict:
-    """What ``_construct_CUDA_Tensor_From_Storage_And_Metadata`` takes (the layout of Inductor's
-    cudagraph_trees ``_tensor_metadata``, 2.11 and 2.13)."""
-    s = t.untyped_storage()
-    return {"nbytes": s.nbytes(), "data_ptr": s.data_ptr(), "size": t.shape, "stride": t.stride(),
-            "dtype": t.dtype, "device": t.device, "storage_offset": t.storage_offset()}
-
-
-def storage_from_pointer(meta: dict):
-    """A storage over memory it does not own (the graph pool's): dies without freeing it."""
-    return torch._C._construct_storage_from_data_pointer(meta["data_ptr"], meta["device"], meta["nbytes"])
-
-
-def tensor_from_storage(meta: dict, storage) -> torch.Tensor:
-    return torch._C._construct_CUDA_Tensor_From_Storage_And_Metadata(meta, storage)
-
-
-def storage_ref(storage):
-    """A weak reference to a storage (``expired()`` once nothing uses its memory)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-    return StorageWeakRef(storage)
-
-
-def invalidate_storage(t: torch.Tensor, msg: str) -> None:
-    """Make any later access to ``t``'s storage raise ``msg`` (what CUDA graph trees do to an
-    output whose memory the next replay reuses)."""
-    torch._C._set_storage_access_error_msg(t, msg)
-
-
-def pool_reserved_bytes(handle) -> int:
-    """Bytes of the segments the caching allocator holds for one graph pool."""
-    total = 0
-    for seg in torch.cuda.memory_snapshot():
-        if tuple(seg.get("segment_pool_id", ())) == tuple(handle):
-            total += seg["total_size"]
-    return total
-
-
-# --- inductor compile workers ---
+# --- Inductor's parallel kernel compile ---
 def warm_inductor_pool() -> bool:
     """Start Inductor's parallel compile workers now, where a compile will need them later.
 
@@ -1450,10 +1325,10 @@ def warm_inductor_pool() -> bool:
     the pool at the backend's creation gives it those steps to come up. ``maybe_warm_pool`` itself
     does nothing without Triton, under ``TORCH_WARM_POOL=0`` and with ``compile_threads`` <= 1
     (``TORCHINDUCTOR_COMPILE_THREADS=1``). Returns whether the call was made (False where this
-    torch lacks it: compile as before)."""
+    torch lacks it: the pool then starts at the first kernel)."""
     try:
         from torch._inductor.async_compile import maybe_warm_pool
-    except ImportError:  # pragma: no cover - older/newer layouts: the pool starts lazily as before
+    except ImportError:  # pragma: no cover - older/newer layouts: the pool starts lazily
         return False
     maybe_warm_pool()
     return True
@@ -1473,7 +1348,7 @@ def default_foreach(params: list, differentiable: bool = False) -> bool:
     return bool(_default_to_fused_or_foreach(params, differentiable, use_fused=False)[1])
 
 
-# --- compile time (issue 18) ---
+# --- compile time: AOTAutograd's graph strings ---
 # AOTAutograd prints every joint, forward and backward graph it makes to a string
 # (``GraphModule.print_readable``: Python code generation for the whole graph, three times per
 # compiled graph) whether or not anyone reads it: ``_log_joint_graph`` / ``_log_fw_bw_graphs``
@@ -1483,7 +1358,7 @@ def default_foreach(params: list, differentiable: bool = False) -> bool:
 # (TORCH_TRACE / tlparse) and an AOTAutograd cache entry (``aot_config.cache_info``, where they
 # serve the same readers on a hit). On the CPU profile of a 32-layer Llama they were 2-3 s of the
 # 37 s AOTAutograd phase, growing with depth. While our compile runs, the two functions are
-# wrapped so that they run as before whenever one of those readers is there and return no
+# wrapped so that they run unchanged whenever one of those readers is there and return no
 # string otherwise. Checked: torch 2.13 (here; both functions, same signatures, the strings read
 # only by the logs, trace_structured and ``_cache_autograd_info`` under ``cache_info``) and the
 # same two functions in the 2.x source before 2.13 (read, not run). Anything else: untouched.
@@ -1556,178 +1431,12 @@ def _quiet(fn, nothing):
     return wrapper
 
 
-# --- Inductor's compile in worker processes (issue 18) ---
-# Inductor lowers, schedules and generates code for a graph in Python, on the main thread: at 32
-# layers on the H200 host that was 22 of the final compile's 28 s (GraphLowering.run 7.6,
-# Scheduler 6.8, codegen 8.0: Dynamo's compile metrics under py-spy), the forward and then the
-# backward, one after the other. Here worker processes compile the forward and the backward at
-# the same time, each a whole ``compile_fx_inner`` that stores its result in Inductor's FX graph
-# cache (and its kernels in Triton's), on the cache directories of this process; then this process
-# compiles the same graphs one by one as before and finds each in the cache. The workers only
-# warm the cache: a worker that fails, or a cache key that differs here, costs the time saved and
-# nothing else (this process compiles that graph itself).
-#
-# What goes to a worker is what Inductor's own out-of-process compile sends
-# (``compile_fx_ext._WireProtocolInput``: the graph, its fake inputs, the tracing context, the
-# Inductor config, pickled by GraphPickler). Inductor's ``subprocess`` mode itself cannot compile
-# our graphs: its worker never imports deepcompile (the dc ops, their fake impls, which read the
-# parameter table, and our lowerings), GraphPickler refuses ops outside aten/fbgemm, and two
-# compiles at once in one process trip its class-level state (TritonBundler asserts). Checked in
-# torch 2.13 (here) and 2.11 (the GPU machines): the same classes and fields in both.
-
-def _worker_setup(params=None, reduce_layout=None) -> int:
-    """In a compile worker: the dc ops, fake impls and lowerings (as in the parent), the parent's
-    parameter table (the fake impls read it), and Inductor imported."""
-    import os
-
-    from deepcompile.runtime import ops
-
-    ops.ensure_registered()
-    if params is not None:
-        ops.PARAMS.clear()
-        ops.PARAMS.update(params)
-        ops.REDUCE_LAYOUT = reduce_layout
-    import torch._inductor.compile_fx  # noqa: F401 - most of a cold worker's first job
-
-    if params is None and torch.cuda.is_available():
-        # the worker's own Triton compile processes, up before its first kernel: Inductor starts
-        # them at its first kernel and compiles kernels one by one until they answer (the pool's
-        # TORCH_WARM_POOL=0 keeps maybe_warm_pool from starting them early; warm_pool itself
-        # checks compile_threads and whether a pool is allowed here, 2.11 and 2.13)
-        try:
-            from torch._inductor.async_compile import AsyncCompile
-
-            AsyncCompile.warm_pool()
-            AsyncCompile.wait_pool_ready()
-        except Exception:  # noqa: BLE001 - no pool: kernels compile in the worker, as they would
-            pass
-    return os.getpid()
-
-
-def _worker_compile(data: bytes, env: dict, params: dict, reduce_layout) -> str:
-    """One ``compile_fx_inner`` in a worker, in the state ``_SerializedFxCompile._run_in_child``
-    sets up (Inductor's config, virtualized state, forced fallbacks, the tracing context, the fake
-    mode), for its side effect: the FX graph cache entry. Returns the worker's pid."""
-    import contextlib
-    import os
-    import unittest.mock
-
-    from torch._inductor.compile_fx import compile_fx_inner
-    from torch._inductor.compile_fx_ext import _current_fake_mode, _WireProtocolPickledInput
-    from torch._inductor.debug import DebugContext
-    from torch._inductor.utils import clear_caches
-
-    _worker_setup(params, reduce_layout)
-    clear_caches()
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(unittest.mock.patch.dict("os.environ", env))
-        # a tracing context of the worker's own, around its fake mode: the graph's fake inputs
-        # are made in it (deserialize), and the FX graph cache reads its ShapeEnv (no context:
-        # "No shape env", the cache bypassed)
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-        stack.enter_context(torch._guards.tracing(torch._guards.TracingContext(FakeTensorMode(shape_env=ShapeEnv()))))
-        wire = _WireProtocolPickledInput(data).deserialize()
-        stack.enter_context(wire.virtualized.patch())
-        stack.enter_context(wire.lowering.patch())
-        stack.enter_context(torch._inductor.config.patch(wire.config))
-        # the config that cannot be pickled (our joint pass: its uuid is in the cache key), as the
-        # parent's final compile sets it (trace_once_context)
-        stack.enter_context(torch._inductor.config.patch(_inductor_patches()))
-        stack.enter_context(DebugContext())
-        stack.enter_context(wire.fake_tensor_mode.patch(_current_fake_mode()))
-        stack.enter_context(torch.no_grad())
-        compile_fx_inner(wire.gm, wire.example_inputs, **wire.graph_kwargs)
-    return os.getpid()
-
-
-def _worker_ops(name: str) -> bool:
-    """Ops a compile worker can unpickle: torch's own namespaces and ours (GraphPickler's default
-    filter allows aten and fbgemm only); a graph with any other op compiles here alone."""
-    return name.startswith(("torch.ops.aten.", "torch.ops.prims.", "torch.ops.fbgemm.", "torch.ops.dc."))
-
-
-def _worker_meta(key: str) -> bool:
-    """Node metadata a worker gets: GraphPickler's default drops the module and source stacks
-    (they name the user's classes); the backward's copy of the forward's stack goes too."""
-    return key not in ("source_fn_stack", "nn_module_stack", "fwd_source_fn_stack", "fwd_nn_module_stack")
-
-
-def pickle_for_worker(gm: fx.GraphModule, example_inputs, kw: dict) -> tuple[bytes | None, str | None]:
-    """``gm`` and what compiling it needs, as a worker job, or (None, why it cannot be pickled)."""
-    from torch._inductor import config as iconfig
-    from torch._inductor.compile_fx_ext import (
-        _current_fake_mode, _FakeTensorModeSerializer, _LoggerState, _LoweringSerializer,
-        _VirtualizedSerializer, _WireProtocolInput)
-    from torch.fx._graph_pickler import GraphPickler, Options
-
-    graph_kwargs = {k: v for k, v in kw.items() if not k.startswith("dc_")}
-    try:
-        # no tracing context: GraphPickler would take its module context and parameters (the
-        # user's model) along; a worker's compile reads neither (its output strides and the
-        # forward's metadata are read where the graph is compiled again, here)
-        wire = _WireProtocolInput(gm, list(example_inputs), [], graph_kwargs, None,
-                                  iconfig.save_config_portable(), _VirtualizedSerializer.serialize(), None,
-                                  _LoggerState(), _LoweringSerializer(), _FakeTensorModeSerializer(_current_fake_mode()))
-        return GraphPickler.dumps(wire, Options(ops_filter=_worker_ops, node_metadata_key_filter=_worker_meta)), None
-    except Exception as e:  # noqa: BLE001 - anything GraphPickler cannot take (BypassFxGraphCache, PicklingError, ...)
-        return None, f"{type(e).__name__}: {str(e)[:300]}"
-
-
-class CompileWorkers:
-    """``n`` worker processes for Inductor compiles, started now (a cold one imports torch,
-    Inductor and deepcompile: seconds) so that they are up by the final compile. Inductor's
-    SubprocPool starts them as a fresh ``python`` (spawn: not a fork of a process holding CUDA
-    and process groups) and ends them with this process."""
-
-    def __init__(self, n: int):
-        from torch._inductor.compile_worker.subproc_pool import SubprocKind, SubprocPool
-
-        self.n = n
-        self.pool = SubprocPool(n, kind=SubprocKind.SPAWN)
-        self.ready = [self.pool.submit(_worker_setup) for _ in range(n)]
-
-    def submit(self, data: bytes):
-        """A future of one worker compile (its pid, or the worker's error)."""
-        import os
-
-        from deepcompile.runtime import ops
-
-        env = {k: os.environ[k] for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR") if k in os.environ}
-        return self.pool.submit(_worker_compile, data, env, dict(ops.PARAMS), ops.REDUCE_LAYOUT)
-
-    def close(self) -> None:
-        try:
-            self.pool.shutdown()
-        except Exception:  # noqa: BLE001 - a worker already gone: nothing left to stop
-            pass
-
-
-def fx_graph_cache_hits() -> int:
-    """FX graph cache hits in this process so far (``counters["inductor"]["fxgraph_cache_hit"]``,
-    2.11 and 2.13): how many of the final graphs a worker had compiled."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["inductor"]["fxgraph_cache_hit"])
-
-
-def force_output_strides(gm: fx.GraphModule) -> None:
-    """Every tensor output of ``gm`` keeps its traced stride (Inductor's user-visible outputs, as
-    for freezing: ``user_visible_output_idxs`` on the output node, 2.11 and 2.13). A forward whose
-    saved activations keep their traced strides can be compiled beside its backward, which was
-    traced for those strides (instead of after it, with the strides the compiled forward chose)."""
-    out = next(n for n in gm.graph.nodes if n.op == "output")
-    args = out.args[0] if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
-    out.meta["user_visible_output_idxs"] = [i for i, a in enumerate(args) if isinstance(a, fx.Node)]
-
-
-# --- AOTAutograd's cache, seeded by the trace-once compile (issue 18) ---
+# --- AOTAutograd's cache, seeded by the trace-once compile ---
 # A re-run that hits the plan cache compiles the stored plan at step 0 through AOTAutograd with its
 # cache on (``inductor_compile(aot_cache_salt=...)``); a hit skips Dynamo's backend work, the joint
 # trace, the partition and our passes. The run that *made* the plan compiled its final graphs by
-# trace once, outside AOTAutograd, so it stored no entry, and the first re-run paid the whole trace
-# again (14.3 s at 16 layers, 26.2 s at 32 on the H200, session 12; the second re-run 5.7 / 8.2 s).
+# trace once, outside AOTAutograd, so it stores no entry of its own, and the first re-run would pay
+# the whole trace again (about twice the time of a re-run that hits).
 #
 # So the planning run's warm-up compile (step 0) goes through AOTAutograd with the cache on, under
 # the salt the re-run will use: AOTAutograd computes the re-run's key, misses (the salt names a
@@ -1746,7 +1455,7 @@ def force_output_strides(gm: fx.GraphModule) -> None:
 # fw_metadata, aot_config)``, as ``CompiledFunction``'s lazy backward calls it) and torch 2.11 (the
 # GPU machines: run, not read; the entry saved, and the re-run hit it). Anything else
 # (another signature, a bundled cache, an eagerly compiled backward): nothing is seeded, and the
-# re-run stores the entry as before.
+# re-run stores the entry itself.
 
 class AotSeed:
     """One Dynamo graph's pending AOTAutograd entry (see above)."""
@@ -1832,7 +1541,7 @@ def aot_seed_save(seed: AotSeed, fw, bw, tracing_context) -> str | None:
     try:
         with torch._guards.tracing(tracing_context):  # the guards expression reads its shape env
             seed.save(bw, seed.bw_module, seed.fw_metadata, seed.aot_config)
-    except Exception as e:  # noqa: BLE001 - the re-run stores the entry itself, as before
+    except Exception as e:  # noqa: BLE001 - the re-run stores the entry itself
         return f"{type(e).__name__}: {str(e)[:200]}"
     finally:
         for attr in attrs:

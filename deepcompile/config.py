@@ -15,6 +15,9 @@ import torch
 from deepcompile.params import ConfigError, build, spec
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# keys of features deepcompile no longer has: still unknown keys, with a hint instead of a near-miss
+REMOVED_KEYS = {"cuda_graphs": "CUDA graphs are not supported",
+                "compile_workers": "compile worker processes are not supported"}
 
 
 def _read_config_file(path: str | os.PathLike) -> Any:
@@ -130,10 +133,6 @@ class Config:
                                         "parameters (the user's param_groups and state dict do not change): bounds the "
                                         "foreach optimizers' group-sized temporaries, the step's peak; 0: one chunk per "
                                         "group; 'auto': the planner chooses (chunks only where that lets a faster plan fit)")
-    cuda_graphs: bool = spec(False, help="run the compute between the runtime's ops as CUDA graphs (Inductor "
-                                         "partitions, captured at the third step after a compile; Inductor on CUDA "
-                                         "only); kept gathered parameters then stay allocated through the optimizer "
-                                         "step. Experimental, off by default (see runtime/cudagraphs.py)")
     plan: bool | None = spec(None, help="after the profile, fill the parameters not set by hand of prefetch and "
                                         "selective_unshard (adding offload_optimizer when nothing fits otherwise) from "
                                         "the profile and memory_limit_gib; default: on for the default ZeRO-3 plan")
@@ -143,13 +142,12 @@ class Config:
     blocks: Any = spec("auto", help="compile each distinct decoder block once: the final graphs (after the passes) "
                                     "are cut into regions along the model's repeated blocks (entries of an "
                                     "nn.ModuleList) and identical regions share one Inductor compile "
-                                    "(deepcompile/blocks.py), so the compile stops growing with depth (2 H200s, "
-                                    "session 20: first fast step 39.1 -> 23.1 s at 16 layers, 63.0 -> 32.1 s at "
-                                    "32; the step 58.0 against 63.4 ms and 106.2 against 115.9); the backward's "
-                                    "reduce calls are cut at block boundaries. Inductor without cuda_graphs only. "
-                                    "'auto' (default): on CUDA devices, a graph it cannot cut compiled whole with "
-                                    "a warning (the CPU compiles whole graphs); true: on any device, errors "
-                                    "raised; false: whole graphs")
+                                    "(deepcompile/blocks.py), so the compile time stops growing with depth; the "
+                                    "backward's reduce calls are cut at block boundaries. Inductor only. 'auto' "
+                                    "(default): on CUDA devices, a graph it cannot cut is compiled whole with a "
+                                    "warning (on the CPU whole graphs compile); true: on any device, and a graph "
+                                    "it cannot cut raises; false: whole graphs (to compare, or where a "
+                                    "cross-block fusion matters more than compile time)")
     trace_blocks: bool = spec(True, help="trace each distinct decoder block once: every entry of an nn.ModuleList "
                                           "of modules of one class is traced as a nested compile region "
                                           "(torch.compiler.nested_compile_region), so Dynamo installs, and "
@@ -157,21 +155,15 @@ class Config:
                                           "partitioned graph is flattened back before the passes "
                                           "(deepcompile/nested.py), which see and schedule the same communication "
                                           "(each body partitioned on its own: its saved activations may differ a "
-                                          "little). AOTAutograd 13.6 -> 7.6 s at 16 layers and 24.8 -> 9.1 s at 32 on "
-                                          "one H100. A block Dynamo cannot trace as a region falls back to a flat "
-                                          "trace with a warning. Off with cuda_graphs. On by default since session 20 "
-                                          "(the CPU suite runs with it; benchmarks/README.md); false: a flat trace")
+                                          "little), so the trace time grows little with depth. A block Dynamo "
+                                          "cannot trace as a region falls back to a flat trace with a warning; "
+                                          "false: a flat trace (to compare, or for a model whose blocks differ "
+                                          "in ways the region trace does not allow)")
     aot_cache: bool = spec(True, help="with a plan-cache hit, take the partitioned and compiled graphs from "
                                       "AOTAutograd's cache when an earlier run stored them: no joint trace, partition "
                                       "or passes (a warm re-run's largest cost); its graph versions come from the run "
                                       "that stored the entry. The run that plans stores it for the next run (from its "
                                       "final compile); false: neither, trace and run the passes every run")
-    compile_workers: int = spec(-1, min=-1, max=64,
-                                help="worker processes that run Inductor's codegen for the final compile, the forward "
-                                     "and backward graphs at once (each graph's lowering, scheduling and code "
-                                     "generation is Python on one core), which then come from Inductor's cache; "
-                                     "-1 (default) or 0: in this process, one graph after the other (the workers "
-                                     "measured no faster on one H200, see backend.codegen_workers)")
     plan_cache: Any = spec(True, help="reuse the profile and plan of an earlier run of the same job (same graphs, config, "
                                       "world size, device, versions): compile the planned passes at step 0, no "
                                       "profiling step; true: under Inductor's cache dir (deepcompile_plans/), a path: "
@@ -245,6 +237,12 @@ class Config:
             return build(cls, asdict(cfg), "config")  # every key explicit: no auto schedule
         if isinstance(cfg, (str, os.PathLike)):
             cfg = _read_config_file(cfg)
+        gone = sorted(set(cfg) & set(REMOVED_KEYS)) if isinstance(cfg, dict) else []
+        if gone:
+            from dataclasses import fields
+
+            raise ConfigError(f"config.{gone[0]}: unknown key ({REMOVED_KEYS[gone[0]]}). "
+                              f"Known keys: {', '.join(sorted(f.name for f in fields(cls)))}")
         out = build(cls, cfg, "config")
         if (isinstance(cfg, dict) and out.zero_stage == 3 and out.auto_schedule
                 and not {"passes", "schedule", "profile_step"} & set(cfg)):

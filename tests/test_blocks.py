@@ -149,7 +149,11 @@ def test_blocks_setting_resolves_per_device_and_auto_falls_back_to_the_whole_gra
     assert blocks.resolve(Config.load({"blocks": True}), "cpu") == "on"
     assert blocks.resolve(Config.load({"blocks": False}), "cuda") is None
     assert blocks.resolve(Config.load({"blocks": "auto", "compiler": "aot_eager"}), "cuda") is None
-    assert blocks.resolve(Config.load({"blocks": True, "cuda_graphs": True}), "cuda") is None
+    # keys of removed features are unknown keys that say so (no near-miss suggestion)
+    with pytest.raises(ConfigError, match=r"config\.cuda_graphs: unknown key \(CUDA graphs are not supported\)\. Known keys: .*blocks"):
+        Config.load({"blocks": True, "cuda_graphs": True})
+    with pytest.raises(ConfigError, match=r"config\.compile_workers: unknown key \(compile worker processes are not supported\)"):
+        Config.load({"compile_workers": 2})
     with pytest.raises(ConfigError, match=r"config\.blocks: expected true, false or 'auto', got 'yes'"):
         Config.load({"blocks": "yes"})
 

@@ -155,23 +155,3 @@ def test_backward_inputs_take_the_forward_strides():
     bw2 = fx.Graph()
     bw2.output((bw2.placeholder("renamed"),))
     assert compat.restride_saved(fw_gm, [(1, 4), (1, 4)], fx.GraphModule({}, bw2), inputs[:1])[2] == ["renamed"]
-
-
-def test_compile_workers_fill_inductors_cache():
-    """Worker processes compile the final forward and backward at once (config compile_workers,
-    off by default, here on the CPU) and store them in Inductor's FX graph cache; the
-    final compile then finds both there (no lowering or codegen in the training process), and the
-    numerics are those of the unsharded model. Every key must match: a worker that compiled
-    under another config or for other strides would leave the cache cold and save nothing."""
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as cache:  # cold: the hits can only come from the workers
-        env = {"DEEPCOMPILE_COMPILE_WORKERS": "2", "TORCHINDUCTOR_CACHE_DIR": cache}
-        results = run_ranks(_train, 1, STEPS, DEFAULT_INDUCTOR, env, SMALL, timeout=300)
-    log = results[0]["trace_once"]
-    assert len(log) == 1 and log[0]["reused"], log
-    w = log[0]["codegen_workers"]
-    assert w["sent"] == w["graphs"] >= 2 and not w["failed"], w
-    assert w["cache_hits"] == w["graphs"], f"the final compile missed the workers' cache entries: {w}"
-    assert results[0]["frames"][2] == 0, results[0]["frames"]
-    _check_parity(results, 1, SMALL)

@@ -11,7 +11,7 @@ trace, and with warm Inductor caches Inductor's FX graph cache hits).
 **The key** (:func:`PlanCache.key_parts`) is everything the plan depends on: the first Dynamo
 graph's code and its inputs' shapes, strides and dtypes (the micro-batch, the shards' sizes); the
 whole config (pass lists and hand-set parameters, memory limit, stages, buckets, accumulation), with
-``plan_cache``, ``collective_timeout_s``, ``progress``, ``aot_cache`` and ``compile_workers`` left out; the world size and the shard
+``plan_cache``, ``collective_timeout_s``, ``progress`` and ``aot_cache`` left out; the world size and the shard
 group's; the process group's backend; the device's name and capacity; the optimizer's class and options that
 change its state (amsgrad, foreach, fused...); the ``DEEPCOMPILE_*`` switches that change the
 collectives; torch's version and a digest of deepcompile's own source. Later Dynamo graphs
@@ -228,7 +228,7 @@ class PlanCache:
 
         model = self._model()
         cfg = model.dc_config.to_dict()
-        for k in ("plan_cache", "collective_timeout_s", "progress", "aot_cache", "compile_workers"):
+        for k in ("plan_cache", "collective_timeout_s", "progress", "aot_cache"):
             cfg.pop(k, None)
         device = model._dc_device()
         cap, _ = local_memory(device, model.dc_config.device_memory_gib)

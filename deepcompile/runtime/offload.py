@@ -180,7 +180,12 @@ class CopyEngine:
         p.state = "offloaded"
 
     def reload(self, t: torch.Tensor, key) -> None:
-        """Re-allocate ``t``'s storage and start copying its bytes back (no-op if not offloaded)."""
+        """Re-allocate ``t``'s storage and start copying its bytes back (no-op if not offloaded).
+
+        On CUDA the storage is allocated on the current stream and written on the host-to-device
+        stream; ``record_stream`` on that stream keeps the allocator from handing the block out
+        again before the copy ends, whether or not :meth:`wait` runs before the tensor is freed
+        (a backward that raises, or a saved tensor autograd drops unread)."""
         p = self.find(t, key)
         if p is None or p.state != "offloaded":
             return
@@ -196,6 +201,7 @@ class CopyEngine:
                 dst.copy_(p.host, non_blocking=True)
                 p.h2d_done = torch.cuda.Event()
                 p.h2d_done.record(s)
+            t.record_stream(s)  # the copy writes the block: it is not reused before the copy ends
         else:
             dst.copy_(p.host)
         p.state = "reloading"
@@ -230,7 +236,9 @@ class CopyEngine:
         live = []
         for p in self.pending.get(key, []):
             if p.ref() is None:
-                self.pools.setdefault(p.nbytes, []).append((p.host, p.d2h_done))
+                # a reload whose wait never ran may still read the host buffer: free after its copy
+                done = p.h2d_done if p.state == "reloading" else p.d2h_done
+                self.pools.setdefault(p.nbytes, []).append((p.host, done))
             else:
                 live.append(p)
         self.pending[key] = live
@@ -281,7 +289,7 @@ def define_ops() -> None:
     }
     for schema, fn in defs.items():
         name = schema.split("(")[0]
-        lib.define(schema, tags=(torch.Tag.cudagraph_unsafe,))  # never inside a CUDA graph (runtime/cudagraphs.py)
+        lib.define(schema, tags=(torch.Tag.cudagraph_unsafe,))  # host logic per call: never inside a CUDA graph
         lib.impl(name, fn, "CompositeExplicitAutograd")
         torch.library.register_fake(f"dc::{name}", lambda *a, **k: None, lib=lib)
         compat.mark_side_effect(getattr(torch.ops.dc, name).default)
