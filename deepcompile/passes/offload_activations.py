@@ -14,9 +14,16 @@ the others (the runtime checks the storage again before freeing it). Sharing is 
 storages (``passes/alias.py``), not by schemas alone: ``_unsafe_view(mm)`` shares ``mm``'s storage
 without an alias annotation, and the offload goes after the last read of *every* node over the
 storage, so a freed storage is never read.
+
+Values the runtime owns (gathered and persistent parameters) are never chosen: the runtime keeps
+those buffers and reads or frees them itself. A multi-output runtime op (``wait_allgather_many``,
+``gather_persistent_many``, ``gather_persistent_wait``) hands its items out through ``getitem``,
+whose target is not a ``dc`` op, so a value is judged by its source (through getitems and views)
+and by storage (any storage a ``dc`` op's output or item lives in), and the offload asserts it.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -89,6 +96,34 @@ def _root(n: fx.Node) -> fx.Node:
     return n
 
 
+def runtime_source(n: fx.Node) -> fx.Node | None:
+    """The ``dc`` op whose output ``n`` is, through getitems and views; None if none."""
+    seen = set()
+    while isinstance(n, fx.Node) and n not in seen:
+        seen.add(n)
+        if n.op != "call_function":
+            return None
+        if getattr(n.target, "namespace", None) == "dc":
+            return n
+        if n.target is operator.getitem or is_view(n):
+            n = n.args[0] if n.args else None
+            continue
+        return None
+    return None
+
+
+def runtime_storages(g: fx.Graph) -> set:
+    """Storages of every ``dc`` op's output and of its getitem items (the runtime's buffers)."""
+    keys: set = set()
+    for n in g.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "dc":
+            keys |= set(storage_keys(n) or ())
+            for u in n.users:
+                if u.target is operator.getitem:
+                    keys |= set(storage_keys(u) or ())
+    return keys
+
+
 def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str]:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
@@ -105,6 +140,7 @@ def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str
     for p in gm.graph.nodes:
         if p.op in ("placeholder", "get_attr"):
             inputs |= set(storage_keys(p) or ())
+    runtime = runtime_storages(gm.graph)
     chosen, seen = [], set()
     for o in outs[start:]:
         if not isinstance(o, fx.Node) or o in seen:
@@ -120,8 +156,8 @@ def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str
                 continue
         elif len(keys) != 1 or storage_outputs.get(next(iter(keys)), 0) != 1 or keys & inputs:
             continue  # another output or a graph input lives in the same storage
-        if getattr(o.target, "namespace", None) == "dc":
-            continue  # gathered parameters belong to the runtime
+        if runtime_source(o) is not None or (keys and keys & runtime):
+            continue  # gathered and persistent parameters (items of multi-output ops too) belong to the runtime
         if not owns_storage(v):
             continue  # the runtime would refuse to free it (strided, or part of a bigger storage)
         chosen.append(o)
@@ -151,11 +187,26 @@ def _readers(users: list[fx.Node]) -> list[fx.Node]:
 
 
 def offload_forward(gm: fx.GraphModule, ctx: PassContext) -> None:
-    g = gm.graph
     picked, why = candidates(gm, ctx)
+    plan, nbytes = offload_nodes(gm, picked, ctx)
+    PLANS[ctx.graph_id] = plan
+    ctx.notes.append(f"offloaded: {why}, {nbytes / MIB:.1f} MiB")
+
+
+def offload_nodes(gm: fx.GraphModule, picked: list[fx.Node], ctx: PassContext) -> tuple[dict[str, int], int]:
+    """Insert ``dc.offload_activation`` after the last forward use of each of ``picked``;
+    returns the plan (node name -> activation id) and the bytes offloaded."""
+    g = gm.graph
     order = {n: i for i, n in enumerate(g.nodes)}
+    runtime = runtime_storages(g)
     plan, nbytes = {}, 0
     for aid, n in enumerate(picked):
+        src = runtime_source(n)
+        if src is not None or set(storage_keys(n) or ()) & runtime:
+            where = f"an output of {src.name}" if src is not None else "its storage is a dc op's output"
+            raise AssertionError(
+                f"offload_activations: {n.name} is a buffer the runtime keeps ({where}); freeing it "
+                "would free the runtime's gathered parameter")
         closure = storage_group(g, n)
         users = [u for a in closure for u in a.users
                  if u.op != "output" and u not in closure and u.target is not DC.offload_activation.default]
@@ -166,8 +217,7 @@ def offload_forward(gm: fx.GraphModule, ctx: PassContext) -> None:
         op.meta["val"] = None
         plan[n.name] = aid
         nbytes += _nbytes(n)
-    PLANS[ctx.graph_id] = plan
-    ctx.notes.append(f"offloaded: {why}, {nbytes / MIB:.1f} MiB")
+    return plan, nbytes
 
 
 def _reload_point(nodes: list[fx.Node], first: int, nbytes: int, ctx: PassContext) -> int:
