@@ -11,7 +11,9 @@ import torch
 
 from tests.dist_utils import run_ranks
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")]
+pytestmark = [pytest.mark.gpu]
+needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+needs_one = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 STEPS = 5
 
@@ -48,6 +50,7 @@ def _train(rank, world, passes, extra=None):
             "state_bytes": optimizer_state.MANAGER.total_bytes(), "engine": dict(ENGINE.stats)}
 
 
+@needs_two
 def test_offload_lowers_peak_memory():
     base = run_ranks(_train, 2, ["zero3"], backend="nccl", timeout=900)
     opt = run_ranks(_train, 2, ["zero3", "offload_optimizer"], backend="nccl", timeout=900)
@@ -66,6 +69,7 @@ def test_offload_lowers_peak_memory():
         torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-4, atol=1e-4)
 
 
+@needs_two
 def test_profiled_offload_frees_lazily_and_keeps_the_numbers():
     # with a profile the copies out are deferred and freed by the forward's release points; a
     # 1 MiB limit makes every point free everything it can and every reload wait for the end
@@ -77,3 +81,30 @@ def test_profiled_offload_frees_lazily_and_keeps_the_numbers():
         assert lazy[r]["manager"]["released_bytes"] > 0
         torch.testing.assert_close(torch.tensor(lazy[r]["losses"]), torch.tensor(base[r]["losses"]),
                                    rtol=1e-4, atol=1e-4)
+
+
+@needs_one
+def test_reload_block_is_not_reused_before_its_copy_ends():
+    """A reloaded tensor freed before anyone waited for its copy back (a backward that raised, a
+    saved tensor autograd dropped unread): the allocator must not hand its block to new work
+    while the host-to-device copy still writes it. The copy is held back by a sleep on the copy
+    stream, so without ``record_stream`` the new tensor gets the block and then the old bytes."""
+    from deepcompile.runtime.offload import CopyEngine
+
+    engine, dev = CopyEngine(), torch.device("cuda", 0)
+    n = 1 << 20
+    t = torch.full((n,), 7.0, device=dev)
+    assert engine.offload(t, "k")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(engine._stream(dev, "h2d")):
+        torch.cuda._sleep(1 << 31)  # about a second of GPU time ahead of the copy back
+    engine.reload(t, "k")
+    ptr = t.data_ptr()
+    del t  # freed without engine.wait: the copy back is still queued
+    u = torch.zeros(n, device=dev)
+    reused = u.data_ptr() == ptr
+    torch.cuda.synchronize()
+    bad = int((u != 0).sum())
+    assert bad == 0, (f"{bad} of {n} elements of a new tensor were overwritten by a late copy back "
+                      f"(block reused: {reused})")
+    assert not reused, "the allocator handed out the block while the copy back was still writing it"
