@@ -9,16 +9,25 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <sstream>
 #include <unordered_set>
+#include <utility>
 
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 
 namespace dc {
 
 namespace {
-std::unique_ptr<Runtime> g_runtime;
+std::shared_ptr<Runtime> g_runtime;
+std::mutex g_runtime_mu;  // init and cleanup against readers on other threads (runtime_shared)
 bool g_copy_grads = false;
+
+// a collective's own error, without the C++ backtrace c10::Error carries
+std::string error_text(const std::exception& e) {
+  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
+  return e.what();
+}
 }
 
 void set_copy_grads(bool copy) { g_copy_grads = copy; }
@@ -50,7 +59,16 @@ Runtime& runtime() {
   return *g_runtime;
 }
 
-bool has_runtime() { return static_cast<bool>(g_runtime); }
+std::shared_ptr<Runtime> runtime_shared() {
+  std::lock_guard<std::mutex> g(g_runtime_mu);
+  TORCH_CHECK(g_runtime, "deepcompile runtime is not initialized: call deepcompile.initialize(...) first");
+  return g_runtime;
+}
+
+bool has_runtime() {
+  std::lock_guard<std::mutex> g(g_runtime_mu);
+  return static_cast<bool>(g_runtime);
+}
 
 Runtime::Runtime(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight,
                  int64_t timeout_ms)
@@ -239,18 +257,20 @@ void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
   at::Tensor src = flat_shard(p, shard);
   at::Tensor buffer = take_spare(id, p.chunk * world_, p.gather_dtype, src.device());
   c10::intrusive_ptr<c10d::Work> work;
+  c10d::AllgatherOptions opts;
+  if (!src.is_cuda()) opts.timeout = host_op_timeout();
   if (src.scalar_type() == p.gather_dtype) {
-    work = pg_->_allgather_base(buffer, src);
+    work = pg_->_allgather_base(buffer, src, opts);
   } else if (!side_enabled(src)) {
     at::Tensor in = src.to(p.gather_dtype);
-    work = pg_->_allgather_base(buffer, in);
+    work = pg_->_allgather_base(buffer, in, opts);
   } else {
     // the cast on the side stream, and the collective issued from it (NCCL's stream waits on
     // the stream current at issue); its input is allocated on the compute stream
     at::Tensor in = at::empty({p.chunk}, buffer.options());
     c10::StreamGuard guard(to_side(src.device()));
     in.copy_(src);
-    work = pg_->_allgather_base(buffer, in);
+    work = pg_->_allgather_base(buffer, in, opts);
   }
   issued_ += 1;
   pending_[id] = PendingGather{work, buffer};
@@ -262,18 +282,24 @@ void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
 
 void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const std::vector<int64_t>& ids) {
   TORCH_CHECK(shards.size() == ids.size() && !ids.empty(), "deepcompile: fused allgather needs one id per shard");
-  // One coalesced collective for many parameters (one NCCL group / one gloo call): each
-  // parameter still lands in its own buffer, so nothing is packed or unpacked, and the host
-  // pays one launch instead of one per parameter.
+  // One collective for many parameters: the host pays one launch instead of one per parameter.
   //
-  // The casts to the gather dtype run as one multi-tensor copy (_foreach_copy_; issue 16: one
-  // aten::to per shard was most of allgather_params' host time). On CUDA (NCCL) each shard is
-  // cast straight into its rank's slice of its output and gathered in place (NCCL's in-place
-  // allgather: the input is out[rank * chunk, (rank + 1) * chunk)), so no input tensor is
-  // allocated. gloo gets separate inputs: its in-place behaviour is not documented.
-  const bool inplace = shards[0].is_cuda();
+  // On CUDA (NCCL) it is one coalesced collective and each parameter lands in its own buffer, so
+  // nothing is packed or unpacked. The casts to the gather dtype run as one multi-tensor copy
+  // (_foreach_copy_, not one aten::to per shard), each shard cast straight into its rank's slice
+  // of its output and gathered in place (NCCL's in-place allgather: the input is
+  // out[rank * chunk, (rank + 1) * chunk)), so no input tensor is allocated.
+  //
+  // On the host (gloo) the group is packed into one _allgather_base: torch's gloo corrupts its
+  // heap ("malloc(): unaligned tcache chunk detected") when several
+  // allgather_into_tensor_coalesced calls are in flight, and its _allgather_base is safe. One
+  // cat (with the cast) packs the shards, and the group's first wait splits the packed result
+  // into the members' buffers (one copy). Measured on 2 gloo ranks with 3 groups in flight
+  // (benchmarks/gloo_fused_gather.py): 8 x 1k elements 0.65-0.9 ms a group packed, 1.0-1.3
+  // coalesced, 4.2-5.7 one _allgather_base per parameter; 32 x 4k 1.9-2.1 packed, 2.3-3.4
+  // coalesced, 17-47 per parameter; 8 x 64k 6.6-12.6 packed (the two copies), 3.8-9.1 coalesced.
+  const bool on_cuda = shards[0].is_cuda();
   std::vector<at::Tensor> ins, outs, srcs;
-  bool cast = inplace;
   for (size_t i = 0; i < ids.size(); ++i) {
     Param& p = mutable_param(ids[i]);
     TORCH_CHECK(shards[i].numel() == p.chunk, "deepcompile: allgather of '", p.name, "' got a shard of ",
@@ -284,30 +310,63 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
                 "': shard on ", shards[i].device(), ", the group's first on ", shards[0].device());
     srcs.push_back(flat_shard(p, shards[i]));
     outs.push_back(take_spare(ids[i], p.chunk * world_, p.gather_dtype, srcs.back().device()));
-    cast = cast || srcs.back().scalar_type() != p.gather_dtype;
   }
-  if (!cast) {
-    ins = srcs;  // gloo, same dtype: the shards themselves
+  std::vector<c10::intrusive_ptr<c10d::Work>> works(ids.size());
+  std::vector<std::shared_ptr<PackedGather>> packs(ids.size());
+  if (!on_cuda) {
+    // one packed collective per gather dtype (a group's members normally share one)
+    std::vector<bool> done(ids.size(), false);
+    for (size_t first = 0; first < ids.size(); ++first) {
+      if (done[first]) continue;
+      const at::ScalarType dtype = outs[first].scalar_type();
+      std::vector<size_t> members;
+      for (size_t i = first; i < ids.size(); ++i)
+        if (!done[i] && outs[i].scalar_type() == dtype) {
+          members.push_back(i);
+          done[i] = true;
+        }
+      auto packed = std::make_shared<PackedGather>();
+      std::vector<at::Tensor> parts;
+      int64_t n = 0;
+      for (size_t i : members) {
+        parts.push_back(srcs[i]);
+        packed->dsts.push_back(outs[i]);
+        packed->cols.push_back(srcs[i].numel());
+        n += srcs[i].numel();
+      }
+      at::Tensor in = at::empty({n}, outs[first].options());
+      at::cat_out(in, parts);  // the cast, where there is one, in the same copy
+      packed->out = at::empty({n * world_}, outs[first].options());
+      c10d::AllgatherOptions opts;
+      opts.timeout = host_op_timeout();
+      auto work = pg_->_allgather_base(packed->out, in, opts);
+      issued_ += 1;
+      for (size_t i : members) {
+        works[i] = work;
+        packs[i] = packed;
+      }
+    }
   } else {
+    c10::intrusive_ptr<c10d::Work> work;
     for (size_t i = 0; i < ids.size(); ++i) {
       const int64_t chunk = srcs[i].numel();
-      ins.push_back(inplace ? at::as_strided(outs[i], {chunk}, {1}, rank_ * chunk) : at::empty({chunk}, outs[i].options()));
+      ins.push_back(at::as_strided(outs[i], {chunk}, {1}, rank_ * chunk));
     }
+    if (side_enabled(srcs[0])) {
+      // the casts on the side stream (at the forward's top every kept group's cast would queue on
+      // the compute stream ahead of the first layer), the collective issued from it
+      c10::StreamGuard guard(to_side(srcs[0].device()));
+      at::_foreach_copy_(ins, srcs);
+      work = pg_->allgather_into_tensor_coalesced(outs, ins);
+    } else {
+      at::_foreach_copy_(ins, srcs);
+      work = pg_->allgather_into_tensor_coalesced(outs, ins);
+    }
+    issued_ += 1;
+    for (auto& w : works) w = work;
   }
-  c10::intrusive_ptr<c10d::Work> work;
-  if (cast && side_enabled(srcs[0])) {
-    // the casts on the side stream (issue 16: at the forward's top every kept group's cast queued
-    // on the compute stream ahead of the first layer), the collective issued from it
-    c10::StreamGuard guard(to_side(srcs[0].device()));
-    at::_foreach_copy_(ins, srcs);
-    work = pg_->allgather_into_tensor_coalesced(outs, ins);
-  } else {
-    if (cast) at::_foreach_copy_(ins, srcs);
-    work = pg_->allgather_into_tensor_coalesced(outs, ins);
-  }
-  issued_ += 1;
   for (size_t i = 0; i < ids.size(); ++i) {
-    pending_[ids[i]] = PendingGather{work, outs[i]};
+    pending_[ids[i]] = PendingGather{works[i], outs[i], packs[i]};
     track_live(outs[i], ids[i]);
     stats_.allgather_bytes += outs[i].nbytes();
   }
@@ -316,8 +375,20 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
   stats_.fused_allgathers += 1;
 }
 
+// A packed host gather's result into its members' buffers, once (at the group's first wait).
+static void unpack(PackedGather& g, int64_t world) {
+  if (g.unpacked) return;
+  std::vector<at::Tensor> views;
+  views.reserve(g.dsts.size());
+  for (size_t i = 0; i < g.dsts.size(); ++i) views.push_back(g.dsts[i].view({world, g.cols[i]}));
+  at::split_with_sizes_copy_out(views, g.out.view({world, -1}), g.cols, 1);
+  g.unpacked = true;
+  g.out = at::Tensor();
+  g.dsts.clear();
+}
+
 // A gathered flat buffer ([world * chunk], zero-padded) as the parameter: its first numel
-// elements in the full shape, one as_strided (narrow + view was three dispatcher calls).
+// elements in the full shape, one as_strided (one dispatcher call, where narrow + view are three).
 static at::Tensor as_param(const at::Tensor& buffer, const Param& p) {
   return at::as_strided(buffer, p.shape, p.strides, buffer.storage_offset());
 }
@@ -331,6 +402,7 @@ at::Tensor Runtime::finish_allgather(int64_t id) {
   pending_.erase(it);
   // a fused gather's later waits return at once (wait_allgather_many waits once for them all)
   wait_work(pg.work, pg.buffer.is_cuda(), [&] { return "allgather of parameter '" + p.name + "'"; });
+  if (pg.packed) unpack(*pg.packed, world_);
   stats_.allgather_waits += 1;
   // Ownership passes to the graph: the runtime keeps only a weak reference, so the memory is
   // returned as soon as the graph drops its last use (release_param marks that point).
@@ -357,6 +429,7 @@ std::vector<at::Tensor> Runtime::finish_allgather_many(const std::vector<int64_t
     const Param& p = param(ids[i]);
     if (got[i].work.get() != waited) {
       wait_work(got[i].work, got[i].buffer.is_cuda(), [&] { return "allgather of parameter '" + p.name + "'"; });
+      if (got[i].packed) unpack(*got[i].packed, world_);
       stats_.allgather_waits += 1;
       waited = got[i].work.get();
     }
@@ -528,7 +601,34 @@ void Runtime::flush(at::ScalarType dtype) {
   opts.reduceOp = c10d::ReduceOp::SUM;
   int64_t bytes = 0;
   for (auto& e : b.entries) bytes += e.flat.nbytes();
-  if (b.entries.size() == 1) {
+  if (!r.output.is_cuda()) {
+    // The host (gloo): torch's gloo reduce-scatters return works that a timed wait cannot bound
+    // (Work::wait(timeout) blocks until the collective ends and isCompleted() never turns true),
+    // so a hung one would block past collective_timeout_s and a failed one would be reported as
+    // a timeout. gloo implements them as an all-reduce of a packed copy and a copy-out anyway;
+    // this is that, with an all-reduce whose work honours the timed wait: the bucket packed as
+    // [world, cols] (row k: rank k's slice of every entry, side by side; an owned lone entry is
+    // used as it is), reduced in place, and this rank's row copied into the output once it has
+    // completed (complete_oldest).
+    at::Tensor packed;
+    if (b.entries.size() == 1) {
+      packed = b.entries[0].owned ? b.entries[0].flat : b.entries[0].flat.clone();
+    } else {
+      std::vector<at::Tensor> parts;
+      parts.reserve(b.entries.size());
+      for (auto& e : b.entries) parts.push_back(e.flat.view({world_, -1}));
+      packed = at::cat(parts, 1).view({-1});
+      stats_.reduce_cats += 1;
+      if (reduce_pack_ == ReducePack::kCat) stats_.reduce_packed += 1;
+    }
+    r.inputs.push_back(packed);
+    r.by_allreduce = true;
+    std::vector<at::Tensor> ts{packed};
+    c10d::AllreduceOptions aopts;
+    aopts.reduceOp = c10d::ReduceOp::SUM;
+    aopts.timeout = host_op_timeout();
+    r.work = pg_->allreduce(ts, aopts);
+  } else if (b.entries.size() == 1) {
     r.inputs.push_back(b.entries[0].flat);
     r.work = pg_->_reduce_scatter_base(r.output, r.inputs[0], opts);
   } else {
@@ -585,6 +685,7 @@ void Runtime::complete_oldest() {
     ss << (r.entries.size() > 3 ? " ...)" : ")");
     return ss.str();
   });
+  if (r.by_allreduce) r.output.copy_(r.inputs[0].view({world_, -1}).select(0, rank_));
   r.inputs.clear();  // the graph's gradients (or our copies) are free to go now
   if (rep_pg_ && rep_pg_->getSize() > 1) {
     // HSDP: the reduce-scatter left this rank the sum over its shard group; the replicas' sums
@@ -594,6 +695,7 @@ void Runtime::complete_oldest() {
     std::vector<at::Tensor> ts{r.output};
     c10d::AllreduceOptions opts;
     opts.reduceOp = c10d::ReduceOp::SUM;
+    if (!r.output.is_cuda()) opts.timeout = host_op_timeout();
     r.work = rep_pg_->allreduce(ts, opts);
     issued_ += 1;
     replicating_.push_back(std::move(r));
@@ -675,6 +777,7 @@ void Runtime::allreduce_replicas(at::Tensor& t, const std::string& what) {
   std::vector<at::Tensor> ts{t};
   c10d::AllreduceOptions opts;
   opts.reduceOp = c10d::ReduceOp::SUM;
+  if (!t.is_cuda()) opts.timeout = host_op_timeout();
   auto work = rep_pg_->allreduce(ts, opts);
   issued_ += 1;
   wait_work(work, t.is_cuda(), [&] { return "all-reduce across replicas of " + what; });
@@ -691,13 +794,25 @@ void Runtime::end_backward(int64_t /*graph_id*/) {
 
 at::Tensor Runtime::reduce_scatter_now(const at::Tensor& grad, int64_t id) {
   const Param& p = param(id);
-  at::Tensor in = padded_flat(grad, p, /*copy=*/false, nullptr);  // waited on below: no copy
+  bool owned = false;
+  at::Tensor in = padded_flat(grad, p, /*copy=*/false, &owned);  // waited on below: no copy
   at::Tensor out = at::empty({p.chunk}, in.options());
-  c10d::ReduceScatterOptions opts;
-  opts.reduceOp = c10d::ReduceOp::SUM;
-  auto work = pg_->_reduce_scatter_base(out, in, opts);
+  c10::intrusive_ptr<c10d::Work> work;
+  if (in.is_cuda()) {
+    c10d::ReduceScatterOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    work = pg_->_reduce_scatter_base(out, in, opts);
+  } else {  // the host: an all-reduce of an owned copy, this rank's slice kept (see flush)
+    if (!owned) in = in.clone();
+    std::vector<at::Tensor> ts{in};
+    c10d::AllreduceOptions opts;
+    opts.reduceOp = c10d::ReduceOp::SUM;
+    opts.timeout = host_op_timeout();
+    work = pg_->allreduce(ts, opts);
+  }
   issued_ += 1;
   wait_work(work, out.is_cuda(), [&] { return "reduce-scatter of the gradient of '" + p.name + "'"; });
+  if (!in.is_cuda()) out.copy_(in.narrow(0, rank_ * p.chunk, p.chunk));
   allreduce_replicas(out, "the gradient of '" + p.name + "'");
   stats_.reduce_scatters += 1;
   stats_.reduce_bytes += in.nbytes();
@@ -705,8 +820,8 @@ at::Tensor Runtime::reduce_scatter_now(const at::Tensor& grad, int64_t id) {
 }
 
 // src cast to dtype and multiplied by grad_scale_, in one kernel where src is of another dtype
-// (issue 16: on 2 H200s the cast and the in-place scale were 2.4 ms of the compute stream per
-// step, the scale alone 0.9). The scale is a one-element tensor *of dtype*, not a 0-dim scalar:
+// (on 2 H200s a separate cast and in-place scale cost 2.4 ms of the compute stream per step, the
+// scale alone 0.9). The scale is a one-element tensor *of dtype*, not a 0-dim scalar:
 // TensorIterator then computes in dtype, so every element is rounded exactly as by
 // src.to(dtype).mul_(grad_scale_) (the scalar is rounded to dtype there too). A scale of 1 is
 // the plain cast.
@@ -721,6 +836,12 @@ at::Tensor Runtime::cast_scaled(const at::Tensor& src, at::ScalarType dtype) {
 const at::Tensor& Runtime::scale_tensor(at::ScalarType dtype, const at::Device& device) {
   if (!scale_t_.defined() || scale_t_.device() != device || scale_t_.scalar_type() != dtype ||
       scale_t_value_ != grad_scale_) {  // the value is kept on the host: no device read per call
+    // A side-stream cast (apply_grads) may still be reading the tensor being replaced: the
+    // allocator is told, so its memory is not handed out again before that stream has passed
+    // this point (within a backward the shards' dtype can alternate between buckets, and the
+    // side stream is joined only at end_backward).
+    if (scale_t_.defined() && scale_t_.is_cuda() && side_ && side_->device() == scale_t_.device())
+      c10::impl::getDeviceGuardImpl(side_->device_type())->recordDataPtrOnStream(scale_t_.storage().data_ptr(), *side_);
     scale_t_ = at::full({1}, grad_scale_, at::TensorOptions().dtype(dtype).device(device));
     scale_t_value_ = grad_scale_;
   }
@@ -748,10 +869,28 @@ void Runtime::cast_scaled_into(at::Tensor& out, const at::Tensor& src) {
 // collective, so the wait is cut into one-second slices: between slices the store is probed for
 // another rank's abort message or for a rank that already reached the optimizer step's sequence
 // check (it skipped collectives this rank is waiting in), and after collective_timeout_s the wait
-// fails naming this rank, the collective and the graph node. On CUDA (NCCL) Work::wait only makes
-// the current stream wait, and a timeout argument would block the host on every collective
-// instead, so it is called without one: the process group's timeout (the same key, when
-// deepcompile creates the group) and the step's sequence check cover that case.
+// fails naming this rank, the collective and the graph node. That bound holds whatever the
+// timeout of the process group (one the user created may have a shorter or a longer one): every
+// host collective is issued with gloo's own timeout set past it (host_op_timeout). A collective
+// that fails (a peer died, gloo's own error) is reported with its own error and the same context.
+// On CUDA (NCCL) Work::wait only makes the current stream wait, and a timeout argument would block
+// the host on every collective instead, so it is called without one: the process group's timeout
+// (the same key, when deepcompile creates the group) and the step's sequence check cover that case.
+//
+// While the host waits, the op's lock is let go (getters on other threads are not held up for a
+// collective's length); nothing the wait reads is written by a getter.
+namespace {
+struct Unlocked {
+  explicit Unlocked(std::unique_lock<std::mutex>* lock) : lock_(lock && lock->owns_lock() ? lock : nullptr) {
+    if (lock_) lock_->unlock();
+  }
+  ~Unlocked() {
+    if (lock_) lock_->lock();
+  }
+  std::unique_lock<std::mutex>* lock_;
+};
+}  // namespace
+
 template <typename Describe>
 void Runtime::wait_work(const c10::intrusive_ptr<c10d::Work>& work, bool on_cuda, Describe what) {
   if (on_cuda) {
@@ -762,26 +901,46 @@ void Runtime::wait_work(const c10::intrusive_ptr<c10d::Work>& work, bool on_cuda
   const auto t0 = clock::now();
   const auto deadline = t0 + std::chrono::milliseconds(timeout_ms_);
   const auto slice = std::chrono::milliseconds(std::min<int64_t>(timeout_ms_, wait_slice_ms_));
+  auto fail = [&](const std::string& err) {
+    std::ostringstream ss;
+    ss << "deepcompile: rank " << rank_ << ": " << what() << where() << " failed: " << err;
+    if (err.find("imed out") != std::string::npos)
+      ss << " [the process group's own timeout ended the collective: another rank did not join it. "
+            "collective_timeout_s = "
+         << timeout_ms_ / 1000.0 << " s bounds the runtime's waits]";
+    else
+      ss << " [another rank may have failed or exited first: its own error is the cause]";
+    if (store_) {  // ranks waiting elsewhere stop with this message
+      try {
+        if (!store_->check({store_prefix_ + "abort"})) store_->set(store_prefix_ + "abort", ss.str());
+      } catch (const std::exception&) {
+      }
+    }
+    TORCH_CHECK(false, ss.str());
+  };
   while (true) {
-    try {
-      work->wait(slice);
-      return;
-    } catch (const c10::Error&) {
-      // Work::wait(timeout) throws "Operation timed out!" when the slice ends, after releasing
-      // its lock: the collective may complete between that throw and this check (seen in CI
-      // under load, reported as a failed allgather). So the slice's exception says nothing; a
-      // completed work is asked again, untimed, which returns at once on success and rethrows
-      // the collective's own error (a peer died, gloo's own timeout) on failure.
+    std::optional<std::string> error;
+    {
+      Unlocked unlocked(held_);
+      try {
+        if (work->wait(slice)) return;
+      } catch (const std::exception&) {
+        // Work::wait(timeout) throws "Operation timed out!" when the slice ends, after releasing
+        // its lock: the collective may complete between that throw and this check (seen in CI
+        // under load). So the slice's exception says nothing; a completed work is asked again,
+        // untimed, which returns at once on success and rethrows the collective's own error (a
+        // peer died, gloo's own timeout) on failure.
+      }
       if (work->isCompleted()) {
         try {
           work->wait();
           return;
-        } catch (const c10::Error& e) {
-          TORCH_CHECK(false, "deepcompile: rank ", rank_, ": ", what(), where(), " failed: ",
-                      e.what_without_backtrace());
+        } catch (const std::exception& e) {
+          error = error_text(e);
         }
       }
     }
+    if (error) fail(*error);
     std::string peer = probe_peers();
     if (!peer.empty()) {
       TORCH_CHECK(false, peer, " [rank ", rank_, " was waiting for ", what(), where(), "]");
@@ -864,10 +1023,20 @@ void Runtime::check_idle() const {
 
 void init(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight,
           int64_t timeout_ms) {
-  // Re-initialising replaces everything: stale parameter ids must never reach a new graph.
-  g_runtime = std::make_unique<Runtime>(std::move(pg), bucket_elems, max_inflight, timeout_ms);
+  // Re-initialising replaces everything: stale parameter ids must never reach a new graph. The
+  // old runtime is destroyed outside the registry's lock (a reader may still hold it).
+  auto fresh = std::make_shared<Runtime>(std::move(pg), bucket_elems, max_inflight, timeout_ms);
+  std::shared_ptr<Runtime> old;
+  {
+    std::lock_guard<std::mutex> g(g_runtime_mu);
+    old = std::exchange(g_runtime, std::move(fresh));
+  }
 }
 
-void cleanup() { g_runtime.reset(); }
+void cleanup() {
+  std::shared_ptr<Runtime> old;
+  std::lock_guard<std::mutex> g(g_runtime_mu);
+  old.swap(g_runtime);
+}
 
 }  // namespace dc

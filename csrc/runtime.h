@@ -6,6 +6,11 @@
 // collective. Collectives go through c10d's ProcessGroup (gloo on CPU, NCCL on GPU); c10d's
 // NCCL backend runs them on its own stream and `Work::wait()` only makes the caller's stream
 // wait on that stream's event, so communication overlaps compute without blocking the host.
+//
+// On the host (CPU tensors: gloo) every collective the runtime issues is one whose work honours
+// a timed wait and reports completion truthfully (_allgather_base, allreduce): a fused group is
+// gathered as one packed _allgather_base, and a reduce-scatter is an all-reduce of the packed
+// input of which each rank keeps its own row (see start_allgather_fused and flush).
 #pragma once
 
 #include <torch/extension.h>
@@ -15,6 +20,8 @@
 
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
+
+#include <chrono>
 
 #include <deque>
 #include <memory>
@@ -34,17 +41,27 @@ struct Param {
   int64_t numel = 0;            // full numel
   int64_t chunk = 0;            // shard numel (a contiguous range of the flattened parameter)
   at::ScalarType gather_dtype;  // dtype the parameter travels and computes in
-  // Precomputed once (issue 16: host work per parameter per step): the full shape's contiguous
-  // strides (a gathered buffer becomes the parameter by one as_strided, not narrow + view) and a
-  // flat view of the shard (re-made only when the shard's memory changed, e.g. a load that
-  // replaced .data).
+  // Precomputed once (host work per parameter per step): the full shape's contiguous strides (a
+  // gathered buffer becomes the parameter by one as_strided) and a flat view of the shard
+  // (re-made only when the shard's memory changed, e.g. a load that replaced .data).
   std::vector<int64_t> strides;
   at::Tensor flat_shard;
+};
+
+// A fused group gathered on the host as one packed collective: `out` is [world * cols], rank k's
+// part holding its shard of every member side by side; each member's own buffer is filled from
+// it (one split copy) at the group's first wait.
+struct PackedGather {
+  at::Tensor out;
+  std::vector<at::Tensor> dsts;  // the members' flat [world * chunk] buffers
+  std::vector<int64_t> cols;     // the members' chunks, in packing order
+  bool unpacked = false;
 };
 
 struct PendingGather {
   c10::intrusive_ptr<c10d::Work> work;
   at::Tensor buffer;  // flat, padded, gather dtype
+  std::shared_ptr<PackedGather> packed;  // the host's packed fused gather; null otherwise
 };
 
 struct BucketEntry {
@@ -64,6 +81,9 @@ struct InFlightReduce {
   at::Tensor output;  // concatenation of this rank's shard of every entry
   std::vector<std::pair<int64_t, int64_t>> entries;  // (param id, chunk)
   int64_t bucket = 0;  // n-th bucket reduced in this optimizer step (named in timeout messages)
+  // the host path: inputs[0] ([world, cols], owned) is all-reduced in place and this rank's row is
+  // copied into output once the collective has completed
+  bool by_allreduce = false;
 };
 
 struct Stats {
@@ -79,7 +99,7 @@ struct Stats {
   int64_t persistent_hits = 0;
   int64_t reused_buffers = 0;  // gathers into a stale kept buffer (invalidate_persistent(true))
   int64_t local_accumulations = 0;
-  // host work per step (issue 16): copies add_grad made of a gradient (padding, dtype cast, the
+  // host work per step: copies add_grad made of a gradient (padding, dtype cast, the
   // clone where the graph could reuse the memory), host waits on allgathers, cat-packed buckets
   int64_t reduce_copies = 0;
   int64_t allgather_waits = 0;
@@ -90,7 +110,8 @@ struct Stats {
   int64_t reduce_ops = 0;
   int64_t reduce_ops_flushing = 0;
   // buckets of more than one gradient reduced as one packed (cat) reduce-scatter
-  // (reduce_pack "cat"; reduce_cats also counts the gloo fallback where coalescing is missing)
+  // (reduce_pack "cat"; reduce_cats also counts the host path's packing, which every bucket of
+  // several gradients takes on gloo)
   int64_t reduce_packed = 0;
 };
 
@@ -159,7 +180,7 @@ class Runtime {
   at::Tensor reduce_scatter_now(const at::Tensor& grad, int64_t id);  // eager path
 
   std::vector<int64_t> live_gathered();
-  // Memory by category (issue 17). The gradient memory the runtime holds: buckets filling,
+  // Memory by category. The gradient memory the runtime holds: buckets filling,
   // reduce-scatters in flight (inputs and output), HSDP all-reduces, ZeRO-1 local accumulations,
   // as distinct storages (data_ptr, nbytes), so the profiler files them under "gradients", not
   // "activations" (the allocator's rest). take_step_peaks: this step's high-water marks of live
@@ -212,7 +233,18 @@ class Runtime {
   // the host wait's probe interval (1 s); tests shorten it to make many slice ends race completions
   void set_wait_slice_ms(int64_t ms) { wait_slice_ms_ = ms > 0 ? ms : 1; }
 
+  // -- concurrent readers ------------------------------------------------------------------
+  // The ops run without the GIL while another Python thread (the inspector following a live run)
+  // may call the getters. Every op holds mu_ for its whole run (OpLock, zero3.cpp) except while
+  // its host thread waits for a collective (wait_work lets go of it then, so a getter is not held
+  // up for the length of a collective); every Python entry point holds it too (bindings.cpp).
+  // Uncontended, that is one lock and one unlock per op.
+  std::mutex& mutex() { return mu_; }
+
  private:
+  friend class OpLock;
+  std::mutex mu_;
+  std::unique_lock<std::mutex>* held_ = nullptr;  // the running op's lock (OpLock), released by wait_work
   // Work::wait with the collective timeout, probing the store for mismatches while it waits;
   // `what` describes the collective (built only on error).
   template <typename Describe>
@@ -229,7 +261,7 @@ class Runtime {
   at::Tensor cast_scaled(const at::Tensor& src, at::ScalarType dtype);
   void cast_scaled_into(at::Tensor& out, const at::Tensor& src);
   const at::Tensor& scale_tensor(at::ScalarType dtype, const at::Device& device);  // grad_scale_, one element
-  // The cast stream (issue 16; DEEPCOMPILE_CAST_STREAM, on by default): on CUDA the casts around
+  // The cast stream (DEEPCOMPILE_CAST_STREAM, on by default): on CUDA the casts around
   // the collectives (a gather's fp32 shard to bf16, a reduced bucket to the shards' fp32 with its
   // scale) run on a side stream, so compute kernels queued after them do not wait for them.
   // to_side: the side stream, made to wait on all work queued so far on the current stream (the
@@ -279,6 +311,11 @@ class Runtime {
   int64_t step_peak_reduce_ = 0;
   int64_t timeout_ms_;
   int64_t wait_slice_ms_ = 1000;
+  // gloo's own per-collective timeout, set on every host collective the runtime issues: longer
+  // than the runtime's bound (the host wait names rank, collective and graph node first) whatever
+  // the timeout of the process group the user created, and finite, so gloo's worker gives up a
+  // collective the other ranks never join
+  std::chrono::milliseconds host_op_timeout() const { return std::chrono::milliseconds(2 * timeout_ms_ + 10000); }
   int64_t issued_ = 0;          // collectives issued since the last sequence check
   int64_t check_index_ = 0;     // sequence checks done (optimizer steps)
   int64_t reduce_buckets_ = 0;  // reduce-scatter buckets flushed since the last check
@@ -290,8 +327,23 @@ class Runtime {
   std::string store_prefix_;
 };
 
+// Holds the runtime's lock for an op's run (see Runtime::mutex).
+class OpLock {
+ public:
+  explicit OpLock(Runtime& rt) : rt_(rt), lock_(rt.mu_) { rt_.held_ = &lock_; }
+  ~OpLock() { rt_.held_ = nullptr; }
+  OpLock(const OpLock&) = delete;
+  OpLock& operator=(const OpLock&) = delete;
+
+ private:
+  Runtime& rt_;
+  std::unique_lock<std::mutex> lock_;
+};
+
 // The process-wide runtime. Throws a clear error if `init` has not been called.
 Runtime& runtime();
+// The same, shared: a reader on another thread keeps it alive while init or cleanup replaces it.
+std::shared_ptr<Runtime> runtime_shared();
 bool has_runtime();
 void init(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems, int64_t max_inflight,
           int64_t timeout_ms);

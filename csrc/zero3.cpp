@@ -11,14 +11,18 @@ namespace {
 // The tensors the runtime makes (views of gathered buffers, bucket slices, .grad views, casts)
 // need no autograd: they are never differentiated (the graph around the op is, by AOTAutograd),
 // and the backward runs with grad mode off. Below the Autograd and ADInplaceOrView keys each
-// ATen call goes straight to its kernel (issue 16: the runtime's host time is mostly these
-// calls); a view made here shares its buffer's memory but is not an autograd view of it.
+// ATen call goes straight to its kernel (the runtime's host time is mostly these calls); a view
+// made here shares its buffer's memory but is not an autograd view of it.
+//
+// Each op holds the runtime's lock while it runs (dc::OpLock; see Runtime::mutex): getters called
+// from another Python thread read a consistent state.
 using Below = at::AutoDispatchBelowADInplaceOrView;
 
 // -- the math-level ops that tracing sees (the `zero3` pass lowers them) ----------------------
 
 at::Tensor unshard(const at::Tensor& shard, int64_t id) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("unshard", id);
   rt.start_allgather(shard, id);
@@ -27,6 +31,7 @@ at::Tensor unshard(const at::Tensor& shard, int64_t id) {
 
 at::Tensor shard_grad(const at::Tensor& grad, int64_t id) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("shard_grad", id);
   return rt.reduce_scatter_now(grad, id);
@@ -36,6 +41,7 @@ at::Tensor shard_grad(const at::Tensor& grad, int64_t id) {
 
 at::Tensor allgather_param(const at::Tensor& shard, int64_t id) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("allgather_param", id);
   rt.start_allgather(shard, id);
@@ -44,6 +50,7 @@ at::Tensor allgather_param(const at::Tensor& shard, int64_t id) {
 
 at::Tensor allgather_params(at::TensorList shards, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("allgather_params", ids.empty() ? -1 : ids[0]);
   rt.start_allgather_fused(shards.vec(), ids.vec());
@@ -52,6 +59,7 @@ at::Tensor allgather_params(at::TensorList shards, at::IntArrayRef ids) {
 
 at::Tensor wait_allgather(const at::Tensor& /*handle*/, int64_t id) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("wait_allgather", id);
   return rt.finish_allgather(id);
@@ -59,6 +67,7 @@ at::Tensor wait_allgather(const at::Tensor& /*handle*/, int64_t id) {
 
 std::vector<at::Tensor> wait_allgather_many(const at::Tensor& /*handle*/, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("wait_allgather_many", ids.empty() ? -1 : ids[0]);
   return rt.finish_allgather_many(ids.vec());
@@ -66,6 +75,7 @@ std::vector<at::Tensor> wait_allgather_many(const at::Tensor& /*handle*/, at::In
 
 at::Tensor gather_persistent(const at::Tensor& shard, int64_t id) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("gather_persistent", id);
   return rt.gather_persistent(shard, id);
@@ -73,6 +83,7 @@ at::Tensor gather_persistent(const at::Tensor& shard, int64_t id) {
 
 std::vector<at::Tensor> gather_persistent_many(at::TensorList shards, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("gather_persistent_many", ids.empty() ? -1 : ids[0]);
   return rt.gather_persistent_many(shards.vec(), ids.vec());
@@ -81,6 +92,7 @@ std::vector<at::Tensor> gather_persistent_many(at::TensorList shards, at::IntArr
 // kept parameters in need order (selective_unshard.group_mb): start at the top, wait at first use
 at::Tensor gather_persistent_start(at::TensorList shards, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("gather_persistent_start", ids.empty() ? -1 : ids[0]);
   TORCH_CHECK(!shards.empty(), "deepcompile: gather_persistent_start needs at least one shard");
@@ -90,15 +102,21 @@ at::Tensor gather_persistent_start(at::TensorList shards, at::IntArrayRef ids) {
 
 std::vector<at::Tensor> gather_persistent_wait(const at::Tensor& /*handle*/, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("gather_persistent_wait", ids.empty() ? -1 : ids[0]);
   return rt.finish_persistent(ids.vec());
 }
 
-void release_param(at::Tensor& /*gathered*/, int64_t id) { dc::runtime().release(id); }  // no tensor work
+void release_param(at::Tensor& /*gathered*/, int64_t id) {  // no tensor work
+  auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
+  rt.release(id);
+}
 
 void reduce_grad(at::Tensor& grad, int64_t id) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("reduce_grad", id);
   const int64_t before = rt.stats().reduce_scatters;
@@ -106,13 +124,14 @@ void reduce_grad(at::Tensor& grad, int64_t id) {
   rt.count_reduce_op(rt.stats().reduce_scatters - before);
 }
 
-// One call per gradient bucket (issue 16: reduce_grad per parameter was the backward's largest
-// host cost, 147 calls a step on the 953M Llama). The backward pass groups the gradients that
+// One call per gradient bucket (a reduce_grad per parameter is the backward's largest host cost:
+// 147 calls a step on the 953M Llama). The backward pass groups the gradients that
 // reach the runtime between two bucket flushes (passes/zero3.py group_reduces) and calls this at
 // the point where the last of them is ready; each is added in order exactly as reduce_grad adds
 // it, so the buckets, the moment each flushes and what it holds are unchanged.
 void reduce_grads(at::TensorList grads, at::IntArrayRef ids) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   TORCH_CHECK(grads.size() == ids.size(), "dc::reduce_grads: ", grads.size(), " gradients but ", ids.size(),
               " parameter ids; the pass must hand one id per gradient");
@@ -126,6 +145,7 @@ void reduce_grads(at::TensorList grads, at::IntArrayRef ids) {
 
 void end_backward(at::TensorList /*grads*/, int64_t graph_id) {
   auto& rt = dc::runtime();
+  dc::OpLock lock(rt);
   Below below;
   rt.enter("end_backward", graph_id);
   rt.end_backward(graph_id);
