@@ -176,7 +176,8 @@ def _checkout_copy(dst: Path) -> Path:
     import shutil
 
     shutil.copytree(REPO / "deepcompile", dst / "deepcompile", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(REPO / "csrc", dst / "csrc")
+    # laid out as installed: the runtime's sources are the package deepcompile._csrc
+    shutil.copytree(REPO / "csrc", dst / "deepcompile" / "_csrc", ignore=shutil.ignore_patterns("__pycache__"))
     return dst
 
 
@@ -194,7 +195,7 @@ def test_build_cache_key_is_content_only(tmp_path):
     a = _checkout_copy(tmp_path / "a")
     b = _checkout_copy(tmp_path / "elsewhere" / "b")
     assert _key_of(a) == _key_of(b) == build.cache_key()
-    with open(b / "csrc" / "runtime.cpp", "a") as f:
+    with open(b / "deepcompile" / "_csrc" / "runtime.cpp", "a") as f:
         f.write("\n// another version\n")
     assert _key_of(b) != _key_of(a)
 

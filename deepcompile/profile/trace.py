@@ -10,8 +10,11 @@ events (time spent blocked in ``wait_allgather`` shows as the exposed allgather)
 from __future__ import annotations
 
 import bisect
+import contextlib
 import json
 import os
+import re
+import sys
 import tempfile
 from typing import Callable
 
@@ -234,6 +237,45 @@ def final_graphs(versions) -> dict:
     return last
 
 
+_KINETO_MARKER = re.compile(rb"^USDT:.*\] profiler_(start|stop)\s*$")
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    """Drop the ``USDT: ... profiler_start`` / ``profiler_stop`` lines that kineto (the profiler
+    library inside torch) writes to stderr when a trace starts and stops; they are noise in the
+    demo's output and in a notebook cell. The only setting that hides them, ``KINETO_LOG_LEVEL``
+    above kineto's USDT level, is read once per process and hides kineto's errors as well. So
+    file descriptor 2 goes to a temporary file for the duration of the start or the stop only,
+    and everything in it but those two lines is written back. A ``KINETO_LOG_LEVEL`` set by the
+    user is left to speak."""
+    saved = None
+    if not os.environ.get("KINETO_LOG_LEVEL"):
+        try:
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError):   # no stderr to filter
+            saved = None
+    if saved is None:
+        yield
+        return
+    with tempfile.TemporaryFile() as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield
+        finally:
+            try:
+                sys.stderr.flush()
+            except (OSError, ValueError):
+                pass
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            kept = b"".join(ln for ln in tmp.read().splitlines(keepends=True) if not _KINETO_MARKER.match(ln))
+            while kept:
+                kept = kept[os.write(2, kept):]
+
+
 def measure_step(step: Callable[[], None], graphs: Callable[[], dict] | None = None,
                  exact_aten: bool = False) -> tuple[list[dict], dict]:
     """Run ``step`` once under the profiler; return (schedule events, overlap summary).
@@ -243,10 +285,16 @@ def measure_step(step: Callable[[], None], graphs: Callable[[], dict] | None = N
     acts = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(ProfilerActivity.CUDA)
-    with profile(activities=acts) as prof:
+    prof = profile(activities=acts)
+    with _without_kineto_markers():
+        prof.__enter__()
+    try:
         step()
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+    finally:
+        with _without_kineto_markers():
+            prof.__exit__(*sys.exc_info())
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
     try:
