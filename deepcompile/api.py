@@ -17,12 +17,19 @@ from deepcompile import blocks, compat, nested
 from deepcompile.backend import Backend, paused_gc
 from deepcompile.config import Config
 from deepcompile.dynamic import DynamicDims
-from deepcompile.runtime import ops, optim_chunks, optimizer_state, seqcheck
+from deepcompile.runtime import graphcheck, ops, optim_chunks, optimizer_state, seqcheck
 from deepcompile.runtime.offload import ENGINE
 from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
 
 # a step that compiled for less than this prints nothing (config ``progress``)
 PROGRESS_MIN_S = 1.0
+
+
+def _rank0() -> bool:
+    """Whether this process speaks for the job: rank 0 of the default process group, or the only
+    process. A warning every rank raises alike (the same model, config and agreed plan) is
+    printed by rank 0 alone, once per run, not once per rank."""
+    return not (dist.is_initialized() and dist.get_rank() != 0)
 
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -126,9 +133,10 @@ class DeepCompileModel(nn.Module):
         as with trace_blocks false. Nothing was compiled yet (the caller checks), and every rank
         fails the same way on the same model, so each falls back alike."""
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        warnings.warn(f"deepcompile: tracing the decoder blocks once failed ({type(e).__name__}: {first[:300]}); "
-                      "tracing every layer instead. Set config trace_blocks: false to skip the attempt.",
-                      stacklevel=4)
+        if _rank0():
+            warnings.warn(f"deepcompile: tracing the decoder blocks once failed ({type(e).__name__}: {first[:300]}); "
+                          "tracing every layer instead. Set config trace_blocks: false to skip the attempt.",
+                          stacklevel=4)
         self.dc_backend.trace_blocks_failed = f"{type(e).__name__}: {first[:300]}"
         nested.unwrap(self.module)
         compat.reset_dynamo(self.module)
@@ -151,7 +159,7 @@ class DeepCompileModel(nn.Module):
             if why is None:
                 object.__setattr__(self, "_dc_passes", passes)
                 return
-            if self.dc_backend.trace_once:
+            if self.dc_backend.trace_once and _rank0():
                 warnings.warn(f"deepcompile: step {self.dc_step} re-traces the model (Dynamo + AOTAutograd) "
                               f"instead of reusing the warm-up trace: {why}", stacklevel=3)
         # Drop every compiled graph before compiling the new pass list: the old graphs (and
@@ -493,6 +501,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     object.__setattr__(wrapped, "dc_shard_group", shard_group)  # == group unless mesh.shard (HSDP)
     object.__setattr__(wrapped, "dc_replicate_group", replicate_group)  # None unless mesh.shard
     object.__setattr__(wrapped, "dc_seqcheck", seqcheck.SequenceCheck.create(group, cfg.collective_timeout_s))
+    backend.graph_check = graphcheck.GraphCheck.create(wrapped.dc_seqcheck)  # compiled graphs agree across ranks
     from deepcompile.plan.cache import PlanCache
 
     backend.plan_cache = PlanCache.create(wrapped)  # a re-run of this job reuses its plan (config plan_cache)

@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from deepcompile import compat, nested
 from deepcompile.passes import PASSES, PassContext, make_params
+from deepcompile.passes import causal_mask
 from deepcompile.profile.profiler import profiled_callable
 from deepcompile.record.graph import serialize
 from deepcompile.runtime import seqcheck
@@ -181,6 +182,7 @@ class Backend:
         self.kept: list[_Kept] = []
         self.trace_once_log: list[dict] = []   # one entry per scheduled re-compile: reused or why not
         self.plan_cache = None          # deepcompile.plan.cache.PlanCache (initialize sets it), or None: off
+        self.graph_check = None         # runtime.graphcheck.GraphCheck (initialize sets it), or None: off
         # compile seconds per optimizer step and phase (PHASES); see add_phase
         self.phases: dict[int, dict[str, float]] = {}
         self.call_seconds = 0.0         # total seconds inside __call__ (Dynamo's time excludes it)
@@ -258,6 +260,8 @@ class Backend:
             gm.recompile()
         self.compiled[(graph_id, kind)] = gm
         seqcheck.register_nodes(graph_id, kind, gm)  # a collective timeout names the node it is in
+        if self.graph_check is not None:  # the ranks' collective sequences for this graph agree
+            self.graph_check.compiled(graph_id, kind, self.step, gm)
         self.add_phase("passes", time.perf_counter() - t0)  # the record's serialization included
         return gm
 
@@ -418,10 +422,14 @@ class Backend:
     def _compile(self, gm: fx.GraphModule, example_inputs: list[Any]):
         graph_id = self.next_graph_id
         self.next_graph_id += 1
+        # before AOTAutograd: a materialized causal mask becomes is_causal=True (passes/causal_mask.py)
+        t0 = time.perf_counter()
+        pre = causal_mask.restore_causal_sdpa(gm) if getattr(self.config, "causal_mask", True) else []
+        self.add_phase("passes", time.perf_counter() - t0)
         dynamo_nodes = serialize(gm)
         # a scheduled re-compile that could not reuse the warm-up trace says so in the record
         why = next((e["why"] for e in self.trace_once_log if e["step"] == self.step and not e["reused"]), None)
-        notes = [f"trace once: not reused, re-traced: {why}"] if why else []
+        notes = pre + ([f"trace once: not reused, re-traced: {why}"] if why else [])
         self._observe(GraphVersion(graph_id, "dynamo", "input", dynamo_nodes, notes, step=self.step))
         if self.plan_cache is not None and self.step == 0:
             self.plan_cache.on_graph(self, graph_id, gm, example_inputs)  # a hit sets the stored passes and profile
