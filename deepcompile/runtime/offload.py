@@ -125,7 +125,8 @@ class CopyEngine:
         Freed at once, a block the copy still reads goes back to the allocator tied to the copy's
         event; an allocation that needs it before the copy ends makes the allocator wait for
         *every* outstanding copy (its out-of-memory path synchronises all events): on the 2-GPU
-        offload benchmark the forward sat idle for most of the 65 ms copy of the optimizer state.
+        offload benchmark that leaves the forward idle for most of the 65 ms copy of the
+        optimizer state.
         Released later, in order and only as the memory is needed, compute waits for just the
         copies it needs; and a tensor never released needs no copy back."""
         if not self.offloadable(t):
