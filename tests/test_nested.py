@@ -39,7 +39,9 @@ def _train(rank, world, trace_blocks, layers, default_schedule):
     import deepcompile
     from tests import workloads as w
 
-    cfg = {"trace_blocks": trace_blocks, "plan_cache": False}  # plans of earlier runs would skip the trace
+    # aot_eager: the trace is what differs, not the inner compiler (Inductor's C++ compile on the CPU
+    # would be most of the time); plans of earlier runs would skip the trace
+    cfg = {"compiler": "aot_eager", "trace_blocks": trace_blocks, "plan_cache": False}
     if not default_schedule:
         cfg["passes"] = ["zero3"]
     model, opt = deepcompile.initialize(w.make_model(n_layer=layers), w.make_optimizer, cfg)
@@ -50,7 +52,7 @@ def _train(rank, world, trace_blocks, layers, default_schedule):
 
 
 def test_identical_blocks_trace_once_and_train_like_a_flat_trace():
-    """Default plan (profile, plan, trace-once re-compile), 2 ranks, 3 layers: one body for the
+    """Default plan (profile, plan, trace-once re-compile; aot_eager), 2 ranks, 3 layers: one body for the
     three layers, the same losses bit for bit and the same gathers/reduces, in the same order
     with the same ids, as with trace_blocks false."""
     flat = run_ranks(_train, 2, False, 3, True, timeout=600)
@@ -106,7 +108,7 @@ def _train_aliasing(rank, world, trace_blocks):
 
     torch.manual_seed(0)
     model, opt = deepcompile.initialize(_AliasingModel(), lambda ps: torch.optim.SGD(ps, lr=0.1),
-                                        {"trace_blocks": trace_blocks, "passes": ["zero3"]})
+                                        {"compiler": "aot_eager", "trace_blocks": trace_blocks, "passes": ["zero3"]})
     x = torch.randn(4, 16)
     losses = []
     with warnings.catch_warnings(record=True) as caught:
