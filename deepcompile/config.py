@@ -159,6 +159,10 @@ class Config:
                                           "cannot trace as a region falls back to a flat trace with a warning; "
                                           "false: a flat trace (to compare, or for a model whose blocks differ "
                                           "in ways the region trace does not allow)")
+    causal_mask: bool = spec(True, help="before AOTAutograd, an attention call whose mask is a constant causal mask "
+                                        "(as Hugging Face models build under torch.compile) runs as "
+                                        "is_causal=True without the mask: the same math, causal kernels "
+                                        "(deepcompile/passes/causal_mask.py); false: masks as traced")
     aot_cache: bool = spec(True, help="with a plan-cache hit, take the partitioned and compiled graphs from "
                                       "AOTAutograd's cache when an earlier run stored them: no joint trace, partition "
                                       "or passes (a warm re-run's largest cost); its graph versions come from the run "
