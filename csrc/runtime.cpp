@@ -617,7 +617,7 @@ void Runtime::flush(at::ScalarType dtype) {
       std::vector<at::Tensor> parts;
       parts.reserve(b.entries.size());
       for (auto& e : b.entries) parts.push_back(e.flat.view({world_, -1}));
-      packed = at::cat(parts, 1).view({-1});
+      packed = at::cat(parts, 1);
       stats_.reduce_cats += 1;
       if (reduce_pack_ == ReducePack::kCat) stats_.reduce_packed += 1;
     }
@@ -685,7 +685,10 @@ void Runtime::complete_oldest() {
     ss << (r.entries.size() > 3 ? " ...)" : ")");
     return ss.str();
   });
-  if (r.by_allreduce) r.output.copy_(r.inputs[0].view({world_, -1}).select(0, rank_));
+  if (r.by_allreduce) {
+    const at::Tensor& in = r.inputs[0];  // [world, cols], or a lone entry's flat [world * chunk]
+    r.output.copy_((in.dim() == 2 ? in : in.view({world_, -1})).select(0, rank_));
+  }
   r.inputs.clear();  // the graph's gradients (or our copies) are free to go now
   if (rep_pg_ && rep_pg_->getSize() > 1) {
     // HSDP: the reduce-scatter left this rank the sum over its shard group; the replicas' sums
