@@ -68,3 +68,43 @@ def test_rank_dependent_forward_fails_fast_on_every_rank(stage):
         assert r["after_s"] < TIMEOUT_S / 2, f"rank {rank} failed only after {r['after_s']:.1f} s: {err[:500]}"
     gap = abs(results[0]["at"] - results[1]["at"])
     assert gap < 20, f"the ranks failed {gap:.1f} s apart"
+
+
+class _CountingStore:
+    """The store the check uses, counting its calls."""
+
+    def __init__(self, store):
+        self.inner, self.calls = store, {}
+
+    def __getattr__(self, name):
+        fn = getattr(self.inner, name)
+
+        def counted(*a, **k):
+            self.calls[name] = self.calls.get(name, 0) + 1
+            return fn(*a, **k)
+        return counted
+
+
+def _train_same(rank, world):
+    import deepcompile
+
+    model, opt = deepcompile.initialize(RankDependent(0), lambda ps: torch.optim.SGD(ps, lr=0.1),
+                                        {"compiler": "aot_eager", "passes": ["zero3"]})
+    check = model.dc_backend.graph_check
+    check.store = _CountingStore(check.store)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        model(torch.randn(4, 8, generator=g)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return check.checked, check.store.calls, sorted(model.dc_backend.compiled)
+
+
+def test_same_forward_passes_with_one_exchange_per_compiled_graph():
+    for checked, calls, compiled in run_ranks(_train_same, 2, timeout=300):
+        assert compiled == [(0, "backward"), (0, "forward")], compiled
+        assert checked == len(compiled), (checked, compiled)
+        # per compiled graph: the abort key's check, one post, one check of the others' posts,
+        # and one read of them when they are there; nothing per step
+        assert calls.get("set", 0) == checked, calls
+        assert calls.get("multi_get", 0) <= checked and calls.get("check", 0) <= 3 * checked, calls
