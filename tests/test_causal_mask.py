@@ -129,12 +129,22 @@ def _not_rewritten(model, *args, why: str, dynamic=False, **kw):
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
-def test_padding_mask_from_an_input_is_kept():
+@pytest.mark.parametrize("nested_regions", [False, True])
+def test_padding_mask_from_an_input_is_kept(nested_regions):
+    from deepcompile import nested
+
     torch.manual_seed(0)
     ids, labels = _batch()
     pad = torch.ones_like(ids)
     pad[0, -4:] = 0  # right padding: every row still sees its first token
-    _not_rewritten(TinyLM("float"), ids, labels, attention_mask=pad, why="depends on the graph input")
+    model = TinyLM("float")
+    if nested_regions:
+        assert nested.wrap(model) == 2
+    try:
+        _not_rewritten(model, ids, labels, attention_mask=pad, why="depends on the graph input")
+    finally:
+        if nested_regions:
+            nested.unwrap(model)
 
 
 def test_sliding_window_is_kept():
@@ -232,3 +242,54 @@ def test_hugging_face_llama():
     out, calls, notes = _compile(lambda i: model(input_ids=i, labels=i).loss, ids)
     assert len(calls) == 2 and all(m is None and c is True for m, c in calls), (calls, notes)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def _tiny_llama(transformers, seq: int):
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=seq,
+                                   use_cache=False)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_hugging_face_llama_seq_8192():
+    """On the GPU at seq 8192: the graph's devices are CUDA, the mask is evaluated on the CPU once
+    (a 64 MB bool mask; the rewrite's whole time is bounded), the attention runs causal and the
+    loss matches eager's."""
+    import re
+    import time
+
+    transformers = pytest.importorskip("transformers")
+    seq = 8192
+    model = _tiny_llama(transformers, seq).cuda()
+    ids = torch.randint(0, 128, (1, seq), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    ref = model(input_ids=ids, labels=ids).loss
+    t0 = time.perf_counter()
+    out, calls, notes = _compile(lambda i: model(input_ids=i, labels=i).loss, ids)
+    print(f"compile + step {time.perf_counter() - t0:.1f} s; {notes}")
+    assert len(calls) == 2 and all(m is None and c is True for m, c in calls), (calls, notes)
+    m = re.search(r"(\d+) evaluation\(s\) and (\d+) check\(s\) in ([\d.]+) s", notes[0])
+    assert m and int(m.group(1)) == 1 and int(m.group(2)) == 1 and float(m.group(3)) < 10.0, notes
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_a_mask_built_on_cuda_is_evaluated_on_the_cpu():
+    """Whatever device the graph builds its mask on (an argument, a keyword, ``.to``, ``.cuda()``),
+    the compile-time evaluation runs on the CPU: no GPU memory or stream is touched at compile time."""
+    from deepcompile.passes.causal_mask import _ancestors, _evaluate
+
+    import operator
+
+    g = torch.fx.Graph()  # as Dynamo records it on a GPU (this torch may have no CUDA)
+    cuda0 = torch.device("cuda", 0)
+    a = g.call_function(torch.arange, (6,), {"device": cuda0})
+    q = g.call_method("to", (g.call_function(operator.getitem, (a, (slice(None), None))), "cuda:0"))
+    kv = g.call_method("cuda", (g.call_function(torch.arange, (6,), {"device": "cuda"}),))
+    kv = g.call_function(operator.getitem, (kv, (None, slice(None))))
+    out = g.call_method("to", (g.call_function(operator.le, (kv, q)), cuda0))
+    g.output(out)
+    v = _evaluate(_ancestors(out), {})
+    assert v.device.type == "cpu" and torch.equal(v, torch.ones(6, 6, dtype=torch.bool).tril())
