@@ -294,10 +294,13 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
   // heap ("malloc(): unaligned tcache chunk detected") when several
   // allgather_into_tensor_coalesced calls are in flight, and its _allgather_base is safe. One
   // cat (with the cast) packs the shards, and the group's first wait splits the packed result
-  // into the members' buffers (one copy). Measured on 2 gloo ranks with 3 groups in flight
-  // (benchmarks/gloo_fused_gather.py): 8 x 1k elements 0.65-0.9 ms a group packed, 1.0-1.3
-  // coalesced, 4.2-5.7 one _allgather_base per parameter; 32 x 4k 1.9-2.1 packed, 2.3-3.4
-  // coalesced, 17-47 per parameter; 8 x 64k 6.6-12.6 packed (the two copies), 3.8-9.1 coalesced.
+  // into the members' buffers (one copy). benchmarks/gloo_fused_gather.py, 2 gloo ranks on a
+  // loaded 2-core host, 3 groups in flight, ms a group over three runs: 8 x 1k elements packed
+  // 0.7-1.2, coalesced 1.0-1.3, coalesced on a one-thread gloo group 1.3, one _allgather_base per
+  // parameter 4-13; 32 x 4k packed 1.4-2.1, coalesced 2.1-3.4, one thread 1.9-5.1, per parameter
+  // 13-47; 8 x 64k packed 6.5-12.6 (its two copies), coalesced 3.8-9.1, one thread 4.2-5.2. The
+  // groups the passes fuse are small parameters, where packing costs least; a one-thread group
+  // would also need a second process group beside the user's.
   const bool on_cuda = shards[0].is_cuda();
   std::vector<at::Tensor> ins, outs, srcs;
   for (size_t i = 0; i < ids.size(); ++i) {
