@@ -132,9 +132,11 @@ def _check_foldable(graph: fx.Graph, nodes: list[fx.Node], leaves_ok: set[fx.Nod
             raise _NotConstant(f"{n.name} has a symbolic size")
         keys |= _storages(n)
     for n in graph.nodes:
-        if not _mutates(n) or not n.args or not isinstance(n.args[0], fx.Node):
+        if not _mutates(n):
             continue
-        dst = n.args[0]
+        dst = n.kwargs["out"] if isinstance(n.kwargs.get("out"), fx.Node) else (n.args[0] if n.args else None)
+        if not isinstance(dst, fx.Node):
+            continue
         if dst in members or (keys & _storages(dst)) or (not _storages(dst) and members & set(_ancestors(dst))):
             raise _NotConstant(f"{n.name} ({_name(n.target)}) writes into it in place")
 
