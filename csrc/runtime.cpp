@@ -574,7 +574,7 @@ void Runtime::add_grad(const at::Tensor& grad_in, int64_t id) {
   if (!b.entries.empty() && b.elems + elems > bucket_elems_) flush(reduce_dtype_);
   Bucket& b2 = buckets_[static_cast<int>(reduce_dtype_)];
   bool owned = false;
-  // No copy of a gradient the graph hands over (issue 16: a clone per parameter was a third of
+  // No copy of a gradient the graph hands over (a clone per parameter costs a third of
   // reduce_grad's host time): holding the reference keeps the memory alive until the
   // reduce-scatter has read it, and nothing writes into it meanwhile (see set_copy_grads).
   at::Tensor flat = padded_flat(grad, p, /*copy=*/copy_grads() && !grad_owned, &owned);
@@ -760,7 +760,7 @@ void Runtime::apply_grads(InFlightReduce& r) {
     Param& p = *ps[i];
     const int64_t chunk = r.entries[i].second;
     const auto sizes = p.shard.sizes();
-    // its slice in the shard's shape: one as_strided (narrow + view was three dispatcher calls)
+    // its slice in the shard's shape: one as_strided (one dispatcher call; narrow + view are three)
     at::Tensor g = uniform ? at::as_strided(cast, sizes, c10::contiguous_strides(sizes), base + off)
                            : cast.narrow(0, off, chunk).to(p.shard.scalar_type()).view(sizes);
     off += chunk;
