@@ -108,11 +108,15 @@ def test_fallback_retraces_and_says_so():
     the record; numerics unchanged. (aot_eager keeps it fast; the fallback is the same re-trace
     for Inductor.)"""
     results = run_ranks(_train, 2, STEPS, {"compiler": "aot_eager"}, {}, SMALL, 1, timeout=180)
-    for r in results:
+    for rank, r in enumerate(results):
         assert r["frames"][2] >= 1, f"the fallback must re-trace at step 2, frames {r['frames']}"
         log = r["trace_once"]
         assert len(log) == 1 and not log[0]["reused"] and "dynamic" in log[0]["why"], log
-        assert r["warnings"] and "re-traces" in r["warnings"][0] and "dynamic" in r["warnings"][0], r["warnings"]
+        if rank == 0:   # the warning is the job's: rank 0 prints it, once per run
+            assert len(r["warnings"]) == 1 and "re-traces" in r["warnings"][0] and "dynamic" in r["warnings"][0], \
+                r["warnings"]
+        else:
+            assert not r["warnings"], r["warnings"]
         assert "dynamo" in r["phases"][2], r["phases"]
         assert r["notes"] and all("not reused, re-traced" in n and "dynamic" in n for n in r["notes"]), r["notes"]
     _check_parity(results, 2, SMALL, 1)
