@@ -21,7 +21,10 @@ from typing import Callable, Iterable
 import deepcompile
 
 STEP_RE = re.compile(r"^\s*step\s+(\d+)\s*/\s*(\d+)")
-REPO_ROOT = Path(deepcompile.__file__).resolve().parents[1]
+# The source checkout deepcompile runs from (an editable install), or None when it is installed
+# from a wheel: a job then runs in the caller's folder, with the environment as it is.
+_ROOT = Path(deepcompile.__file__).resolve().parents[1]
+REPO_ROOT = _ROOT if (_ROOT / "pyproject.toml").is_file() else None
 
 
 def fmt_value(v) -> str:
@@ -74,10 +77,10 @@ def script_command(script: str | os.PathLike, *, ranks: int = 2, args: Iterable[
 
 
 def job_env(extra: dict | None = None) -> dict:
-    """The environment for a job: this process's, with the deepcompile checkout importable."""
+    """The environment for a job: this process's, with the deepcompile checkout (if any) importable."""
     env = dict(os.environ)
     pp = env.get("PYTHONPATH", "")
-    if str(REPO_ROOT) not in pp.split(os.pathsep):
+    if REPO_ROOT is not None and str(REPO_ROOT) not in pp.split(os.pathsep):
         env["PYTHONPATH"] = str(REPO_ROOT) + (os.pathsep + pp if pp else "")
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONUNBUFFERED"] = "1"
@@ -93,7 +96,7 @@ class Job:
                  on_line: Callable[[str], None] | None = None,
                  on_exit: Callable[["Job"], None] | None = None):
         self.argv = list(argv)
-        self.cwd = str(cwd or REPO_ROOT)
+        self.cwd = str(cwd or REPO_ROOT or os.getcwd())
         self.env = env if env is not None else job_env()
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.on_line = on_line
