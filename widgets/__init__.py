@@ -1,4 +1,5 @@
-"""The Jupyter layer of deepcompile (importable as ``deepcompile.widgets``).
+"""The Jupyter layer of deepcompile, installed as the subpackage ``deepcompile.widgets`` (this
+folder is mapped to that name in ``pyproject.toml``, for wheels and editable installs alike).
 
 ``Inspector(run_dir)`` browses a run record; ``Inspector.launch(...)`` starts a job and follows
 it. The state of every view lives in plain-Python models (``graph_view.GraphModel``,
