@@ -6,8 +6,9 @@ Gloo ranks start from a fork server that has imported torch and deepcompile once
 is 6-9 s a process on the CI's 2 cores, and the suite starts ranks a few hundred times). Each rank
 is a fresh fork of that untouched server, given the test's environment. Three things fall back to
 a spawned interpreter: NCCL ranks (the GPU tests, as before), an environment that differs from the
-server's in a variable torch may read at import (``TORCH*``, ``OMP_*``, ...: only ``DEEPCOMPILE_*``
-and pytest's own variables may differ, deepcompile reads them at use), and ``start="spawn"``.
+server's in a variable torch may read at import (``TORCH*``, ``OMP_*``, ...: only ``DEEPCOMPILE_*``,
+pytest's own variables and ``TORCHINDUCTOR_CACHE_DIR`` may differ, all read at use), and
+``start="spawn"``.
 Forked ranks share the server's string-hash seed; a test that must see ranks with different seeds
 (set orders that differ between ranks, as under torchrun) passes ``start="spawn"``.
 """
@@ -33,7 +34,8 @@ _SERVER: dict = {}  # the fork server's environment and directory, from its star
 
 
 def _may_differ(key: str) -> bool:
-    return key.startswith(("DEEPCOMPILE_", "PYTEST_"))
+    # Inductor reads its cache directory at each use (cache_dir_utils.cache_dir, 2.11 and 2.13)
+    return key.startswith(("DEEPCOMPILE_", "PYTEST_")) or key == "TORCHINDUCTOR_CACHE_DIR"
 
 
 def _start_method(backend: str | None, start: str | None) -> str:

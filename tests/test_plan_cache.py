@@ -63,6 +63,15 @@ def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None, n_layer
     return out
 
 
+def _run_with_compile_pool(rank: int, world: int, *args):
+    """``_run`` with Inductor's kernel compile pool of 2 processes (read at use, unlike the
+    environment variable, which Inductor reads at import: the rank stays a fork of the server)."""
+    import torch._inductor.config as iconfig
+
+    iconfig.compile_threads = 2
+    return _run(rank, world, *args)
+
+
 def _files(d):
     return sorted(glob.glob(os.path.join(d, "plan-*.json")))
 
@@ -250,10 +259,10 @@ def test_rerun_of_a_blocks_plan_takes_its_driver_from_the_aot_cache(tmp_path, mo
     loads the driver and its regions' code from there: no trace, no passes, no compile, and the
     same training as the planning run. 1 gloo rank, 4 layers (the middle blocks are identical)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")  # the regions' deferred kernel wait
     d = str(tmp_path / "plans")
     ind = {"compiler": "inductor", "blocks": True}
-    first, second = (run_ranks(_run, 1, d, ind, None, 4, timeout=300)[0] for _ in range(2))
+    # a kernel compile pool: the regions' deferred kernel wait
+    first, second = (run_ranks(_run_with_compile_pool, 1, d, ind, None, 4, timeout=300)[0] for _ in range(2))
     assert first["cache"]["hit"] is False and second["cache"]["hit"]
     made = first["blocks"]
     assert made and all(s["cached"] is True and s["reused"] >= 1 for s in made), made
