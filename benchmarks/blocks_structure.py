@@ -36,7 +36,7 @@ def one(n_layer: int, config: dict, steps: int) -> dict:
 
     cfx.compile_fx_inner = stub
     import deepcompile
-    from deepcompile import blocks
+    from deepcompile.compile import blocks
     from tests import workloads as W
 
     model, opt = deepcompile.initialize(W.make_model(n_layer=n_layer), W.make_optimizer,

@@ -123,7 +123,7 @@ class HostMemory:
 def full_optimizer_state(model, opt) -> dict:
     """The optimizer state gathered whole on every rank's CPU, the way full_state_dict gathers
     the parameters (what a user must do today without DCP)."""
-    from deepcompile import compat
+    from deepcompile.compat import c10d as c10d_compat
 
     world = dist.get_world_size(model.dc_shard_group)
     out = {}
@@ -133,7 +133,7 @@ def full_optimizer_state(model, opt) -> dict:
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and v.shape == sp.shard.shape:
                 buf = torch.empty((world * v.shape[0], *v.shape[1:]), dtype=v.dtype, device=v.device)
-                compat.all_gather_single(buf, v.contiguous(), model.dc_shard_group)
+                c10d_compat.all_gather_single(buf, v.contiguous(), model.dc_shard_group)
                 full_rows = sp.meta.shape[0] if sp.meta.shape else 1
                 entry[k] = buf[:full_rows].reshape(sp.meta.shape).cpu()
             else:

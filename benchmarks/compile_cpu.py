@@ -10,12 +10,12 @@ the number of graph nodes, not the tensors' sizes, so hidden 64 shows the same D
 pass, profiling and planner work per layer as the 2048-wide GPU model at a fraction of the run time.
 Each measurement is a fresh set of gloo processes (tests/dist_utils.run_ranks) running deepcompile's
 default ZeRO-3 plan with ``compiler="inductor"``: step 0 traces through Inductor's front end
-(``compat.inductor_compile``: decompositions, joint-graph passes, min-cut partition) and runs the
+(``pipeline.inductor_compile``: decompositions, joint-graph passes, min-cut partition) and runs the
 graphs as Python, step 1 is profiled in place, step 2 plans and re-compiles the warm-up's graphs
 (trace once), step 3 is the first fast step.
 
 Inductor's back end (codegen, C++/Triton compile) is replaced by the graph's own Python code
-(``compat.inductor_inner`` patched in the child processes only): on the GPU it is a separate phase,
+(``pipeline.inductor_inner`` patched in the child processes only): on the GPU it is a separate phase,
 mostly kernel compiles that a warm cache removes, and a CPU C++ compile of every kernel would bury
 the phases this measures. ``--real-inductor`` keeps it.
 
@@ -72,12 +72,13 @@ def _rank(rank: int, world: int, layers: int, hidden: int, seq: int, real_induct
         torch.set_num_threads(threads)
 
     import deepcompile
-    from deepcompile import compat
+    from deepcompile.compat import aot as aot_compat
+    from deepcompile.compile import pipeline
 
     if not real_inductor:
         def python_inner(gm, example_inputs, **kw):  # the graph as Python: Inductor's back end left out
-            return compat.boxed(gm.forward)
-        compat.inductor_inner = python_inner
+            return aot_compat.boxed(gm.forward)
+        pipeline.inductor_inner = python_inner
     torch.manual_seed(0)
     cfg = LlamaConfig(**model_config(layers, hidden))
     cfg._attn_implementation = "sdpa"

@@ -1,4 +1,8 @@
-"""deepcompile: a compiler for sharded (ZeRO) training of ordinary PyTorch models."""
+"""deepcompile: a compiler for sharded (ZeRO) training of ordinary PyTorch models.
+
+Importing it patches nothing in torch: ``initialize`` routes ``torch.nn.utils.clip_grad_norm_``
+to the global norm for deepcompile's parameters (``deepcompile.clip.route_clip_grad_norm``).
+"""
 from deepcompile.api import DeepCompileModel, destroy, full_state_dict, initialize, load_full_state_dict
 from deepcompile.checkpoint import get_state_dict, load_checkpoint, save_checkpoint, set_state_dict
 from deepcompile.clip import clip_grad_norm_
@@ -9,7 +13,3 @@ __all__ = ["Config", "ConfigError", "DeepCompileModel", "destroy", "initialize",
            "load_full_state_dict", "clip_grad_norm_", "get_state_dict", "set_state_dict",
            "save_checkpoint", "load_checkpoint"]
 __version__ = "0.1.0"
-
-from deepcompile import compat as _compat  # noqa: E402
-
-_compat.route_clip_grad_norm()  # torch.nn.utils.clip_grad_norm_ on our shards: the global norm

@@ -13,10 +13,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from deepcompile import blocks, compat, nested
+from deepcompile import clip
 from deepcompile.backend import Backend, paused_gc
+from deepcompile.compat import c10d as c10d_compat
+from deepcompile.compat import dynamo as dynamo_compat
+from deepcompile.compile import blocks, nested
+from deepcompile.compile.dynamic import DynamicDims
 from deepcompile.config import Config
-from deepcompile.dynamic import DynamicDims
 from deepcompile.runtime import graphcheck, ops, optim_chunks, optimizer_state, seqcheck
 from deepcompile.runtime.offload import ENGINE
 from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
@@ -71,7 +74,7 @@ class DeepCompileModel(nn.Module):
         step = self.dc_step
         if step > self._dc_last_compile_step and not self._dc_gc_paused:
             return self._dc_forward(*args, **kwargs)  # training at speed: nothing to decide
-        frames = compat.dynamo_frames_compiled()
+        frames = dynamo_compat.dynamo_frames_compiled()
         seen = self._dc_forwards_in_step + 1 if step == self._dc_forward_step else 1
         if seen == 1 and not self._dc_gc_paused:  # (a step's later forwards never pause again)
             paused_gc.pause()
@@ -82,7 +85,7 @@ class DeepCompileModel(nn.Module):
             self._dc_resume_gc(collect=False)
             raise
         if self._dc_gc_paused and seen > self.dc_config.gradient_accumulation_steps \
-                and compat.dynamo_frames_compiled() == frames:
+                and dynamo_compat.dynamo_frames_compiled() == frames:
             self._dc_resume_gc(collect=True)
         object.__setattr__(self, "_dc_forward_step", step)
         object.__setattr__(self, "_dc_forwards_in_step", seen)
@@ -111,19 +114,19 @@ class DeepCompileModel(nn.Module):
         # compiled forward runs, backward after it (two pybind calls per forward)
         ops.C.set_phase(0)
         b = self.dc_backend
-        dyn0, call0 = compat.dynamo_compile_seconds(), b.call_seconds
+        dyn0, call0 = dynamo_compat.dynamo_compile_seconds(), b.call_seconds
         graphs = b.next_graph_id
         try:
             try:
                 return self._dc_compiled(*args, **kwargs)
             except Exception as e:
-                if not (compat.is_dynamo_error(e) and b.next_graph_id == graphs and nested.is_wrapped(self.module)):
+                if not (dynamo_compat.is_dynamo_error(e) and b.next_graph_id == graphs and nested.is_wrapped(self.module)):
                     raise
                 self._dc_trace_flat(e)
                 return self._dc_compiled(*args, **kwargs)
         finally:
             ops.C.set_phase(1)
-            dyn1 = compat.dynamo_compile_seconds()
+            dyn1 = dynamo_compat.dynamo_compile_seconds()
             if dyn1 is not None and dyn0 is not None and dyn1 > dyn0:  # Dynamo compiled a frame
                 b.add_phase("dynamo", (dyn1 - dyn0) - (b.call_seconds - call0))
 
@@ -139,7 +142,7 @@ class DeepCompileModel(nn.Module):
                           stacklevel=4)
         self.dc_backend.trace_blocks_failed = f"{type(e).__name__}: {first[:300]}"
         nested.unwrap(self.module)
-        compat.reset_dynamo(self.module)
+        dynamo_compat.reset_dynamo(self.module)
         object.__setattr__(self, "_dc_compiled", torch.compile(self.module, backend=self.dc_backend))
 
     def _recompile(self, passes, profiling: bool = False, dynamic_changed: bool = False) -> None:
@@ -164,7 +167,7 @@ class DeepCompileModel(nn.Module):
                               f"instead of reusing the warm-up trace: {why}", stacklevel=3)
         # Drop every compiled graph before compiling the new pass list: the old graphs (and
         # the memory their code objects pin) must not survive the switch.
-        compat.reset_dynamo(self.module)
+        dynamo_compat.reset_dynamo(self.module)
         self.dc_backend.use_passes(planned, self.dc_step, profiling)
         object.__setattr__(self, "_dc_passes", passes)
         object.__setattr__(self, "_dc_compiled", torch.compile(self.module, backend=self.dc_backend))
@@ -437,7 +440,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     ``loss = model(x); loss.backward(); optimizer.step(); optimizer.zero_grad()``.
     """
     cfg = Config.load(config)  # validate before touching anything
-    if compat.is_compiled_module(model):
+    if dynamo_compat.is_compiled_module(model):
         raise TypeError(
             "deepcompile.initialize: the model is already compiled with torch.compile; pass the "
             "original module (compiled_model._orig_mod) and let deepcompile compile it.")
@@ -469,7 +472,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     if C.is_initialized():
         warnings.warn("deepcompile.initialize called again in this process: the previous model's "
                       "runtime state and compiled graphs are dropped", stacklevel=2)
-        compat.reset_dynamo()
+        dynamo_compat.reset_dynamo()
     ops.PARAMS.clear()
     C.init(shard_group, cfg.reduce_bucket_size, cfg.max_inflight_reduces,
            max(1, int(cfg.collective_timeout_s * 1000)))
@@ -527,7 +530,7 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     from deepcompile.profile.profiler import track_memory
 
     track_memory(wrapped)  # the profiling step splits its memory by category (held weakly)
-    compat.route_clip_grad_norm()
+    clip.route_clip_grad_norm()
     return wrapped, opt
 
 
@@ -544,7 +547,7 @@ def _reject_wrapped(model: nn.Module) -> None:
                         "the unwrapped module (model.module): deepcompile does the data parallelism itself")
     for name, m in model.named_modules():
         where = f"submodule '{name}'" if name else "the model"
-        kind = compat.fsdp_wrapper_kind(m)
+        kind = c10d_compat.fsdp_wrapper_kind(m)
         if kind is not None:
             raise TypeError(f"deepcompile.initialize: {where} is wrapped by {kind}; pass the original, "
                             "unwrapped module (build it again without FSDP): deepcompile shards it itself")
@@ -552,7 +555,7 @@ def _reject_wrapped(model: nn.Module) -> None:
             raise TypeError(f"deepcompile.initialize: {where} is wrapped in {type(m).__name__}; pass the "
                             "unwrapped module: deepcompile does the data parallelism itself")
     for name, p in model.named_parameters():
-        if compat.is_dtensor(p):
+        if c10d_compat.is_dtensor(p):
             raise TypeError(f"deepcompile.initialize: parameter '{name}' is a DTensor (sharded by FSDP2 or "
                             "tensor parallelism); pass a module with ordinary parameters: deepcompile shards "
                             "them itself")
@@ -567,7 +570,7 @@ def _gather_full(sp: ShardedParam, group) -> torch.Tensor:
     world = dist.get_world_size(group)
     shard = sp.shard.detach()
     out = torch.empty(sp.meta.chunk * world, dtype=shard.dtype, device=shard.device)
-    compat.all_gather_single(out, shard.contiguous().view(-1), group)
+    c10d_compat.all_gather_single(out, shard.contiguous().view(-1), group)
     return out[: sp.meta.numel].view(sp.meta.shape)
 
 
@@ -674,7 +677,7 @@ def destroy(model: DeepCompileModel) -> None:
     global _CURRENT
     current = _CURRENT() if _CURRENT is not None else None
     if current is model or current is None:
-        compat.reset_dynamo(model.module)
+        dynamo_compat.reset_dynamo(model.module)
         optimizer_state.MANAGER.detach()
         ENGINE.release_buffers()
         C = ops.ensure_registered()

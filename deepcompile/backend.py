@@ -14,7 +14,10 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from deepcompile import compat, nested
+from deepcompile.compat import aot as aot_compat
+from deepcompile.compat import dynamo as dynamo_compat
+from deepcompile.compat import fx as fx_compat
+from deepcompile.compile import aot_seed, boxed_graph, inductor_pool, kernel_wait, nested, pipeline, trace_once
 from deepcompile.passes import PASSES, PassContext, make_params
 from deepcompile.passes import causal_mask
 from deepcompile.profile.profiler import profiled_callable
@@ -93,7 +96,7 @@ class paused_gc:
         if paused_gc.depth == 0:
             paused_gc.resumed = gc.isenabled()
             gc.disable()
-            paused_gc.dynamo_gc = compat.dynamo_gc_after_compile(False)
+            paused_gc.dynamo_gc = dynamo_compat.dynamo_gc_after_compile(False)
         paused_gc.depth += 1
 
     @staticmethod
@@ -107,7 +110,7 @@ class paused_gc:
         paused_gc.depth -= 1
         if paused_gc.depth > 0:
             return
-        compat.dynamo_gc_after_compile(paused_gc.dynamo_gc)
+        dynamo_compat.dynamo_gc_after_compile(paused_gc.dynamo_gc)
         if not paused_gc.resumed:
             return  # the user's own gc.disable() stays
         if freeze and not collect:
@@ -134,7 +137,7 @@ class _Kept:
     """A partitioned graph kept from the warm-up compile for trace-once (before our passes)."""
     graph_id: int
     kind: str
-    traced: Any                  # compat.TracedGraph
+    traced: Any                  # trace_once.TracedGraph
     slot: _Slot
     signature: tuple             # (placeholders, outputs that are None) after the warm-up passes
     dynamo_nodes: list           # the Dynamo graph's serialized nodes (re-recorded at the re-compile)
@@ -167,7 +170,7 @@ class Backend:
         self.compiled: dict[tuple[int, str], fx.GraphModule] = {}
         self.aot_cache_hits: list[int] = []  # graphs taken from AOTAutograd's cache (_aot_cache_salt)
         self._aot_stored: str | None = None  # salt of this step's compile that stored an AOTAutograd entry
-        # graph_id -> compat.AotSeed: the planning run's warm-up compile, ready to store the re-run's
+        # graph_id -> aot_seed.AotSeed: the planning run's warm-up compile, ready to store the re-run's
         # AOTAutograd entry once trace once has compiled the final graphs (_seed_aot_cache)
         self.aot_seeds: dict[int, Any] = {}
         self.aot_seed_log: dict[str, Any] = {}  # what the seeding did, for the record and benchmarks
@@ -192,12 +195,12 @@ class Backend:
         self.nested_log: list[dict] = []  # per Dynamo graph traced with nested regions: calls, distinct bodies
         # Inductor's compile workers, started now so that they are up by the first Inductor
         # compile (after the warm-up steps); torch.compile's own backend does the same at its
-        # entry, ours calls compile_fx directly (compat.warm_inductor_pool says why)
+        # entry, ours calls compile_fx directly (inductor_pool.warm_inductor_pool says why)
         if getattr(config, "compiler", None) == "inductor":
             import torch
 
             if torch.cuda.is_available():
-                compat.warm_inductor_pool()
+                inductor_pool.warm_inductor_pool()
 
     def add_phase(self, phase: str, seconds: float, step: int | None = None) -> None:
         """Accumulate ``seconds`` of compile work in ``phase`` for ``step`` (default: the step the
@@ -268,7 +271,7 @@ class Backend:
     def _inductor(self, gm: fx.GraphModule, inputs, kw: dict):
         t0 = time.perf_counter()
         try:
-            return compat.inductor_inner(gm, inputs, dc_blocks=self.blocks, **kw)
+            return pipeline.inductor_inner(gm, inputs, dc_blocks=self.blocks, **kw)
         finally:
             self.add_phase("inductor", time.perf_counter() - t0)
 
@@ -279,7 +282,7 @@ class Backend:
         cache hit at step 0, whose key covers the model's graph, the config and the ranks), the
         passes only rewrite the graph (a hit skips them: no runtime state may be set while they
         run) and our compiled graphs are ones its cache can store: Inductor's own, or blocks'
-        driver, which is made one (compat.blocks_cached_driver). A warm re-run then skips the
+        driver, which is made one (block_regions.blocks_cached_driver). A warm re-run then skips the
         joint trace, the partition and our passes (most of a warm compile's AOTAutograd time)."""
         pc = self.plan_cache
         if pc is None or not pc.hit or pc.key is None or self.profiling or not self._aot_cacheable():
@@ -298,7 +301,7 @@ class Backend:
 
     def _aot_cacheable(self) -> bool:
         """AOTAutograd's cache may keep our graphs: Inductor's own, or blocks' driver, which
-        compat.blocks_cached_driver makes an entry of Inductor's FX graph cache (where it
+        block_regions.blocks_cached_driver makes an entry of Inductor's FX graph cache (where it
         cannot, the graph has no cache key and AOTAutograd stores nothing)."""
         return bool(getattr(self.config, "aot_cache", True))
 
@@ -338,7 +341,7 @@ class Backend:
             if fw is None or bw is None:
                 whys.append(f"graph {graph_id}: no final forward and backward")
                 continue
-            w = compat.aot_seed_save(seed, fw[1], bw[1], fw[0].traced.tracing_context)
+            w = aot_seed.aot_seed_save(seed, fw[1], bw[1], fw[0].traced.tracing_context)
             if w is None:
                 saved += 1
             else:
@@ -440,7 +443,7 @@ class Backend:
             self.nested_log.append({"step": self.step, "graph": graph_id, "calls": calls, "bodies": distinct})
 
         def flat(g: fx.GraphModule) -> fx.GraphModule:
-            g = compat.lazy_graph(g)  # code generated once, when run (not at each pass's recompile)
+            g = fx_compat.lazy_graph(g)  # code generated once, when run (not at each pass's recompile)
             if ids or calls:  # the Dynamo graph's region calls: none, nothing to flatten
                 t0 = time.perf_counter()
                 self.nested_calls += nested.flatten(g, ids, names, renamed)
@@ -456,11 +459,11 @@ class Backend:
                 return self._inductor(self.run_passes(flat(g), graph_id, kind), inputs, kw)
             # timed per graph: a backward is compiled at its first run, outside __call__
             salt = self._aot_cache_salt()
-            hits = compat.aot_cache_hits()
-            fn = compat.inductor_compile(gm, example_inputs,
+            hits = aot_compat.aot_cache_hits()
+            fn = pipeline.inductor_compile(gm, example_inputs,
                                          lambda g, inputs, kind, kw: self._timed(compile_inductor, g, inputs, kind, kw),
                                          aot_cache_salt=salt)
-            if salt is not None and compat.aot_cache_hits() > hits:
+            if salt is not None and aot_compat.aot_cache_hits() > hits:
                 # the passes did not run: their graph versions come from the run that stored the entry
                 self.aot_cache_hits.append(graph_id)
                 self._replay_versions(salt, graph_id)
@@ -473,7 +476,7 @@ class Backend:
         def make(kind: str):
             def compile_one(g: fx.GraphModule, inputs, kw=None):
                 g = flat(g)
-                traced = compat.TracedGraph(g, inputs, kind, kw or {}) if keep else None
+                traced = trace_once.TracedGraph(g, inputs, kind, kw or {}) if keep else None
                 if traced is not None:
                     traced.renamed = renamed  # the forward's inlined names, for its backward's restride
                 g = self.run_passes(g, graph_id, kind)
@@ -483,7 +486,7 @@ class Backend:
                 profiled = profiled_callable(g, sink)
                 if compiler == "profile" and not keep:
                     return profiled
-                fast = compat.interpret(g) if compiler == "eager" else compat.boxed_graph(g)
+                fast = boxed_graph.interpret(g) if compiler == "eager" else boxed_graph.boxed_graph(g)
 
                 # the same graph can be profiled in place (see profile_in_place)
                 def run(args):
@@ -506,20 +509,20 @@ class Backend:
                 return self._timed(by_kind[kind], g, inputs, kw)
             seed_salt = self._seed_salt()
             if seed_salt is None:
-                return compat.inductor_compile(gm, example_inputs, warm_up)
+                return pipeline.inductor_compile(gm, example_inputs, warm_up)
             # AOTAutograd's cache on, keyed as the re-run of this plan will key it: the final
             # compile saves that entry (_seed_aot_cache)
-            hits = compat.aot_cache_hits()
-            with compat.aot_seed_recorder() as rec:
-                fn = compat.inductor_compile(gm, example_inputs, warm_up, aot_cache_salt=seed_salt)
-            if compat.aot_cache_hits() > hits:  # a fresh nonce cannot hit; if it did, no trace was kept
+            hits = aot_compat.aot_cache_hits()
+            with aot_seed.aot_seed_recorder() as rec:
+                fn = pipeline.inductor_compile(gm, example_inputs, warm_up, aot_cache_salt=seed_salt)
+            if aot_compat.aot_cache_hits() > hits:  # a fresh nonce cannot hit; if it did, no trace was kept
                 raise RuntimeError(f"deepcompile: AOTAutograd's cache hit under a fresh plan salt {seed_salt}")
             if rec.seeds:
                 self.aot_seeds[graph_id] = rec.seeds[-1]
             elif rec.why:
                 self.aot_seed_log.setdefault("not_recorded", []).append(f"graph {graph_id}: {rec.why}")
             return fn
-        return compat.aot_compile(gm, example_inputs, *(
+        return pipeline.aot_compile(gm, example_inputs, *(
             (lambda g, inputs, one=make(k): self._timed(one, g, inputs)) for k in ("forward", "backward", "inference")))
 
     # --- trace once -------------------------------------------------------------------------
@@ -548,13 +551,13 @@ class Backend:
         restrided = 0
         try:
             # block regions: the forward's kernels compile while the backward is lowered, and all
-            # are waited for once (compat.blocks_deferred_kernel_wait)
+            # are waited for once (kernel_wait.blocks_deferred_kernel_wait)
             defer = self.blocks and compiler == "inductor"
-            with (compat.blocks_deferred_kernel_wait() if defer else contextlib.nullcontext()) as waits:
+            with (kernel_wait.blocks_deferred_kernel_wait() if defer else contextlib.nullcontext()) as waits:
                 for k in sorted(self.kept, key=lambda k: (k.graph_id, k.kind == "backward")):
                     tg = k.traced
                     t0 = time.perf_counter()
-                    g = compat.fresh_copy(tg)
+                    g = trace_once.fresh_copy(tg)
                     inputs = tg.example_inputs
                     if k.kind == "backward" and k.graph_id in fw_strides:
                         inputs, n = self._restride(k, fw_strides, g, inputs)
@@ -563,7 +566,7 @@ class Backend:
                     if k.kind in ("forward", "inference"):  # the record keeps one Dynamo graph per compile
                         self._observe(GraphVersion(k.graph_id, "dynamo", "input", k.dynamo_nodes, [
                             f"trace once: the step-{old[1]} trace reused (no Dynamo, no AOTAutograd)"], step=step))
-                    with compat.trace_once_context(tg):
+                    with trace_once.trace_once_context(tg):
                         g = self.run_passes(g, k.graph_id, k.kind)
                         sig = _signature(g)
                         if sig != k.signature:
@@ -577,9 +580,9 @@ class Backend:
                         if compiler == "inductor":
                             fn = self._final_inductor(k, g, inputs, fw_strides)
                         elif compiler == "eager":
-                            fn = compat.interpret(g)
+                            fn = boxed_graph.interpret(g)
                         else:
-                            fn = compat.boxed_graph(g)
+                            fn = boxed_graph.boxed_graph(g)
                     new.append((k, fn))
             if defer:  # the wait is Inductor's (each graph's own compile was timed without it)
                 self.add_phase("inductor", waits.wait_s, step)
@@ -615,14 +618,14 @@ class Backend:
         ``fw_strides`` for its backward (see _restride)."""
         if k.kind != "forward":
             return self._inductor(g, inputs, k.traced.kw)
-        with compat.report_output_strides() as strides:
+        with aot_compat.report_output_strides() as strides:
             fn = self._inductor(g, inputs, k.traced.kw)
         fw_strides[k.graph_id] = (k.traced.gm, list(strides or []), k.traced.renamed)
         return fn
 
     def _restride(self, k: _Kept, fw_strides: dict, g: fx.GraphModule, inputs: list) -> tuple[list, int]:
         fw_pre, strides, renamed = fw_strides[k.graph_id]
-        inputs, n, unmatched = compat.restride_saved(fw_pre, strides, g, inputs, renamed)
+        inputs, n, unmatched = trace_once.restride_saved(fw_pre, strides, g, inputs, renamed)
         if unmatched:
             raise _Mismatch(f"graph {k.graph_id} backward: placeholders {unmatched[:5]} name no "
                             "forward output, so the forward's real strides cannot be carried over")

@@ -4,7 +4,7 @@ Each rank holds only its rows of every gradient, so ``torch.nn.utils.clip_grad_n
 it is would compute each rank's own norm and clip every rank by a different factor. :func:`clip_grad_norm_` reduces the
 per-rank partial norms (a sum of ``|g|^p`` or a max for ``inf``) across the group, so every
 rank clips by the same, correct coefficient. ``deepcompile`` routes the plain torch call here
-when it is given deepcompile parameters (``compat.route_clip_grad_norm``).
+when it is given deepcompile parameters (``route_clip_grad_norm``, installed by ``deepcompile.initialize``).
 
 With gradient accumulation the gradients are complete only after the backward that ends an
 accumulation window (ZeRO-1 has not even reduced them before it): on the other micro-batches
@@ -93,3 +93,44 @@ def _clip(model, params: list[torch.Tensor], max_norm: float, norm_type: float,
         torch.nn.utils.clip_grads_with_norm_(real, max_norm, total, foreach)
     return total
 
+
+_CLIP_ROUTED = False
+
+
+def route_clip_grad_norm() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` correct on deepcompile parameters.
+
+    Why a patch: each rank holds only its rows of every gradient (plain tensors, not DTensors:
+    see sharding.py), so torch's function would clip each rank by its own partial norm, silently
+    wrong and different on every rank. Parameters that deepcompile owns are routed to
+    ``deepcompile.clip_grad_norm_`` (the global norm, one all-reduce); any other call goes to
+    torch's function unchanged. We replace the public module attributes
+    (``torch.nn.utils.clip_grad_norm_`` and ``torch.nn.utils.clip_grad.clip_grad_norm_``, the
+    same function in 2.11 and 2.13): code that looks the function up at call time, as
+    nanoGPT, Hugging Face's Trainer and Accelerate do, gets the right norm. ``import deepcompile``
+    patches nothing: ``deepcompile.initialize`` installs the route (once per process; later calls
+    do nothing), so ``from torch.nn.utils import clip_grad_norm_`` after ``initialize`` gets it
+    too; a name bound before that still holds torch's function (the README says to call
+    ``deepcompile.clip_grad_norm_`` in such code).
+    """
+    global _CLIP_ROUTED
+    if _CLIP_ROUTED:
+        return
+    import functools
+
+    import torch.nn.utils as nn_utils
+    import torch.nn.utils.clip_grad as clip_grad_mod
+
+    original = clip_grad_mod.clip_grad_norm_
+
+    @functools.wraps(original)
+    def routed(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if any(is_dc_param(p) for p in params):
+            return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    routed.__dc_original__ = original
+    nn_utils.clip_grad_norm_ = routed
+    clip_grad_mod.clip_grad_norm_ = routed
+    _CLIP_ROUTED = True

@@ -17,9 +17,9 @@ getter is the custom op ``torch.ops.dc.unshard(shard, id)``:
   to the bucketed ``reduce_grads`` (one runtime call per reduce bucket; ``reduce_grad`` for a
   gradient called on its own);
 * nothing in torch's tracing is patched: the internal touches are one node tag on the joint graph
-  (``compat.tag_unshard_for_recompute``) so the partitioner re-gathers in backward instead of
+  (``aot_compat.tag_unshard_for_recompute``) so the partitioner re-gathers in backward instead of
   saving full parameters between forward and backward, and a leaner getter on the class
-  parametrize made for each module (``compat.direct_parametrization_getter``: it calls
+  parametrize made for each module (``nn_compat.direct_parametrization_getter``: it calls
   ``Unshard.forward`` on the shard directly, where parametrize's own property made Dynamo inline
   three module calls at every access).
 
@@ -42,7 +42,7 @@ host-bound step cannot spare); Dynamo and AOTAutograd would trace a tensor subcl
 parameter access (compile time, and a graph before our pass that already carries DTensor
 redistributions); the C++ runtime registers and writes gradients into plain tensors. Clipping
 is instead one all-reduce in ``deepcompile.clip_grad_norm_``, with torch's public function
-routed there for our parameters (``compat.route_clip_grad_norm``).
+routed there for our parameters by ``initialize`` (``clip.route_clip_grad_norm``).
 
 Rejected alternatives for tracing:
 
@@ -63,7 +63,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.utils import parametrize
 
-from deepcompile import compat
+from deepcompile.compat import nn as nn_compat
 from deepcompile.runtime import ops
 
 
@@ -222,5 +222,5 @@ def shard_module(module: nn.Module, *, group, device: torch.device,
             continue  # a module reached twice through named_modules(remove_duplicate=False)
         mod._parameters[attr] = by_id[pid].shard
         parametrize.register_parametrization(mod, attr, Unshard(pid), unsafe=True)
-        compat.direct_parametrization_getter(mod, attr)
+        nn_compat.direct_parametrization_getter(mod, attr)
     return order

@@ -138,7 +138,7 @@ def _compile_with_offload(fn, seen):
     (reading a freed storage segfaults instead of failing the test)."""
     from torch._dynamo.backends.common import aot_autograd
 
-    from deepcompile import compat
+    from deepcompile.compat import aot as aot_compat
     from deepcompile.passes.offload_activations import OffloadActivationsParams, offload_activations
     from deepcompile.runtime import ops
 
@@ -159,7 +159,7 @@ def _compile_with_offload(fn, seen):
                         if n.target is torch.ops.dc.offload_activation.default:
                             gm.graph.erase_node(n)
                     gm.recompile()
-            return compat.boxed(gm.forward)
+            return aot_compat.boxed(gm.forward)
         return run
 
     torch._dynamo.reset()

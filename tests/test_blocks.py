@@ -32,7 +32,7 @@ def _rank(rank, world):
 
     icfg.compile_threads = 2  # kernels compile in Inductor's pool: the regions defer their wait
 
-    from deepcompile import blocks
+    from deepcompile.compile import blocks
     from tests import workloads as W
 
     calls = []
@@ -139,7 +139,7 @@ def test_blocks_setting_resolves_per_device_and_auto_falls_back_to_the_whole_gra
     whole with a warning naming the error (a user's run goes on); with true the error is raised."""
     import warnings
 
-    from deepcompile import blocks
+    from deepcompile.compile import blocks
     from deepcompile.config import Config, ConfigError
 
     assert Config.load({}).blocks == "auto" and blocks.resolve(Config.load({}), "cuda") == "auto"
@@ -179,7 +179,7 @@ def test_driver_runs_regions_in_order_frees_values_and_takes_hundreds_of_values(
     import gc
     import weakref
 
-    from deepcompile import blocks
+    from deepcompile.compile import blocks
 
     n_outer, wide = 600, 300
     seen = []

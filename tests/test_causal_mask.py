@@ -103,7 +103,7 @@ def _batch(b=2, L=12):
 @pytest.mark.parametrize("kind", ["bool", "float", "inf"])
 @pytest.mark.parametrize("nested_regions", [False, True])
 def test_causal_mask_becomes_is_causal(kind, nested_regions):
-    from deepcompile import nested
+    from deepcompile.compile import nested
 
     torch.manual_seed(0)
     model = TinyLM(kind)
@@ -131,7 +131,7 @@ def _not_rewritten(model, *args, why: str, dynamic=False, **kw):
 
 @pytest.mark.parametrize("nested_regions", [False, True])
 def test_padding_mask_from_an_input_is_kept(nested_regions):
-    from deepcompile import nested
+    from deepcompile.compile import nested
 
     torch.manual_seed(0)
     ids, labels = _batch()

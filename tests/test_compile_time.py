@@ -159,9 +159,10 @@ def test_record_parses_each_stack_trace_once():
 
 
 def _compile_counting_prints(monkeypatch) -> tuple[int, torch.Tensor]:
-    """Compile and run ``f`` forward and backward through compat.aot_compile (AOTAutograd with our
+    """Compile and run ``f`` forward and backward through pipeline.aot_compile (AOTAutograd with our
     partitioner), counting AOTAutograd's graph prints (``GraphModule.print_readable``)."""
-    from deepcompile import compat
+    from deepcompile.compat import aot as aot_compat
+    from deepcompile.compile import pipeline
     from deepcompile.runtime import ops
 
     ops.ensure_registered()
@@ -171,8 +172,8 @@ def _compile_counting_prints(monkeypatch) -> tuple[int, torch.Tensor]:
 
     def backend(gm, inputs):
         def one(g, _inputs):
-            return compat.boxed(g.forward)
-        return compat.aot_compile(gm, inputs, one, one, one)
+            return aot_compat.boxed(g.forward)
+        return pipeline.aot_compile(gm, inputs, one, one, one)
 
     torch._dynamo.reset()
     f = torch.compile(lambda x, w: torch.tanh(x @ w).sum(), backend=backend)
@@ -185,14 +186,14 @@ def _compile_counting_prints(monkeypatch) -> tuple[int, torch.Tensor]:
 def test_aot_graph_strings_printed_only_for_a_reader(monkeypatch):
     from torch._functorch._aot_autograd import graph_compile
 
-    from deepcompile import compat
+    from deepcompile.compile import quiet_aot
 
-    originals = [getattr(graph_compile, n) for n in compat._AOT_LOG_FNS]
-    skipped = compat.QUIET_SKIPPED[0]
+    originals = [getattr(graph_compile, n) for n in quiet_aot._AOT_LOG_FNS]
+    skipped = quiet_aot.QUIET_SKIPPED[0]
     quiet, g_quiet = _compile_counting_prints(monkeypatch)
     assert quiet == 0, f"AOTAutograd printed {quiet} graphs nobody reads (issue 18: seconds at 32 layers)"
-    assert compat.QUIET_SKIPPED[0] - skipped == 2  # the joint graph, the forward and backward pair
-    assert [getattr(graph_compile, n) for n in compat._AOT_LOG_FNS] == originals, "left wrapped after the compile"
+    assert quiet_aot.QUIET_SKIPPED[0] - skipped == 2  # the joint graph, the forward and backward pair
+    assert [getattr(graph_compile, n) for n in quiet_aot._AOT_LOG_FNS] == originals, "left wrapped after the compile"
     torch._logging.set_logs(aot_graphs=True)
     try:
         logged, g_logged = _compile_counting_prints(monkeypatch)
@@ -203,13 +204,13 @@ def test_aot_graph_strings_printed_only_for_a_reader(monkeypatch):
 
 
 def test_copies_and_passes_generate_no_code_until_a_graph_runs(monkeypatch):
-    """compat.lazy_graph / copy_graph: the deep copy of a kept graph and zero3's recompile generated
+    """fx_compat.lazy_graph / copy_graph: the deep copy of a kept graph and zero3's recompile generated
     the whole graph's Python code, which nothing ran (3.1 s of a 32-layer CPU compile per rank,
     results/recompile_census_cpu_L32_before_after_s22.txt). Now code is generated once, when the
     graph runs; the original keeps its graph, and the copy computes what the original does."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
-    from deepcompile import compat
+    from deepcompile.compat import fx as fx_compat
     from deepcompile.passes.registry import PassContext
     from deepcompile.passes.zero3 import zero3
 
@@ -218,10 +219,10 @@ def test_copies_and_passes_generate_no_code_until_a_graph_runs(monkeypatch):
     monkeypatch.setattr(_LazyGraphModule, "_real_recompile", lambda self: (made.append(self), real(self))[1])
     gm = _unsharded_graph(6)
     x, shards = torch.randn(64), [torch.randn(32) for _ in range(6)]
-    copy = compat.copy_graph(gm)
+    copy = fx_compat.copy_graph(gm)
     assert gm.graph.owning_module is gm, "copying must leave the original its graph"
     assert isinstance(copy, _LazyGraphModule) and copy.graph is not gm.graph and made == []
-    lazy = compat.lazy_graph(copy)
+    lazy = fx_compat.lazy_graph(copy)
     assert lazy is copy  # already lazy: no second wrapper
     ctx = PassContext(graph_id=0, kind="forward", world_size=2, rank=0, param_meta=_meta(6), params=None)
     out = zero3(copy, ctx)
@@ -234,7 +235,7 @@ def test_copies_and_passes_generate_no_code_until_a_graph_runs(monkeypatch):
     g.output(g.call_function(torch.mul, (a, b)))
     plain = fx.GraphModule(torch.nn.Module(), g)
     made.clear()
-    c = compat.copy_graph(plain)
+    c = fx_compat.copy_graph(plain)
     assert made == []
     torch.testing.assert_close(c(x, shards[0].repeat(2)), plain(x, shards[0].repeat(2)))
     assert made == [c]

@@ -7,7 +7,7 @@
 * the backward calls the runtime once per reduce bucket (``dc.reduce_grads``, one call at each
   point where the runtime flushes a bucket, one for the remainder), not once per gradient, with
   the same buckets and the same reduced gradients as one call per gradient;
-* ``compat.never_reuse_inputs``: the lowering that makes holding the gradient safe under
+* ``inductor_compat.never_reuse_inputs``: the lowering that makes holding the gradient safe under
   Inductor, on a small graph where Inductor would otherwise reuse the held buffer.
 """
 from __future__ import annotations
@@ -165,15 +165,16 @@ def _define_ops():
     global _LIB
     if _LIB is not None:
         return
-    from deepcompile import compat
+    from deepcompile.compat import fx as fx_compat
+    from deepcompile.compat import inductor as inductor_compat
 
     _LIB = torch.library.Library("dctest_hold", "DEF")
     for name in ("plain", "kept"):
         _LIB.define(f"{name}(Tensor(a!) x) -> ()")
         _LIB.impl(name, lambda x: _HELD.append(x), "CPU")
         torch.library.register_fake(f"dctest_hold::{name}", lambda x: None, lib=_LIB)
-        compat.mark_side_effect(getattr(torch.ops.dctest_hold, name).default)
-    assert compat.never_reuse_inputs(torch.ops.dctest_hold.kept.default, on_failure=lambda: None)
+        fx_compat.mark_side_effect(getattr(torch.ops.dctest_hold, name).default)
+    assert inductor_compat.never_reuse_inputs(torch.ops.dctest_hold.kept.default, on_failure=lambda: None)
 
 
 def _held_after_inductor(op, view: bool):

@@ -14,7 +14,7 @@ from tests.dist_utils import run_ranks
 def _schedule(model) -> dict:
     """Per final graph: the runtime ops in order with their parameter ids, and the decoder block
     each compute node is labelled with (the flattened copies must name their own layer)."""
-    from deepcompile import blocks
+    from deepcompile.compile import blocks
 
     out = {}
     last = max(v.step for v in model.dc_graphs)

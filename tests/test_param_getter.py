@@ -1,4 +1,4 @@
-"""A sharded parameter's getter (``compat.direct_parametrization_getter``): one ``dc.unshard``
+"""A sharded parameter's getter (``nn_compat.direct_parametrization_getter``): one ``dc.unshard``
 per access, traced in the owning module's scope (no parametrization module calls for Dynamo to
 inline), and a deep copy's getter reads its own shard."""
 from __future__ import annotations

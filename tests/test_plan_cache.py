@@ -26,7 +26,8 @@ def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None, n_layer
     import warnings
 
     import deepcompile
-    from deepcompile import blocks, compat
+    from deepcompile.compile import blocks
+    from deepcompile.compat import dynamo as dynamo_compat
     from deepcompile.record.writer import RunRecorder
 
     cfg = {**BASE, "plan_cache": cache_dir, **extra}
@@ -36,9 +37,9 @@ def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None, n_layer
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
         for s in range(STEPS):
-            before = compat.dynamo_frames_compiled()
+            before = dynamo_compat.dynamo_frames_compiled()
             losses.append(rank_step(model, opt, rank, world, s))
-            frames.append(compat.dynamo_frames_compiled() - before)
+            frames.append(dynamo_compat.dynamo_frames_compiled() - before)
             if rec is not None:
                 rec.step(s + 1, 0.1, losses[-1])
     if rec is not None:   # the record gets the stored profile and plan, as a planned run's
@@ -254,7 +255,7 @@ def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch):
 
 def test_rerun_of_a_blocks_plan_takes_its_driver_from_the_aot_cache(tmp_path, monkeypatch):
     """Blocks (config ``blocks``) compile each graph as regions run by a driver of ours. The
-    driver is made an entry of Inductor's FX graph cache (compat.blocks_cached_driver), so the
+    driver is made an entry of Inductor's FX graph cache (block_regions.blocks_cached_driver), so the
     planning run seeds AOTAutograd's cache with it as with a whole Inductor graph, and the re-run
     loads the driver and its regions' code from there: no trace, no passes, no compile, and the
     same training as the planning run. 1 gloo rank, 4 layers (the middle blocks are identical)."""

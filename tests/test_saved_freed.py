@@ -168,7 +168,7 @@ def test_inductor_drops_gradients_after_their_reduce():
     """Inductor wrote no ``del`` for a buffer it must never reuse (the gradients handed to
     ``dc.reduce_grads``: the runtime's bucket reads them without a copy), so the compiled
     backward kept every gradient to its end: 0.86 GiB of the 953M Llama's forward/backward
-    peak over what the profiled graph predicted. compat.free_never_reused writes the ``del``
+    peak over what the profiled graph predicted. inductor_compat.free_never_reused writes the ``del``
     (no reuse: the runtime still holds the memory until its reduce-scatter has read it)."""
     res = run_ranks(_inductor_code_run, 1, timeout=400)[0]
     assert res, "no compiled backward with dc.reduce_grads found"

@@ -29,14 +29,14 @@ def _train(rank: int, world: int, steps: int, config: dict, env: dict, overrides
 
     os.environ.update(env)
     import deepcompile
-    from deepcompile import compat
+    from deepcompile.compat import dynamo as dynamo_compat
 
     model, opt = deepcompile.initialize(make_model(**overrides), make_optimizer, config)
     frames, losses, caught = [], [], []
     for s in range(steps):
         x, y = _batch(s, world, short_from)
         sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-        before = compat.dynamo_frames_compiled()
+        before = dynamo_compat.dynamo_frames_compiled()
         with warnings.catch_warnings(record=True) as w:
             warnings.simplefilter("always")
             loss = model(x[sl], y[sl])
@@ -44,7 +44,7 @@ def _train(rank: int, world: int, steps: int, config: dict, env: dict, overrides
         loss.backward()
         opt.step()
         opt.zero_grad()
-        frames.append(compat.dynamo_frames_compiled() - before)
+        frames.append(dynamo_compat.dynamo_frames_compiled() - before)
         losses.append(loss.item())
     return {"losses": losses, "frames": frames, "state": deepcompile.full_state_dict(model),
             "trace_once": model.dc_trace_once, "phases": model.dc_compile_phases, "warnings": caught,
@@ -138,7 +138,7 @@ def test_backward_inputs_take_the_forward_strides():
     import torch.fx as fx
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from deepcompile import compat
+    from deepcompile.compile import trace_once
 
     fw = fx.Graph()
     x = fw.placeholder("primals_1")
@@ -152,10 +152,10 @@ def test_backward_inputs_take_the_forward_strides():
     with mode:
         inputs = [torch.empty(4, 8), torch.empty(4, 8)]
     fw_gm, bw_gm = fx.GraphModule({}, fw), fx.GraphModule({}, bw)
-    out, changed, unmatched = compat.restride_saved(fw_gm, [(1, 4), (1, 4)], bw_gm, inputs)
+    out, changed, unmatched = trace_once.restride_saved(fw_gm, [(1, 4), (1, 4)], bw_gm, inputs)
     assert changed == 1 and not unmatched
     assert out[0].stride() == (1, 4) and out[0].shape == (4, 8)
     assert out[1].stride() == (8, 1)  # the tangent: not a forward output
     bw2 = fx.Graph()
     bw2.output((bw2.placeholder("renamed"),))
-    assert compat.restride_saved(fw_gm, [(1, 4), (1, 4)], fx.GraphModule({}, bw2), inputs[:1])[2] == ["renamed"]
+    assert trace_once.restride_saved(fw_gm, [(1, 4), (1, 4)], fx.GraphModule({}, bw2), inputs[:1])[2] == ["renamed"]

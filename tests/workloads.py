@@ -111,7 +111,7 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
     from deepcompile.runtime import optimizer_state
     from deepcompile.runtime.offload import ENGINE
     shard_numel = sum(p.numel() for p in model.parameters())
-    from deepcompile import blocks
+    from deepcompile.compile import blocks
     return {
         "losses": losses,
         "state": full,

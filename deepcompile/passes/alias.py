@@ -22,7 +22,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from deepcompile import compat
+from deepcompile.compat import fx as fx_compat
 
 # Ops whose output shares its input's storage although their schema has no alias annotation:
 # `aten::_unsafe_view` (a view that autograd treats as a fresh tensor; AOTAutograd emits it for
@@ -42,7 +42,7 @@ def storage_keys(node) -> frozenset[int] | None:
     keys = set()
     for t in vals:
         if isinstance(t, torch.Tensor):
-            k = compat.storage_key(t)
+            k = fx_compat.storage_key(t)
             if k is None:
                 return None
             keys.add(k)
@@ -52,7 +52,7 @@ def storage_keys(node) -> frozenset[int] | None:
 
 
 def _schema_aliases(target) -> bool:
-    schema = compat.op_schema(target)
+    schema = fx_compat.op_schema(target)
     if schema is None:
         return False
     return schema.name in _UNANNOTATED_ALIASING or any(r.alias_info is not None for r in schema.returns)

@@ -106,11 +106,11 @@ def _ancestors(node: fx.Node) -> list[fx.Node]:
 
 
 def _storages(node: fx.Node) -> set[int]:
-    from deepcompile import compat
+    from deepcompile.compat import fx as fx_compat
 
     v = _value(node)
     vals = v if isinstance(v, (list, tuple)) else [v]
-    return {k for t in vals if isinstance(t, torch.Tensor) for k in [compat.storage_key(t)] if k is not None}
+    return {k for t in vals if isinstance(t, torch.Tensor) for k in [fx_compat.storage_key(t)] if k is not None}
 
 
 def _check_foldable(graph: fx.Graph, nodes: list[fx.Node], leaves_ok: set[fx.Node]) -> None:

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from deepcompile import compat
+from deepcompile.compat import aot as aot_compat
+from deepcompile.compat import fx as fx_compat
 from deepcompile.params import spec
 from deepcompile.passes.registry import PassContext, register_pass
 from deepcompile.passes.alias import alias_closure, is_view, storage_keys
@@ -57,21 +58,21 @@ def _nbytes(n: fx.Node) -> int:
     # by size hints: with dynamic shapes the fake value's sizes are SymInts, and comparing one
     # with a budget here would guard on it (or raise) after tracing is done
     v = n.meta.get("val")
-    return compat.tensor_nbytes(v) if isinstance(v, torch.Tensor) else 0
+    return fx_compat.tensor_nbytes(v) if isinstance(v, torch.Tensor) else 0
 
 
 def owns_storage(v: torch.Tensor) -> bool:
     """What the runtime can free (``CopyEngine.offloadable``), judged on the fake value: dense,
     at offset 0, filling its whole storage. By size hints (symbolic sizes add no guards here)."""
     try:
-        h = compat.size_hint
+        h = fx_compat.size_hint
         expected = 1
         for size, stride in reversed(list(zip(v.shape, v.stride()))):
             if h(size, 1) != 1 and h(stride, -1) != expected:
                 return False
             expected *= h(size, 1)
         return (h(v.storage_offset(), -1) == 0
-                and h(v.untyped_storage().nbytes(), -1) == compat.tensor_nbytes(v))
+                and h(v.untyped_storage().nbytes(), -1) == fx_compat.tensor_nbytes(v))
     except (RuntimeError, NotImplementedError, AttributeError, TypeError):
         return True  # unknown: the runtime checks again before freeing
 
@@ -127,7 +128,7 @@ def runtime_storages(g: fx.Graph) -> set:
 def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str]:
     out = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
-    start = compat.saved_outputs_start(gm)
+    start = aot_compat.saved_outputs_start(gm)
     if start is None:
         return [], "cannot tell saved activations from user outputs: nothing offloaded"
     # how many outputs (user outputs included) each storage backs, by storage where known

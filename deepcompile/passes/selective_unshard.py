@@ -222,7 +222,7 @@ def _groups(kept: list[int], ctx: PassContext, wait: dict[int, fx.Node],
     alike to ``blocks.py`` (32 layers: 10 forward regions compiled instead of 4). A block larger
     than ``group_mb`` starts a group of its own and is cut by size; so is a parameter larger than
     ``group_mb``."""
-    from deepcompile import blocks
+    from deepcompile.compile import blocks
 
     limit = ctx.params.group_mb * 2**20
     units: list[tuple[object, list[int]]] = []

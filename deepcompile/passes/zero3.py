@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from deepcompile import compat
+from deepcompile.compat import aot as aot_compat
 from deepcompile.passes.alias import alias_closure  # storage-based; see alias.py
 from deepcompile.passes.registry import PassContext, register_pass
 
@@ -166,7 +166,7 @@ def group_reduces(sgs: list[fx.Node], ctx: PassContext) -> list[list[fx.Node]]:
     bucket that fills inside a block is handed over at that block's last gradient (at most one
     block's backward later; the runtime flushes it inside the call) instead of one call per
     gradient, a host cost of the step."""
-    from deepcompile import blocks
+    from deepcompile.compile import blocks
 
     lay = reduce_layout(ctx)
     world = max(1, int(ctx.world_size))
@@ -227,7 +227,7 @@ def lower_grad_reduce(gm: fx.GraphModule, ctx: PassContext) -> int:
     outs = out.args[0]
     cleared = [i for i, a in enumerate(outs) if isinstance(a, fx.Node) and a in derived]
     out.args = (type(outs)(None if i in cleared else a for i, a in enumerate(outs)),)
-    compat.forget_outputs(out, cleared)
+    aot_compat.forget_outputs(out, cleared)
     # end_backward's argument only orders it after the last reduce (the runtime ignores it). It
     # names the last call's gradients, not all of them: an op argument is a use, and Inductor (or
     # the interpreter) keeps every value alive until its last use, so listing every gradient held

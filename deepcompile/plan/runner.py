@@ -4,7 +4,7 @@ Both the live planner (``plan.planner.plan_model``, on the graphs the profiling 
 and the what-if (``plan.whatif``, on a record's rebuilt graphs) ask the same question many times
 over: what does the cost model predict for these graphs after these passes with these
 parameters? :class:`GraphRunner` answers it: the passes run on fast copies of the base graphs
-(``compat.fast_graph_copy``; no GraphModule, no code generation, no lint), the result is read
+(``fx_compat.fast_graph_copy``; no GraphModule, no code generation, no lint), the result is read
 into the cost model's node dicts once per value and target (:func:`model_nodes`), and the
 per-graph costs that no pass after zero3 changes (matched latencies, the memory-bound rate,
 Inductor's fused costs: ``estimate.static_costs``) are computed once per base.
@@ -145,9 +145,9 @@ def copy_graph(g: fx.Graph) -> fx.Graph:
     with the same parameters are linted on the real graphs when the chosen plan is compiled
     (and the what-if's shown versions come from the same code); a copy priced and dropped gains
     nothing from it."""
-    from deepcompile import compat
+    from deepcompile.compat import fx as fx_compat
 
-    out = compat.fast_graph_copy(g)
+    out = fx_compat.fast_graph_copy(g)
     out.lint = _no_lint  # an instance attribute over fx.Graph.lint (a plain Python method)
     return out
 

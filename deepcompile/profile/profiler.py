@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from deepcompile import compat
+from deepcompile.compat import c10d as c10d_compat
+from deepcompile.compat import nn as nn_compat
 from deepcompile.plan.cost_model import CommModel, ReplicateLink
 
 
@@ -183,7 +184,7 @@ class _GpuLead:
     kernels take on the GPU. A starved GPU runs each node's kernels as they arrive and the
     events around a node then measure the interpreter's dispatch: the nodes of a 76 ms
     (compiled, 2 H200s) step summed to 257 ms. So the profiler parks the compute stream in a
-    spin kernel (``compat.gpu_spin``) at the start of each graph, and again whenever it sees
+    spin kernel (``nn_compat.gpu_spin``) at the start of each graph, and again whenever it sees
     that the stream has nearly caught up (an event from ``CHECK_EVERY`` nodes back has already
     run): the queued nodes then run back to back and their events time only them. A spin sits
     between one node's end event and the next node's start event, so no node is charged for it.
@@ -197,9 +198,9 @@ class _GpuLead:
     def cycles_per_ms(cls) -> float:
         if cls._cycles_per_ms is None:
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            compat.gpu_spin(1000)  # warm the kernel up
+            nn_compat.gpu_spin(1000)  # warm the kernel up
             a.record()
-            compat.gpu_spin(2_000_000)
+            nn_compat.gpu_spin(2_000_000)
             b.record()
             b.synchronize()
             cls._cycles_per_ms = 2_000_000 / max(a.elapsed_time(b), 1e-3)
@@ -207,7 +208,7 @@ class _GpuLead:
 
     @classmethod
     def spin(cls) -> None:
-        compat.gpu_spin(int(cls.SPIN_MS * cls.cycles_per_ms()))
+        nn_compat.gpu_spin(int(cls.SPIN_MS * cls.cycles_per_ms()))
 
 
 class ProfilingInterpreter(fx.Interpreter):
@@ -766,7 +767,7 @@ def benchmark_comm(group=None, device=None, sizes=None, reps: int = 3) -> CommMo
         n = max(world, nbytes // 2 // world * world)
         out = torch.empty(n, dtype=torch.bfloat16, device=device)
         inp = torch.ones(n // world, dtype=torch.bfloat16, device=device)
-        return float(out.numel() * out.element_size()), lambda: compat.all_gather_single(out, inp, group)
+        return float(out.numel() * out.element_size()), lambda: c10d_compat.all_gather_single(out, inp, group)
 
     return _fit_collective(run, device, sizes, reps)
 

@@ -75,7 +75,7 @@ def access_scope(module: str, pid: int) -> str:
     """The scope of a parameter access as the record keeps it: ``<module>.<attr>.0``, e.g.
     ``blocks.0.attn.qkv.weight.0`` (``report.graph_layout.param_module_scope`` reads the module
     back). It was the scope of the parametrization module Dynamo called; the getter now calls
-    ``Unshard`` directly (``compat.direct_parametrization_getter``), so the access is traced in the owning
+    ``Unshard`` directly (``nn_compat.direct_parametrization_getter``), so the access is traced in the owning
     module's scope and the parameter's own name gives the rest."""
     from deepcompile.runtime import ops
 

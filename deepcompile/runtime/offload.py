@@ -278,7 +278,7 @@ def define_ops() -> None:
     global _lib
     if _lib is not None:
         return
-    from deepcompile import compat
+    from deepcompile.compat import fx as fx_compat
 
     lib = torch.library.Library("dc", "FRAGMENT")
     defs = {
@@ -293,5 +293,5 @@ def define_ops() -> None:
         lib.define(schema, tags=(torch.Tag.cudagraph_unsafe,))  # host logic per call: never inside a CUDA graph
         lib.impl(name, fn, "CompositeExplicitAutograd")
         torch.library.register_fake(f"dc::{name}", lambda *a, **k: None, lib=lib)
-        compat.mark_side_effect(getattr(torch.ops.dc, name).default)
+        fx_compat.mark_side_effect(getattr(torch.ops.dc, name).default)
     _lib = lib

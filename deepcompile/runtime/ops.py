@@ -110,9 +110,9 @@ def _meta(pid: int) -> ParamMeta:
         # a block region's id is a symbolic input (deepcompile/blocks.py): its shapes are those of
         # the id it was compiled with (the hint), read without a guard so Inductor never
         # specialises the shared region on one layer's id
-        from deepcompile import compat
+        from deepcompile.compat import fx as fx_compat
 
-        pid = compat.size_hint(pid, -1)
+        pid = fx_compat.size_hint(pid, -1)
     try:
         return PARAMS[pid]
     except KeyError:
@@ -201,19 +201,20 @@ def ensure_registered():
 
     # Side-effect ops must survive dead-code elimination (FX and Inductor); their schemas
     # already declare a mutated argument, this adds the explicit mark where torch has it.
-    from deepcompile import compat
+    from deepcompile.compat import fx as fx_compat
+    from deepcompile.compat import inductor as inductor_compat
 
     for op in (torch.ops.dc.release_param.default, torch.ops.dc.reduce_grad.default,
                torch.ops.dc.reduce_grads.default, torch.ops.dc.end_backward.default):
-        compat.mark_side_effect(op)
-    compat.never_reuse_output(torch.ops.dc.gather_persistent.default)
-    compat.never_reuse_output(torch.ops.dc.gather_persistent_many.default)
-    compat.never_reuse_output(torch.ops.dc.gather_persistent_wait.default)
+        fx_compat.mark_side_effect(op)
+    inductor_compat.never_reuse_output(torch.ops.dc.gather_persistent.default)
+    inductor_compat.never_reuse_output(torch.ops.dc.gather_persistent_many.default)
+    inductor_compat.never_reuse_output(torch.ops.dc.gather_persistent_wait.default)
     # reduce_grad's bucket holds the gradient itself until its reduce-scatter has run (no copy):
     # Inductor must not hand that memory to a later buffer. Where the lowering cannot be
     # installed the runtime copies each gradient instead.
     for op in (torch.ops.dc.reduce_grad.default, torch.ops.dc.reduce_grads.default):
-        if not compat.never_reuse_inputs(op, on_failure=lambda: C.set_copy_grads(True)):
+        if not inductor_compat.never_reuse_inputs(op, on_failure=lambda: C.set_copy_grads(True)):
             C.set_copy_grads(True)
     from deepcompile.runtime import offload
 

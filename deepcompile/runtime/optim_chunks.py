@@ -99,9 +99,9 @@ def _resolved_foreach(group: dict) -> bool:
     fe = group.get("foreach")
     if fe is not None:
         return bool(fe)
-    from deepcompile import compat
+    from deepcompile.compat import nn as nn_compat
 
-    return compat.default_foreach(list(group["params"]), bool(group.get("differentiable", False)))
+    return nn_compat.default_foreach(list(group["params"]), bool(group.get("differentiable", False)))
 
 
 def temp_factor(opt: torch.optim.Optimizer) -> float:

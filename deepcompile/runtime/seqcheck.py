@@ -104,10 +104,10 @@ class SequenceCheck:
     def create(cls, group, timeout_s: float) -> "SequenceCheck | None":
         """The check for ``group``, wired into the runtime; None where no c10d store is reachable
         (the runtime's timeout still applies)."""
-        from deepcompile import compat
+        from deepcompile.compat import c10d as c10d_compat
         from deepcompile.runtime import ops
 
-        store = compat.default_store()
+        store = c10d_compat.default_store()
         if store is None:
             return None
         name = getattr(group, "group_name", None) or "world"

@@ -34,7 +34,7 @@ How
    ``int`` the dispatcher pins a symbolic id to its value and Inductor writes the literal into
    the code); their fake impls read a symbolic id's hint (the first block's id: same shapes, by
    the key) without a guard (runtime/ops.py ``_meta``); and after each compile
-   ``compat.blocks_specialized`` checks that no guard pinned an id anyway (an FX-graph-cache hit
+   ``block_regions.blocks_specialized`` checks that no guard pinned an id anyway (an FX-graph-cache hit
    evaluates the cached artifact's guards): such an artifact is used for its own region only.
    Every region output is marked user-visible, so Inductor keeps its traced strides: the next
    region was compiled for them, and they are the strides reported to AOTAutograd for the
@@ -44,11 +44,11 @@ How
    compiled graphs do: saved activations die during backward), and builds the graph's outputs.
    One Python call per region; the regions themselves are Inductor code.
 6. **Cache.** The driver is made an entry of Inductor's FX graph cache
-   (``compat.blocks_cached_driver``): a compiled graph whose code is ``driver_source`` (the
+   (``block_regions.blocks_cached_driver``): a compiled graph whose code is ``driver_source`` (the
    distinct regions' own code and the plan, as data). AOTAutograd's cache then keeps a blocks
    graph as it keeps a whole one: the planning run seeds it, and a re-run loads the driver, which
    loads its regions' modules (``load_driver``), instead of tracing. While the regions compile,
-   each module's wait for its kernels is deferred to the end (``compat.blocks_deferred_kernel_wait``),
+   each module's wait for its kernels is deferred to the end (``blocks_deferred_kernel_wait``),
    so the pool compiles one region's kernels while the next is lowered.
 
 Only used where it pays: a graph with fewer than two regions of one key is compiled whole,
@@ -104,7 +104,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from deepcompile import compat
+from deepcompile.compile import block_regions
+from deepcompile.compile.kernel_wait import blocks_deferred_kernel_wait
 
 _BLOCK_RE = re.compile(r"^(.*?)(?:\.(\d+)|\[(\d+)\]|\['(\d+)'\])$")
 
@@ -265,7 +266,7 @@ def _int_args(n: fx.Node) -> list[tuple[int, Any]]:
     """The id arguments of a dc op that can be region inputs: ints at SymInt positions of its
     schema (an ``int`` argument would be specialised by the dispatcher; it stays a literal)."""
     out = []
-    for i in compat.blocks_symint_args(n.target):
+    for i in block_regions.blocks_symint_args(n.target):
         a = n.args[i] if i < len(n.args) else None
         if isinstance(a, int) and not isinstance(a, bool):
             out.append((i, a))
@@ -415,7 +416,7 @@ def driver_source(plan: Plan, sources: list[str], checks: list[tuple[list[int], 
     code is this): data only; ``load_driver`` loads each distinct region's module (Inductor's own
     code, as compiled) and builds the same driver the compiling run used."""
     return ("# deepcompile: one graph compiled as decoder-block regions (deepcompile/blocks.py); generated\n"
-            "from deepcompile import blocks as _blocks\n"
+            "from deepcompile.compile import blocks as _blocks\n"
             f"_SOURCES = {sources!r}\n_CHECKS = {checks!r}\n"
             f"_PLAN = _blocks.Plan({plan.steps!r}, {plan.n_slots!r}, {plan.unread!r}, {plan.outs!r}, {plan.out_list!r})\n"
             "call = _blocks.load_driver(_PLAN, _SOURCES, _CHECKS)\n")
@@ -424,7 +425,7 @@ def driver_source(plan: Plan, sources: list[str], checks: list[tuple[list[int], 
 def load_driver(plan: Plan, sources: list[str], checks: list[tuple[list[int], list[int]]]):
     """Called by a cached driver's module when Inductor loads it (an AOTAutograd cache hit)."""
     LOADED.append(len(plan.steps))
-    return run_plan(plan, [compat.blocks_region_callable(src, *chk) for src, chk in zip(sources, checks)])
+    return run_plan(plan, [block_regions.blocks_region_callable(src, *chk) for src, chk in zip(sources, checks)])
 
 
 def compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, mode: str = "on", **kw):
@@ -469,7 +470,7 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **
         return None  # not a flat list of values (never seen from AOTAutograd): compile it whole
     seg_kw = {k: v for k, v in kw.items() if k in ("is_backward", "is_inference", "cudagraphs")}
     static = set(kw.get("static_input_idxs") or ())
-    fake_mode = compat.blocks_fake_mode(example_inputs)
+    fake_mode = block_regions.blocks_fake_mode(example_inputs)
     if getattr(fake_mode, "shape_env", None) is None:
         return None  # no ShapeEnv for the id symbols (not a traced graph): compile it whole
     slot = {p: i for i, p in enumerate(placeholders)}
@@ -479,8 +480,8 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **
     n_compiled = n_reused = n_pinned = 0
     nodes_compiled = 0  # FX nodes Inductor lowered (the whole graph would lower every node once)
     # each region's kernels compile in Inductor's pool while the next region is lowered; all
-    # are waited for before the driver is returned (compat.blocks_deferred_kernel_wait says why)
-    with compat.blocks_deferred_kernel_wait() as waits:
+    # are waited for before the driver is returned (blocks_deferred_kernel_wait says why)
+    with blocks_deferred_kernel_wait() as waits:
         for r in regions:
             if r.key in cache:
                 artifact.append(cache[r.key])
@@ -492,30 +493,30 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **
                                    f"and they have no meta['val'] (the pass that inserts them must set it); "
                                    f"config blocks=false compiles the graph whole")
             ins = [example[a] if a in example else a.meta["val"] for a in r.inputs]
-            ids = compat.blocks_symbolic_ints(fake_mode, r.consts)
+            ids = block_regions.blocks_symbolic_ints(fake_mode, r.consts)
             for p, v in zip([p for p in r.gm.graph.nodes if p.op == "placeholder"][len(ins):], ids):
                 p.meta["val"] = v
             r.gm.recompile()
-            with compat.blocks_region_compile():
-                compiled = compat.blocks_boxed(compile_one(
+            with block_regions.blocks_region_compile():
+                compiled = block_regions.blocks_boxed(compile_one(
                     r.gm, ins + ids,
                     static_input_idxs=[i for i, a in enumerate(r.inputs) if slot.get(a) in static], **seg_kw))
             n_compiled += 1
             nodes_compiled += len(r.nodes)
             artifact.append(len(artifacts))
             artifacts.append(compiled)
-            if compat.blocks_specialized(ids):
+            if block_regions.blocks_specialized(ids):
                 # the artifact has this region's ids baked in (a guard pinned them): never share it
                 n_pinned += 1
                 continue
             cache[r.key] = artifact[-1]
     out_vals = [o.meta.get("val") if isinstance(o, fx.Node) else o for o in outs]
-    compat.blocks_report_output_strides(out_vals)
+    block_regions.blocks_report_output_strides(out_vals)
     plan = make_plan(regions, artifact, placeholders, outs, len(placeholders))
     fn = run_plan(plan, artifacts)
     # the driver as a compiled graph of Inductor's FX graph cache, so that AOTAutograd's cache
     # can keep this graph like any Inductor graph (a re-run of the plan loads it from there)
-    graph, cached = compat.blocks_cached_driver(
+    graph, cached = block_regions.blocks_cached_driver(
         artifacts, lambda srcs, chks: driver_source(plan, srcs, chks), out_vals, example_inputs)
     if graph is not None:
         graph.current_callable, fn = fn, graph

@@ -12,7 +12,7 @@ How
 ---
 1. **wrap** (``initialize``): a block is an entry of an ``nn.ModuleList`` of two or more modules
    of one class (the unit ``blocks.py`` cuts along). Each block's class is swapped for a
-   subclass whose ``forward`` is ``compat.nested_region(cls.forward)``, one subclass per class:
+   subclass whose ``forward`` is ``dynamo_compat.nested_region(cls.forward)``, one subclass per class:
    Dynamo keys its reuse on the function object, so every layer must call the same one. The
    user's class is not modified; ``isinstance``, the class name and the module scopes read as
    before.
@@ -24,7 +24,7 @@ How
    graph's example inputs); the full shape and dtype are arguments, the same in every layer.
 3. **flatten** (``Backend``, first thing in each forward/backward compile): the partitioned
    graph's ``invoke_subgraph`` calls are replaced by copies of their bodies
-   (``compat.inline_subgraphs``; every copied node's module scope names its own layer), then
+   (``inline_subgraphs``; every copied node's module scope names its own layer), then
    ``resolve_ids`` gives each ``unshard_block`` / ``shard_grad_block`` its int form back:
    the id tensor is a forward placeholder (AOTAutograd's input descriptor gives its index among
    the example inputs) or, in the backward, a value the forward saved, named after the forward
@@ -46,9 +46,163 @@ import torch
 import torch.fx as fx
 from torch import nn
 
-from deepcompile import compat
+from deepcompile.compat import aot as aot_compat
+from deepcompile.compat import dynamo as dynamo_compat
+from deepcompile.compat import fx as fx_compat
 
 _SUBCLASSES: dict[type, type] = {}
+
+
+_SCHEMA_CACHE = None
+
+
+def cache_nested_region_schemas() -> bool:
+    """One schema per distinct body and operand metadata for ``invoke_subgraph`` (torch 2.11).
+
+    ``InvokeSubgraphHOP.gen_schema`` re-traces the body (``materialize_as_graph``) at every call it
+    is asked for, and 2.11 asks at every layer's call in each of AOTAutograd's passes over the
+    graph (autograd's ``maybe_run_autograd``, functionalization's alias/mutation checks): 80 traces
+    of the body at 16 layers, 8 of the 8.4 s of Dynamo+AOTAutograd under cProfile on this CPU, which
+    made the nested trace slower than the flat one (on the H100 host: AOTAutograd 17.3 s against
+    12.4). The schema is a function of the body and its operands' types and tensor metadata only
+    (``HopSchemaGenerator`` records argument types and whether the body mutates each; the outputs'
+    types), so it is cached on (body, identifier, that metadata); the body is held weakly. 2.13
+    does not re-trace per call (measured: no such cost), and is left as it is. Returns whether the
+    cache is installed."""
+    global _SCHEMA_CACHE
+    if _SCHEMA_CACHE is not None:
+        return True
+    if tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13):
+        return False
+    import weakref
+
+    try:
+        from torch._higher_order_ops.invoke_subgraph import InvokeSubgraphHOP
+    except ImportError:  # pragma: no cover
+        return False
+    original = InvokeSubgraphHOP.gen_schema
+    cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+    def meta(o):
+        if isinstance(o, torch.Tensor):
+            return (type(o).__name__, tuple(o.shape), tuple(o.stride()), o.dtype, o.device.type,
+                    o.requires_grad, o.storage_offset())
+        return (type(o).__name__,)
+
+    def gen_schema(self, subgraph, identifier, *operands):
+        body = getattr(subgraph, "subgraph", subgraph)
+        try:
+            key = (identifier, tuple(meta(o) for o in operands))
+            per_body = cache.setdefault(body, {})
+        except TypeError:  # unhashable metadata (symbolic sizes) or a body weakref cannot hold
+            return original(self, subgraph, identifier, *operands)
+        hit = per_body.get(key)
+        if hit is None:
+            hit = per_body[key] = original(self, subgraph, identifier, *operands)
+        return hit
+
+    InvokeSubgraphHOP.gen_schema = gen_schema
+    _SCHEMA_CACHE = cache
+    return True
+
+
+def _restack(stack: dict | None, depth: int, call_stack: list) -> dict | None:
+    """A body node's module scope as it would read at this call: the body was traced at the first
+    call (its scope names that layer), so the call's own scope replaces the first ``depth`` entries
+    and that layer's path prefix in the deeper ones."""
+    if not stack or depth == 0 or len(stack) < depth:
+        return stack
+    items = list(stack.items())
+    old = items[depth - 1][1][0] if isinstance(items[depth - 1][1], (tuple, list)) else str(items[depth - 1][1])
+    new = call_stack[depth - 1][1][0] if isinstance(call_stack[depth - 1][1], (tuple, list)) else str(call_stack[depth - 1][1])
+    out = dict(call_stack[:depth])
+    for k, v in items[depth:]:
+        path, rest = (v[0], tuple(v[1:])) if isinstance(v, (tuple, list)) else (str(v), ())
+        if path == old or path.startswith(old + "."):
+            path = new + path[len(old):]
+        out[f"{k}@{new}"] = (path, *rest)
+    return out
+
+
+def inline_subgraphs(gm: fx.GraphModule) -> dict[str, fx.Node]:
+    """Replace every ``invoke_subgraph`` call of a partitioned graph by a copy of its body, in place
+    (nested calls too). The HOP's form (2.11 and 2.13): ``invoke_subgraph(get_attr body, identifier,
+    *operands)``, a tuple whose elements its users take with ``getitem``; the body's placeholders are
+    the operands in order. Each copied node keeps its meta, with its module scope rewritten to the
+    call's layer (``_restack``). Returns, for every ``getitem`` removed, the node that now stands for
+    it: the partitioner names a backward input after the forward node it receives (a value the
+    forward saved), so the backward graph's placeholders can be matched to the forward's values."""
+    import operator
+
+    aliases: dict[str, fx.Node] = {}
+    g = gm.graph
+    hop = torch.ops.higher_order.invoke_subgraph
+    while True:
+        calls = list(g.find_nodes(op="call_function", target=hop))
+        if not calls:
+            break
+        for call in calls:
+            body_ref, operands = call.args[0], call.args[2:]
+            body = getattr(gm, body_ref.target)
+            phs = [n for n in body.graph.nodes if n.op == "placeholder"]
+            if len(phs) != len(operands):
+                raise RuntimeError(f"deepcompile: {call.name} passes {len(operands)} operands to a body "
+                                   f"with {len(phs)} inputs")
+            call_stack = list((call.meta.get("nn_module_stack") or call.meta.get("fwd_nn_module_stack") or {}).items())
+            depth = len(call_stack)
+            env: dict[fx.Node, Any] = dict(zip(phs, operands))
+            outs: tuple = ()
+            with g.inserting_before(call):
+                for n in body.graph.nodes:
+                    if n.op == "placeholder":
+                        continue
+                    if n.op == "output":
+                        outs = tuple(fx.map_arg(n.args[0], lambda x: env[x]))
+                        continue
+                    if n.op == "get_attr":
+                        attr = f"_dc_inlined_{body_ref.target}_{n.target}".replace(".", "_")
+                        if not hasattr(gm, attr):
+                            setattr(gm, attr, getattr(body, n.target))
+                        new = g.get_attr(attr)
+                        new.meta = dict(n.meta)
+                    else:
+                        new = g.node_copy(n, lambda x: env[x])
+                        new.meta = dict(n.meta)
+                    for key in ("nn_module_stack", "fwd_nn_module_stack"):
+                        if key in new.meta:
+                            new.meta[key] = _restack(new.meta[key], depth, call_stack)
+                    env[n] = new
+            copies = {env[n] for n in body.graph.nodes if n.op not in ("placeholder", "output")}
+            for u in list(call.users):
+                if u.op != "call_function" or u.target is not operator.getitem:
+                    raise RuntimeError(f"deepcompile: {u.format_node()} uses {call.name} other than by getitem")
+                v = outs[u.args[1]]
+                name = u.name
+                if isinstance(v, fx.Node):
+                    aliases[name] = v
+                    u.replace_all_uses_with(v, propagate_meta=False)
+                elif u.users:
+                    raise RuntimeError(f"deepcompile: {u.name} takes a non-tensor output ({v!r}) of {call.name}")
+                g.erase_node(u)
+                if isinstance(v, fx.Node) and v in copies:
+                    # the copy takes the name of the getitem it replaces: the partitioner names a
+                    # backward input after the forward value it receives (restride, offload plans
+                    # and our ids match on it). The erased getitem's name is unique among the live
+                    # nodes and stays reserved in the graph's namespace, so no new node takes it
+                    # (Node._rename would pick a fresh name instead).
+                    copies.discard(v)
+                    v.name = name
+            g.erase_node(call)
+            if not body_ref.users:
+                g.erase_node(body_ref)
+    for name, _ in list(gm.named_children()):
+        if not any(n.op == "get_attr" and n.target == name for n in g.nodes) and isinstance(getattr(gm, name), fx.GraphModule):
+            delattr(gm, name)
+    for k, v in list(aliases.items()):  # an alias of an alias (nested calls): the final node
+        while v.name in aliases and aliases[v.name] is not v:
+            v = aliases[v.name]
+        aliases[k] = v
+    return aliases
 
 
 def block_lists(model: nn.Module) -> list[nn.ModuleList]:
@@ -66,7 +220,7 @@ def _subclass(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is None:
         sub = type(cls.__name__, (cls,), {
-            "forward": compat.nested_region(cls.forward),
+            "forward": dynamo_compat.nested_region(cls.forward),
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_dc_nested_of": cls})
         _SUBCLASSES[cls] = sub
     return sub
@@ -80,7 +234,7 @@ def wrap(model: nn.Module) -> int:
     n = 0
     lists = block_lists(model)
     if lists:
-        compat.cache_nested_region_schemas()
+        cache_nested_region_schemas()
     for lst in lists:
         for blk in lst:
             cls = type(blk)
@@ -142,19 +296,19 @@ def flatten(gm: fx.GraphModule, ids: dict[int, int], names: dict[str, int],
     by a graph's forward and backward (the forward's values that carry an id, by node name; the
     forward fills it, the backward reads it). ``renamed`` gets, for each forward node the inlining
     removed (a ``getitem`` of a call), the name of the node that now stands for it: the backward's
-    placeholder for a saved value keeps the removed name (``compat.restride_saved`` reads it).
+    placeholder for a saved value keeps the removed name (``trace_once.restride_saved`` reads it).
     Returns the number of calls inlined."""
     hop = torch.ops.higher_order.invoke_subgraph
     if renamed:
         _rename_saved(gm, renamed)
     calls = sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is hop)
-    aliases = compat.inline_subgraphs(gm) if calls else {}
+    aliases = inline_subgraphs(gm) if calls else {}
 
     def id_of(node: Any) -> int | None:
         if not isinstance(node, fx.Node):
             return None
         if node.op == "placeholder":
-            i = compat.aot_input_index(node)
+            i = aot_compat.aot_input_index(node)
             if i is not None and i in ids:
                 return ids[i]
             return names.get(node.name)
@@ -206,6 +360,6 @@ def _rename_saved(gm: fx.GraphModule, renamed: dict[str, str]) -> None:
         if other is not None:
             p.replace_all_uses_with(other)
             continue
-        compat.rename_node(p, target)
+        fx_compat.rename_node(p, target)
         if p.name == target:
             phs[target] = p
