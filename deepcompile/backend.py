@@ -190,7 +190,7 @@ class Backend:
         self.phases: dict[int, dict[str, float]] = {}
         self.call_seconds = 0.0         # total seconds inside __call__ (Dynamo's time excludes it)
         self._acc = {"passes": 0.0, "inductor": 0.0, "aot_autograd": 0.0, "flatten": 0.0}  # for nested _timed
-        self.nested_calls = 0           # nested-region calls inlined (deepcompile/nested.py)
+        self.nested_calls = 0           # nested-region calls inlined (deepcompile/compile/nested.py)
         self.trace_blocks_failed: str | None = None  # why the nested trace fell back to a flat one
         self.nested_log: list[dict] = []  # per Dynamo graph traced with nested regions: calls, distinct bodies
         # Inductor's compile workers, started now so that they are up by the first Inductor
@@ -436,7 +436,7 @@ class Backend:
         self._observe(GraphVersion(graph_id, "dynamo", "input", dynamo_nodes, notes, step=self.step))
         if self.plan_cache is not None and self.step == 0:
             self.plan_cache.on_graph(self, graph_id, gm, example_inputs)  # a hit sets the stored passes and profile
-        # blocks traced once (deepcompile/nested.py): each partitioned graph is flattened first
+        # blocks traced once (deepcompile/compile/nested.py): each partitioned graph is flattened first
         ids, names, renamed = nested.input_ids(example_inputs), {}, {}
         calls, distinct = nested.bodies(gm)
         if calls:

@@ -1,4 +1,4 @@
-"""Identical decoder blocks share one Inductor compile (deepcompile/blocks.py).
+"""Identical decoder blocks share one Inductor compile (deepcompile/compile/blocks.py).
 
 One real 2-rank gloo run of the tiny GPT at 4 layers under Inductor with zero3 + prefetch:
 - the backward's middle blocks (2 and 1) are one region compiled once: compile_fx_inner is

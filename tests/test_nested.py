@@ -1,4 +1,4 @@
-"""Decoder blocks traced once (config trace_blocks, deepcompile/nested.py): Dynamo installs one
+"""Decoder blocks traced once (config trace_blocks, deepcompile/compile/nested.py): Dynamo installs one
 body for identical layers, the partitioned graphs are flattened back before the passes, and the
 run trains exactly like a flat trace (same losses, same communication schedule)."""
 from __future__ import annotations

@@ -415,7 +415,7 @@ def driver_source(plan: Plan, sources: list[str], checks: list[tuple[list[int], 
     """The cached driver's module (Inductor's FX graph cache stores it as a compiled graph whose
     code is this): data only; ``load_driver`` loads each distinct region's module (Inductor's own
     code, as compiled) and builds the same driver the compiling run used."""
-    return ("# deepcompile: one graph compiled as decoder-block regions (deepcompile/blocks.py); generated\n"
+    return ("# deepcompile: one graph compiled as decoder-block regions (deepcompile/compile/blocks.py); generated\n"
             "from deepcompile.compile import blocks as _blocks\n"
             f"_SOURCES = {sources!r}\n_CHECKS = {checks!r}\n"
             f"_PLAN = _blocks.Plan({plan.steps!r}, {plan.n_slots!r}, {plan.unread!r}, {plan.outs!r}, {plan.out_list!r})\n"

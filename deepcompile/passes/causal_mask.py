@@ -29,7 +29,7 @@ same (a row's masked scores get weight exactly 0 either way), so no numerics cha
 masks (built from an ``attention_mask`` input), sliding windows, ``L != S`` and dynamic shapes
 are left as they are.
 
-Nested regions (``deepcompile/nested.py``): a decoder layer traced as an ``invoke_subgraph``
+Nested regions (``deepcompile/compile/nested.py``): a decoder layer traced as an ``invoke_subgraph``
 body receives the mask as a placeholder. The body's call is rewritten when at every call site of
 that body the operand feeding the mask is such a constant causal mask; the now unused
 placeholder and its operand at every call site are dropped.

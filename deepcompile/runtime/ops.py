@@ -64,7 +64,7 @@ _BLOCK_LIB = None  # the Python-defined fragment of the dc namespace (the block 
 
 def _define_block_ops() -> None:
     """``dc::unshard_block`` / ``dc::shard_grad_block``: ``unshard`` and ``shard_grad`` with the
-    parameter id as a 0-d CPU tensor instead of an int (deepcompile/nested.py). Inside a decoder
+    parameter id as a 0-d CPU tensor instead of an int (deepcompile/compile/nested.py). Inside a decoder
     block traced once as a nested region, an int id would be a constant of the traced body and
     no two layers would share it; a tensor id is one more input of the body. The full shape and
     dtype (which the int form reads from :data:`PARAMS` by id) come as arguments, the same for
@@ -107,7 +107,7 @@ def _define_block_ops() -> None:
 
 def _meta(pid: int) -> ParamMeta:
     if isinstance(pid, torch.SymInt):
-        # a block region's id is a symbolic input (deepcompile/blocks.py): its shapes are those of
+        # a block region's id is a symbolic input (deepcompile/compile/blocks.py): its shapes are those of
         # the id it was compiled with (the hint), read without a guard so Inductor never
         # specialises the shared region on one layer's id
         from deepcompile.compat import fx as fx_compat
