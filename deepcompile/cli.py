@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
 import time
 import traceback
@@ -414,7 +413,9 @@ def cmd_report(a: argparse.Namespace) -> int:
     return 0
 
 
-def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
+def summarize(run_dir: str | os.PathLike, rank: int = 0, passes: list | None = None) -> str:
+    """What ``deepcompile inspect`` prints; ``passes``: the pass list whose prediction it states
+    (default: the run's own)."""
     from deepcompile.plan.estimate import fmt_bytes
     from deepcompile.record.reader import read_run
     from deepcompile.report.graph_layout import diff
@@ -446,11 +447,20 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
                 lines.append(f"  graph {gid} {kind:<9}{tag} " + " -> ".join(parts))
     st = rec.steps
     if st:
+        from deepcompile.report.figures import fmt_ms, special_steps, steady_median_ms
+
         times = [s["time_s"] for s in st]
         losses = [s["loss"] for s in st if s.get("loss") is not None]
+        # the median of the steady steps, as the report and the inspector state it; the compile,
+        # profiling and re-compile steps named by their record step numbers
+        med, n = steady_median_ms(st, rec.config)
+        special = special_steps(st, rec.config)
         lines.append(f"steps: {len(st)}" + (" (+1 partial line skipped)" if rec.skipped_lines else "")
-                     + f"; step time first {times[0]:.3f} s, median {statistics.median(times):.3f} s, "
-                     f"last {times[-1]:.3f} s")
+                     + f"; step time first {fmt_ms(times[0] * 1e3)}, "
+                     + (f"median {fmt_ms(med)} of {n} steady step(s)" if med is not None else "no steady step")
+                     + f", last {fmt_ms(times[-1] * 1e3)}")
+        if special:
+            lines.append("  not steady: " + ", ".join(f"step {k}: {v}" for k, v in sorted(special.items())))
         if losses:
             lines.append(f"loss: first {losses[0]:.4f}, min {min(losses):.4f}, last {losses[-1]:.4f}")
     else:
@@ -475,6 +485,10 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0) -> str:
                  + ", ".join(f"rank {r} {fmt_bytes(b)}" for r, b in sorted(proc["by_rank"].items())))
     extra = [n for n, x in (("profile", rec.profile), ("schedule", rec.schedule), ("memory timeline", rec.memory)) if x]
     lines.append("also recorded: " + (", ".join(extra) if extra else "nothing else"))
+    if rec.profile:   # the one prediction engine's numbers (the report and the inspector show the same)
+        from deepcompile.plan.whatif import prediction
+
+        lines.append(prediction(run_dir, rank, passes)[1])
     from deepcompile.record.reader import run_command
 
     cmd = run_command(rec)

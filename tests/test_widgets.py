@@ -785,6 +785,79 @@ def test_one_peak_across_views(planned_run, tmp_path):
     assert f"peak {b}" in report                               # the report
 
 
+def _schedule_texts(insp):
+    lay = insp.model.schedule.figure_dict()["layout"]
+    return " ".join(str(a.get("text")) for a in lay.get("annotations", []))
+
+
+def test_one_prediction_in_every_view(planned_run, tmp_path):
+    """One edit, one predicted step and peak: the Passes tab's what-if table, its one-line
+    Predict, the Schedule tab's what-if lane, the report and `deepcompile inspect` all state the
+    WhatIf's own headline (the lane never its bars' span); so does the unedited plan."""
+    pytest.importorskip("ipywidgets")
+    from deepcompile.cli import summarize
+    from deepcompile.plan.whatif import prediction
+    from deepcompile.report.html import render_report
+    from deepcompile.widgets import Inspector
+
+    insp = Inspector(planned_run, follow=False)
+    pm = insp.model.passes
+    pm.set_value("selective_unshard", "budget_mb", 0.0)
+    pm.set_value("prefetch", "budget_mb", 0.0)
+    w = insp.whatif_now()
+    assert w is not None, insp.whatif_error
+    head = w.headline()
+    assert f"{w.step_ms:.1f} ms" in head
+    assert head in insp.p_whatif.value                                   # Passes tab: the table
+    assert head in pm.predict(insp.model.record)                         # Passes tab: Predict's line
+    lane = _schedule_texts(insp)
+    assert head in lane, lane                                            # Schedule tab: the what-if lane
+    assert "selective_unshard.budget_mb=0" in lane                       # ... labelled with its edit
+    wi = [n for n in insp.model.schedule.numbers() if n["source"] == "what-if (predicted)"]
+    assert wi and all(n["step_ms"] == w.step_ms for n in wi)             # ... and its numbers table
+    edited = pm.whatif_passes()
+    assert head in summarize(planned_run, passes=edited)                 # deepcompile inspect
+    report = render_report(planned_run, tmp_path / "r.html", passes=edited).read_text()
+    assert head in report                                                # the report
+    # the recorded plan: the controls at the recorded values predict what the report and
+    # inspect state for the run's own passes
+    insp.reset_controls()
+    w0 = insp.whatif_now()
+    own, line = prediction(planned_run)
+    assert own is not None, line
+    assert w0.headline() == own.headline() and own.headline() in summarize(planned_run)
+    assert own.headline() in render_report(planned_run, tmp_path / "r0.html").read_text()
+
+
+def test_reset_clears_the_whatif_and_a_low_limit_warns(planned_run):
+    """Controls back to the recorded values: no edited prediction left in the table, no what-if
+    lane left in the Schedule tab. A memory limit below the predicted peak re-plans or says, in
+    a visible warning naming the limit and the peak, that it cannot."""
+    pytest.importorskip("ipywidgets")
+    from deepcompile.plan.estimate import fmt_bytes
+    from deepcompile.widgets import Inspector
+
+    insp = Inspector(planned_run, follow=False, whatif_delay_s=30.0)
+    pm = insp.model.passes
+    pm.set_value("selective_unshard", "budget_mb", 0.0)
+    w = insp.whatif_now()
+    assert w is not None and "dc-whatif-table" in insp.p_whatif.value
+    assert "what-if (predicted)" in {e["source"] for e in insp.model.schedule.whatif_events}
+    pm.reset()
+    insp.render(full=True)                          # what the notebook does
+    assert insp.last_whatif is None and "dc-whatif-table" not in insp.p_whatif.value
+    assert not insp.model.schedule.whatif_events
+    assert "what-if" not in _schedule_texts(insp)
+    # a limit far below the peak (1 KiB): the what-if re-plans or warns, naming both numbers
+    insp.p_limit.value = 1e-6
+    w = insp.whatif_now()
+    insp._whatif_timer and insp._whatif_timer.cancel()
+    assert w is not None, insp.whatif_error
+    assert w.warnings, "a limit below the predicted peak changed nothing and warned of nothing"
+    html = insp.p_whatif.value
+    assert "dc-whatif-warning" in html and fmt_bytes(w.peak_bytes) in html and fmt_bytes(int(1e-6 * 2**30)) in html
+
+
 def test_run_switches_to_the_new_run_and_compares(planned_run, tmp_path):
     """Run from the Passes tab: the demo again with the edit, profiling a step; the run list
     switches to it at once; when it ends the two are compared side by side and what-if works on it."""

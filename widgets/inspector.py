@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import html
 import json
-import statistics
 import threading
 import time
 import traceback
@@ -268,11 +267,10 @@ class InspectorModel:
             cfg = S.check_config(str(Path(run_dir) / S.CONFIG), load_json(Path(run_dir) / S.CONFIG, root=run_dir))
         except (RecordError, OSError):
             cfg = {}
-        from deepcompile.report.figures import special_steps
+        from deepcompile.report.figures import steady_median_ms
 
-        special = special_steps(ss, cfg)   # compile, profiling, re-compile: as the report marks them
-        steady = [s["time_s"] * 1e3 for s in ss if s["step"] not in special]
-        out["step_ms"] = statistics.median(steady) if steady else None
+        # compile, profiling, re-compile left out: the one median (report, inspect, what-if)
+        out["step_ms"] = steady_median_ms(ss, cfg)[0]
         out["steps"] = len(ss)
         try:
             rec = self.record if self.record is not None and Path(run_dir) == self.run_dir else read_run(run_dir, self.rank)
@@ -331,13 +329,12 @@ class InspectorModel:
                 if isinstance(p, dict) else str(p) for p in listed)
             sm = StepsModel(run_dir)
             sm.poll()
-            from deepcompile.report.figures import special_steps
+            from deepcompile.report.figures import steady_median_ms
 
             ss = sm.steps.get(self.rank, next(iter(sm.steps.values()), []))
-            special = special_steps(ss, cfg)   # the same steady steps as the comparison and the report
-            times = [s["time_s"] for s in ss if s["step"] not in special]
+            med = steady_median_ms(ss, cfg)[0]   # the same steady steps as the comparison and the report
             row["steps"] = sm.n_steps()
-            row["median_step_s"] = statistics.median(times) if times else None
+            row["median_step_s"] = None if med is None else med / 1e3
             # the run's one peak (memory_view, labelled), not the allocator's maximum over steps
             pk = self.peak() if run_dir == self.run_dir else self._cached(run_dir, "peak", lambda: view_peak(
                 memory_view(run_dir, self.rank)[0]))
@@ -386,6 +383,7 @@ class Inspector:
         self._whatif_timer: threading.Timer | None = None
         self._whatif_gen = 0
         self.last_whatif = None
+        self._whatif_of: tuple | None = None    # the values and limit last_whatif predicted
         self.whatif_error: str | None = None   # why the last what-if gave no numbers
         # one what-if at a time: an edit's timer and a direct call (Predict, a notebook cell) would
         # otherwise re-plan the same cached graphs in two threads
@@ -977,10 +975,49 @@ class Inspector:
             except Exception:
                 self.st_mem.outputs = ()
 
+    def _whatif_key(self) -> tuple | None:
+        """What a what-if predicts: the pass list with every shown value, and the memory limit."""
+        pm = self.model.passes
+        if pm is None:
+            return None
+        try:
+            return (json.dumps(pm.whatif_passes(), sort_keys=True, default=str), float(self.p_limit.value or 0.0))
+        except Exception:
+            return None
+
+    def clear_whatif(self) -> None:
+        """No what-if shown: the table, its warning and the Schedule tab's what-if lane cleared
+        (the controls changed since, e.g. back to the recorded values)."""
+        self.last_whatif = None
+        self._whatif_of = None
+        self.p_whatif.value = ""
+        self.p_wstatus.value = ""
+        sc = self.model.schedule
+        if sc is not None and getattr(sc, "whatif_events", None):
+            sc.clear_whatif()
+            try:
+                self._render_schedule()
+            except Exception:
+                pass
+
+    def _drop_stale_whatif(self) -> None:
+        """The shown what-if, when the controls no longer hold the values it predicted, is stale:
+        cleared rather than left beside values it is not of."""
+        if self.last_whatif is not None and getattr(self, "_whatif_of", None) != self._whatif_key():
+            self.clear_whatif()
+
+    def reset_controls(self) -> None:
+        """The Passes tab's controls back to the recorded values; the what-if of the edit cleared."""
+        if self.model.passes is not None:
+            self.model.passes.reset()
+        self.clear_whatif()
+        self.render(full=True)
+
     def _render_passes_tab(self, full: bool) -> None:
         pm = self.model.passes
         if pm is None:
             return
+        self._drop_stale_whatif()
         if full or not self.p_box.children:
             rows = []
             for name in pm.order:
@@ -1196,6 +1233,7 @@ class Inspector:
                 if gen is not None and gen != self._whatif_gen:   # superseded while waiting
                     return None
                 t0 = time.perf_counter()
+                key = self._whatif_key()
                 w = m.passes.whatif(m.run_dir, rank=m.rank, memory_limit_gib=limit)
         except Exception as e:  # ConfigError / WhatIfError name the value and the reason
             self.whatif_error = f"{type(e).__name__}: {e}"
@@ -1211,13 +1249,16 @@ class Inspector:
         with self._lock:
             self.p_whatif.value = self.whatif_html(w, took)
             if m.schedule is not None:
-                m.schedule.set_whatif(w.schedule)
+                # the lane carries the WhatIf itself: its step and peak are the table's, and it
+                # names the edit it predicts
+                m.schedule.set_whatif(w, edit=m.passes.describe_edits() or "the recorded values")
                 try:
                     self._render_schedule()
                 except Exception:
                     pass
             # published last: whoever sees the status cleared or the new result (a person, a test on
             # another thread) sees the schedule already re-drawn, not its traces mid-replacement
+            self._whatif_of = key
             self.last_whatif = w
             self.p_wstatus.value = ""
         return w
@@ -1241,10 +1282,17 @@ class Inspector:
                  for c in cats]
         body = "".join(f"<tr><td>{k}</td><td>{a}</td><td>{b}</td></tr>" for k, a, b in rows)
         secs = w.seconds if took is None else took
+        # a memory limit the edit does not fit: re-planned (said so) or cannot (said so), in red
+        warn = "".join(f"<div class='dc-whatif-warning' style='color:#b00020;font-weight:bold'>{esc(x)}</div>"
+                       for x in (getattr(w, "warnings", None) or []))
+        edit = m.passes.describe_edits() if m.passes is not None else ""
         notes = "".join(f"<li>{esc(n)}</li>" for n in (w.notes or [])[:8])
         more = f"<li>… {len(w.notes) - 8} more</li>" if len(w.notes or []) > 8 else ""
-        return (f"<div style='font-size:12px'><b>what-if</b> (passes and planner re-run on the recorded graphs, "
-                f"no re-compile) took <span class='dc-whatif-seconds'>{secs:.2f} s</span>"
+        return (f"<div style='font-size:12px'>{warn}<b>what-if</b> of <span class='dc-whatif-edit'>"
+                f"{esc(edit or 'the recorded values')}</span>: <span class='dc-whatif-headline'>{esc(w.headline())}"
+                "</span> (the Schedule tab's what-if lane, the report and <code>deepcompile inspect</code> give "
+                "these numbers for these values)<br>passes and planner re-run on the recorded graphs, "
+                f"no re-compile, took <span class='dc-whatif-seconds'>{secs:.2f} s</span>"
                 f"<table class='dc-whatif-table' style='font-size:12px'><tr><th></th><th>this run</th>"
                 f"<th>edited values</th></tr>{body}</table><ul style='margin:2px 0'>{notes}{more}</ul>"
                 "Run measures it.</div>")

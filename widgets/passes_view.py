@@ -119,6 +119,24 @@ class PassesModel:
                 s.value = self.recorded_values.get(n, {}).get(s.name, s.default)
             self.enabled[n] = n in self.recorded
 
+    def describe_edits(self) -> str:
+        """What differs from the recorded run, as ``selective_unshard.budget_mb=0, +offload_activations``
+        (empty when the controls hold the recorded values): the label of a what-if."""
+        out = []
+        for n in self.order:
+            on = n in self.recorded
+            if self.enabled[n] != on:
+                out.append(("+" if self.enabled[n] else "-") + n)
+            if not self.enabled[n]:
+                continue
+            for s in self.specs.get(n, []):
+                rec = self.recorded_values.get(n, {}).get(s.name, s.default)
+                if s.value != rec:
+                    v = s.value
+                    out.append(f"{n}.{s.name}={v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool)
+                               else f"{n}.{s.name}={v}")
+        return ", ".join(out)
+
     @property
     def passes(self) -> list[str]:
         return [n for n in self.order if self.enabled[n]]
@@ -195,7 +213,6 @@ class PassesModel:
         if record is None or not getattr(record, "profile", None):
             return ("no profile in this record: a prediction needs the measured per-operator profile "
                     "of a previous iteration (run with a profile step, e.g. demo --profile-step 1)")
-        from deepcompile.plan.estimate import fmt_bytes
         from deepcompile.profile.profiler import Profile
 
         hw = Profile.from_records(record.profile).hardware or "unknown hardware"   # validates it, comm included
@@ -209,9 +226,9 @@ class PassesModel:
             measured = "; this run's " + format_peak(memory_view(record, getattr(record, "rank", 0)))
         except Exception:
             measured = ""
-        return (f"predicted from the recorded profile ({hw}) by a what-if of these values ({w.seconds:.2f} s, no "
-                f"re-compile): step {w.step_ms:.1f} ms predicted, "
-                f"peak {fmt_bytes(w.peak_bytes)} (predicted, at {w.peak_where}){measured}")
+        warn = "".join(f"; WARNING: {x}" for x in (getattr(w, "warnings", None) or []))
+        return (f"{w.headline()}: predicted from the recorded profile ({hw}) by a what-if of these values "
+                f"({w.seconds:.2f} s, no re-compile){warn}{measured}")
 
 
 def new_run_dir(base: str | os.PathLike, stem: str = "rerun") -> Path:

@@ -61,6 +61,7 @@ class ScheduleModel:
         self.key = self.keys[0] if self.keys else None
         self.selected_node: str | None = None
         self.whatif_events: list[dict] = []
+        self.whatif_totals: dict = {}     # source -> the what-if's own step and peak (set_whatif)
         self.scope = "graph"     # "graph": the selected graph's events; "step": every graph, end to end
 
     def _schedule_of(self, rank: int) -> dict | None:
@@ -99,10 +100,23 @@ class ScheduleModel:
         """{(graph_id, kind): nodes of the final version}: links each gather's wait to its issue."""
         return {k: v.nodes for k, v in _final_versions(self.rec).items()}
 
-    def set_whatif(self, schedule: list[dict] | None, label: str = "what-if") -> None:
-        """The what-if's predicted schedule (``plan.whatif.WhatIf.schedule``), drawn in lanes of its
-        own (source ``"what-if (predicted)"``): never in the measured or the recorded predicted lanes."""
+    def set_whatif(self, whatif=None, label: str = "what-if", edit: str = "") -> None:
+        """The what-if (a ``plan.whatif.WhatIf``, or its ``schedule`` alone) drawn in lanes of its
+        own (source ``"what-if (predicted)"``): never in the measured or the recorded predicted
+        lanes. With a WhatIf, the lane's step and peak are the WhatIf's own (its ``headline``: the
+        number the Passes tab, the report and ``inspect`` show), not the span of its bars, and
+        ``edit`` (what was changed) labels the lane. ``None`` clears the lane."""
+        schedule = getattr(whatif, "schedule", whatif)
         self.whatif_events = [dict(e, rank=self.rec.rank, source=f"{label} (predicted)") for e in (schedule or [])]
+        self.whatif_totals: dict = {}
+        if whatif is not None and hasattr(whatif, "step_ms"):
+            self.whatif_totals = {f"{label} (predicted)": {
+                "step_ms": float(whatif.step_ms), "peak_bytes": int(whatif.peak_bytes),
+                "headline": whatif.headline(), "edit": edit}}
+
+    def clear_whatif(self) -> None:
+        """No what-if lane (the controls are back at the recorded values, or the edit changed)."""
+        self.set_whatif(None)
 
     def numbers(self) -> list[dict]:
         """The three numbers per source and rank over the whole step (every graph): exposed
@@ -111,10 +125,22 @@ class ScheduleModel:
         from deepcompile.report import figures as F
 
         ev = self.events + list(self.whatif_events)
-        return F.step_numbers(ev) if ev else []
+        out = F.step_numbers(ev) if ev else []
+        for n in out:   # the what-if's step is its prediction's (one number), the span its bars'
+            t = getattr(self, "whatif_totals", {}).get(n["source"])
+            if t:
+                n["timeline_ms"], n["step_ms"] = n["step_ms"], t["step_ms"]
+        return out
+
+    @property
+    def device(self) -> str | None:
+        """``"gpu"`` or ``"cpu"``: what the run ran on (the idle column's words follow it)."""
+        from deepcompile.report.figures import device_kind
+
+        return device_kind(getattr(self.rec, "environment", None))
 
     def numbers_html(self) -> str:
-        from deepcompile.report.figures import fmt_ms
+        from deepcompile.report.figures import fmt_ms, idle_word
 
         rows = "".join(
             f"<tr><td>{n['source']}</td><td>{n['rank']}</td><td>{fmt_ms(n['step_ms'])}</td>"
@@ -122,7 +148,7 @@ class ScheduleModel:
             f"<td><b>{fmt_ms(n['idle_ms'])}</b> ({100 * n['idle_fraction']:.0f}%)</td>"
             f"<td>{fmt_ms(n['compute_ms'])}</td><td>{fmt_ms(n['comm_ms'])}</td></tr>" for n in self.numbers())
         return ("<table class='dc-step-numbers' style='font-size:12px'><tr><th>source</th><th>rank</th>"
-                "<th>step span</th><th>exposed comm</th><th>overlap</th><th>GPU idle (host-bound)</th>"
+                "<th>step span</th><th>exposed comm</th><th>overlap</th><th>" + idle_word(self.device) + "</th>"
                 "<th>compute busy</th><th>comm busy</th></tr>" + rows + "</table>")
 
     def figure_dict(self) -> dict:
@@ -140,7 +166,8 @@ class ScheduleModel:
             title = f"schedule · the whole step (every graph) — {self.source_note}"
         ev = self.events + list(self.whatif_events)
         fig = F.schedule_figure(ev, graphs=self.graph_nodes(), graph=None if whole else self.key,
-                                selected=self.selected_node, title=title, rank=self.rec.rank)
+                                selected=self.selected_node, title=title, rank=self.rec.rank,
+                                totals=getattr(self, "whatif_totals", None), device=self.device)
         if not whole:   # the panel numbers are of this graph's events, not of the step
             for a in fig.get("layout", {}).get("annotations", []):
                 if isinstance(a.get("text"), str):

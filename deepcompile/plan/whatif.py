@@ -52,7 +52,7 @@ from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memo
 from deepcompile.plan.planner import no_gc
 from deepcompile.plan.runner import GraphRunner
 
-__all__ = ["WhatIf", "WhatIfError", "predict_run", "predict_base", "variant", "plan_record", "rebuild", "param_meta", "load_base", "clear_cache",
+__all__ = ["WhatIf", "WhatIfError", "predict_run", "headline", "own_passes", "prediction", "predict_base", "variant", "plan_record", "rebuild", "param_meta", "load_base", "clear_cache",
            "MEMORY_CATEGORIES"]
 
 # the vocabulary of record/schema.py's MEMORY_CATEGORIES (one for measured and predicted memory)
@@ -94,13 +94,64 @@ class WhatIf:
     measured: dict = field(default_factory=dict)       # the record's own step/peak, to show beside it
     model_step_ms: float = 0.0     # the cost model's step before calibration (== step_ms when none)
     calibration: float | None = None   # measured / predicted step of the record's own plan, where applied
+    limit_bytes: int | None = None     # the memory limit the prediction was asked to fit, where one was given
+    warnings: list = field(default_factory=list)   # what the caller must see: a limit the plan cannot fit
 
     @property
     def peak_gib(self) -> float:
         return self.peak_bytes / GIB
 
+    def headline(self) -> str:
+        """The prediction in one line, worded the same in every view (the Passes tab, the
+        Schedule tab's what-if lane, the report, ``deepcompile inspect``): step and peak."""
+        return headline(self.step_ms, self.peak_bytes, self.peak_where)
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def headline(step_ms: float, peak_bytes: int, peak_where: str = "") -> str:
+    """``predicted step 825.9 ms, peak 4.6 MiB (at forward/backward)``: one wording of one
+    prediction for every view."""
+    from deepcompile.plan.estimate import fmt_bytes
+
+    where = f" (at {peak_where})" if peak_where else ""
+    return f"predicted step {step_ms:.1f} ms, peak {fmt_bytes(int(peak_bytes))}{where}"
+
+
+def own_passes(run_dir, rank: int = 0) -> list | None:
+    """The pass list the record's last compile used (see :func:`predict_run`), or None."""
+    return _own_passes(load_base(run_dir, rank))
+
+
+def describe_passes(passes) -> str:
+    """``zero3, prefetch(budget_mb=64, fuse_mb=0), selective_unshard(budget_mb=0)``."""
+    out = []
+    for e in passes or []:
+        if isinstance(e, str):
+            out.append(e)
+            continue
+        ps = e.get("params") or {}
+        out.append(e.get("name", "?") + (f"({', '.join(f'{k}={v:g}' if isinstance(v, (int, float)) else f'{k}={v}' for k, v in ps.items())})"
+                                         if ps else ""))
+    return ", ".join(out)
+
+
+def prediction(run_dir, rank: int = 0, passes=None) -> tuple[WhatIf | None, str]:
+    """(the WhatIf, one line) of ``passes`` (default: the record's own pass list) on the record:
+    the line the report and ``deepcompile inspect`` print, its numbers :meth:`WhatIf.headline`'s
+    (the Passes tab and the Schedule tab's what-if lane show the same for the same passes).
+    Without a prediction: (None, the reason)."""
+    try:
+        ps = passes if passes is not None else own_passes(run_dir, rank)
+        if not ps:
+            return None, "no prediction: the record names no pass list"
+        w = predict_run(run_dir, ps, rank=rank)
+    except Exception as e:   # a record that cannot answer (no profile, no zero3 graphs): say why
+        return None, f"no prediction from this record: {type(e).__name__}: {e}"
+    cal = (f"; calibrated to this run's measured step (x{w.calibration:.3g})" if w.calibration is not None else "")
+    return w, (f"{w.headline()} — plan.whatif on {'these passes' if passes is not None else 'the run’s own passes'}: "
+               f"{describe_passes(ps)}{cal}")
 
 
 # ------------------------------------------------------------------------------------ rebuilding graphs
@@ -376,26 +427,24 @@ def _capacity(env: dict) -> int | None:
 
 
 def _measured(rec) -> tuple[float | None, dict]:
-    """(host ms per step, {step_ms, peak_bytes}) of the record's steady steps: those after the
-    profiled step and the scheduled re-compiles (else the last half)."""
+    """(host ms per step, {step_ms, peak_bytes}) of the record's steady steps: every step but the
+    compile, the profiled step and the re-compiles (``report.figures.special_steps``, the steps
+    every view leaves out of its median), else the last half."""
+    import statistics
+
+    from deepcompile.report.figures import special_steps
+
     st = [s for s in rec.steps if isinstance(s.get("time_s"), (int, float))]
     if not st:
         return None, {}
-    cfg = rec.config or {}
-    # compiles happen at the step after the profiled one and at each scheduled step (numbered
-    # from 0 in the config; the CLI's step lines count from 1, hence the +1 below: a step too
-    # many left out is harmless, a compiling step kept in is not)
-    ps = cfg.get("profile_step")
-    marks = ([ps + 1] if isinstance(ps, int) else []) + [
-        e.get("step") for e in cfg.get("schedule") or [] if isinstance(e, dict) and isinstance(e.get("step"), int)]
-    tail = [s for s in st if s.get("step", -1) > max(marks or [-1]) + 1]
+    special = special_steps(st, rec.config or {})
+    tail = [s for s in st if s.get("step") not in special]
     steady = bool(tail)
     if not tail:
         tail = st[len(st) // 2:] if len(st) > 2 else st[-1:]
 
     def med(xs):
-        xs = sorted(xs)
-        return xs[len(xs) // 2] if xs else None
+        return statistics.median(xs) if xs else None
     out = {"step_ms": med([s["time_s"] * 1e3 for s in tail]), "steps": len(tail), "steady": steady,
            "source": "measured"}
     peaks = [int((s.get("mem") or {}).get("peak") or 0) for s in tail]
@@ -547,7 +596,7 @@ def _calibration(b: _Base) -> float | None:
 
 
 def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, base: _Base | None = None,
-                 calibrate: bool = True) -> WhatIf:
+                 calibrate: bool = True, replan: bool = True) -> WhatIf:
     from deepcompile.plan import planner as P
 
     t0 = time.perf_counter()
@@ -673,15 +722,45 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         notes.append(f"gradient accumulation {b.accumulation}: graphs x{b.accumulation}, kept parameters gathered once")
     notes.append(f"memory: {pm.summary()}; kept {len(kept_ids)} parameter(s) gathered ({kept / MIB:.0f} MiB), "
                  f"prefetch up to {ahead / MIB:.0f} MiB ahead")
+    # the schedule in the step's own time base: calibrated like the step, so its bars and the
+    # step it reports are one prediction
+    k = cal if cal is not None else 1.0
     sched = [{"graph_id": e["graph_id"], "kind": e["kind"], "node": e["node"], "stream": e["stream"],
-              "start_ms": e["start_us"] / 1e3, "end_ms": e["end_us"] / 1e3, "source": "predicted"} for e in p["events"]]
+              "start_ms": k * e["start_us"] / 1e3, "end_ms": k * e["end_us"] / 1e3, "source": "predicted"}
+             for e in p["events"]]
+    asked = int(memory_limit_gib * GIB) if memory_limit_gib else None
+    warnings: list[str] = []
+    if asked is not None and pm.peak > asked:
+        from deepcompile.plan.estimate import fmt_bytes
+
+        over = (f"the memory limit {fmt_bytes(asked)} ({memory_limit_gib:g} GiB) is below the predicted peak "
+                f"{fmt_bytes(int(pm.peak))} of these values")
+        if replan and hand:
+            # the hand-set planned values do not fit: the planner chooses them under the limit
+            again = [{"name": n, "params": dict({kk: v for kk, v in ps.items() if kk not in P.PLANNED.get(n, ())},
+                                                **{kk: AUTO for kk in hand.get(n, ())})}
+                     for n, ps in _entries(passes)]
+            try:
+                w2 = _predict_run(run_dir, again, rank, memory_limit_gib, b, calibrate, replan=False)
+            except (P.PlanError, WhatIfError, ConfigError) as e:
+                warnings.append(f"{over}; re-planning for it failed: {e}")
+            else:
+                if not w2.warnings:
+                    w2.warnings.insert(0, f"{over}: re-planned under the limit (the planner chose "
+                                       + ", ".join(f"{n}.{kk} = {w2.params[n][kk]:g}" for n, ks in w2.auto.items()
+                                                   for kk in ks if kk in w2.params.get(n, {})) + ")")
+                    return w2
+                warnings.append(f"{over}; re-planning found no plan under it either (the planner's best peaks at "
+                                f"{fmt_bytes(w2.peak_bytes)})")
+        else:
+            warnings.append(f"{over}: no plan of these passes fits it")
     return WhatIf(step_ms=round(step, 3), peak_bytes=int(pm.peak), memory=memory, schedule=sched, versions=shown,
                   notes=notes, seconds=round(time.perf_counter() - t0, 3), params=full,
                   auto={k: list(v) for k, v in auto.items()}, gpu_ms=round(gpu_ms, 3), host_ms=b.host_ms,
                   optimizer_ms=round(p["optimizer_ms"], 3),
                   per_graph_ms={k: round(v, 3) for k, v in p["per_graph_ms"].items()},
                   memory_model=pm.to_dict(), peak_where=where, plan=plan_d, measured=dict(b.measured),
-                  model_step_ms=round(model_step, 3), calibration=cal)
+                  model_step_ms=round(model_step, 3), calibration=cal, limit_bytes=asked, warnings=warnings)
 
 
 # ------------------------------------------------------------------------------------ the planner offline

@@ -457,7 +457,10 @@ def memory_view(run: RunRecord | str | os.PathLike, rank: int = 0) -> dict:
                     "where": f"graph {top.get('graph_id')} {top.get('kind')}, node {top.get('node')}",
                     "by_category": top["by_category"], "source": "measured"}
         step = mem.get("step")
-        label = (f"measured peak (profiled step{'' if step is None else f' {step}'}, rank {rec.rank}, "
+        # the timeline's step counts optimizer steps from 0 (the config's profile_step); a label
+        # numbers steps as the step lines, the Steps tab and the report do (from the record's first)
+        first = min((s["step"] for s in rec.steps if isinstance(s.get("step"), int)), default=1)
+        label = (f"measured peak (profiled step{'' if not isinstance(step, int) else f' {first + step}'}, rank {rec.rank}, "
                  f"{mem.get('device') or 'profiler'})")
         out["measured"] = {"source": "measured", "label": label, "step": step, "device": mem.get("device"),
                            "samples": samples, "peak": dict(peak, source="measured")}

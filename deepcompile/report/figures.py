@@ -175,6 +175,23 @@ def normalize(events: Iterable[dict], *, rank: int = 0) -> list[dict]:
     return out
 
 
+def device_kind(env: dict | None) -> str | None:
+    """``"gpu"`` or ``"cpu"``: what the run's environment (``environment.json``) ran on; None unknown."""
+    if not isinstance(env, dict):
+        return None
+    return "gpu" if env.get("devices") else "cpu"
+
+
+def idle_word(device: str | None) -> str:
+    """The name of the time no stream is busy, in words that fit the device: on a GPU the device
+    waits for the host; on a CPU it is time between the host's operators."""
+    if device == "gpu":
+        return "GPU idle (host-bound)"
+    if device == "cpu":
+        return "idle (between operators)"
+    return "idle (host-bound)"
+
+
 def step_numbers(events: Iterable[dict], *, normalized: bool = False) -> list[dict]:
     """Per (source, rank), over one step: ``step_ms`` (first start to last end), ``compute_ms``
     (compute stream busy, waits excluded), ``comm_ms`` (allgather/reduce streams busy),
@@ -266,7 +283,7 @@ def _lane(e: dict) -> str:
 # --------------------------------------------------------------------------- schedule
 def schedule_figure(events: Iterable[dict], *, graphs: dict | None = None, graph: tuple[int, str] | None = None,
                     selected: str | None = None, title: str | None = None, links: bool = True,
-                    rank: int = 0) -> dict:
+                    rank: int = 0, totals: dict | None = None, device: str | None = None) -> dict:
     """A Perfetto-like schedule of ``events`` (the record's ``{graph_id, kind, node, stream,
     start_us, end_us, source}``, optionally ``rank``; or what-if's ``start_ms``/``end_ms``).
 
@@ -275,7 +292,10 @@ def schedule_figure(events: Iterable[dict], *, graphs: dict | None = None, graph
     x axes zoom together); hover names the node, its duration, start and graph; a wait on the
     compute stream is red. ``graphs`` ({(graph_id, kind): nodes}) links each wait to the gather
     its node reads (else by order); ``graph`` keeps one graph's events; ``selected`` outlines a
-    node's bars. Each subplot's title carries :func:`step_numbers` for its ranks."""
+    node's bars. Each subplot's title carries :func:`step_numbers` for its ranks; ``totals``
+    ({source: {"headline", "edit"}}, a what-if's) puts that prediction's own step and peak in its
+    subplot's title instead of the span of its bars (a step is more than one graph's timeline:
+    accumulation, the optimizer, the host), so the lane and the Passes tab say one number."""
     evs = normalize(events, rank=rank)
     if graph is not None:
         evs = [e for e in evs if _graph_key(e) == (int(graph[0]), str(graph[1]))]
@@ -319,8 +339,10 @@ def schedule_figure(events: Iterable[dict], *, graphs: dict | None = None, graph
         g = gaps[i] / total
         dom = [max(0.0, y_top - g - h), y_top - g]
         y_top = dom[0]
-        layout["xaxis" + ax] = {"anchor": yname, "title": {"text": "ms from the start of the step"} if i == len(sources) - 1 else None,
-                                "exponentformat": "none", "ticksuffix": " ms" if i == len(sources) - 1 else "",
+        # every panel's time axis carries its unit (the panels zoom together, each is read alone)
+        layout["xaxis" + ax] = {"anchor": yname, "title": ({"text": "ms from the start of the step"} if i == len(sources) - 1
+                                                           else {"text": "ms", "standoff": 2, "font": {"size": 10}}),
+                                "exponentformat": "none", "ticksuffix": " ms",
                                 "showgrid": True, "gridcolor": "#eee", "zeroline": False, "hoverformat": ".3f"}
         if i:
             layout["xaxis" + ax]["matches"] = "x"
@@ -328,9 +350,17 @@ def schedule_figure(events: Iterable[dict], *, graphs: dict | None = None, graph
                                 "categoryarray": list(reversed(lanes)), "autorange": True, "fixedrange": True,
                                 "title": {"text": src, "font": {"size": 11}}}
         nums = [numbers[(src, r)] for r in sorted({e["rank"] for e in evs if e["source"] == src})]
-        text = f"<b>{SOURCE_TITLES.get(src, src)}</b>  " + "  |  ".join(
-            f"rank {n['rank']}: step {fmt_ms(n['step_ms'])} · exposed comm {fmt_ms(n['exposed_comm_ms'])} · "
-            f"overlap {fmt_ms(n['overlap_ms'])} · idle (host-bound) {fmt_ms(n['idle_ms'])}" for n in nums[:4])
+        tot = (totals or {}).get(src)
+        if tot:
+            text = (f"<b>{SOURCE_TITLES.get(src, src)}</b>" + (f" of {tot['edit']}" if tot.get("edit") else "")
+                    + f": {tot['headline']}  |  " + "  |  ".join(
+                        f"rank {n['rank']} timeline: span {fmt_ms(n['step_ms'])} · exposed comm "
+                        f"{fmt_ms(n['exposed_comm_ms'])} · overlap {fmt_ms(n['overlap_ms'])}" for n in nums[:4]))
+        else:
+            text = f"<b>{SOURCE_TITLES.get(src, src)}</b>  " + "  |  ".join(
+                f"rank {n['rank']}: step {fmt_ms(n['step_ms'])} · exposed comm {fmt_ms(n['exposed_comm_ms'])} · "
+                f"overlap {fmt_ms(n['overlap_ms'])} · {idle_word(device)} {fmt_ms(n['idle_ms'])}"
+                for n in nums[:4])
         if len(nums) > 4:
             text += f"  |  … {len(nums) - 4} more rank(s)"
         layout["annotations"].append({"text": text, "xref": "paper", "yref": "paper", "x": 0, "y": dom[1],
@@ -575,6 +605,18 @@ def special_steps(steps: list[dict], config: dict | None = None) -> dict[int, st
                 if s["step"] not in out and _fin(s.get("time_s")) and s["time_s"] > 4 * med:
                     out[s["step"]] = "slow"
     return out
+
+
+def steady_median_ms(steps: list[dict], config: dict | None = None) -> tuple[float | None, int]:
+    """(median step time in ms, how many steps) over the steady-state steps: every step but those
+    :func:`special_steps` marks (compile, profiling, re-compiles). The one median every view
+    states (the report, ``deepcompile inspect``, the inspector, the what-if's measured side)."""
+    import statistics
+
+    special = special_steps(steps, config)
+    ts = [float(s["time_s"]) * 1e3 for s in steps
+          if s.get("step") not in special and _fin(s.get("time_s"))]
+    return (statistics.median(ts) if ts else None), len(ts)
 
 
 def _int_dtick(n: int) -> int:

@@ -419,6 +419,20 @@ def _all_rank_events(rec: RunRecord) -> tuple[list[dict], list[str]]:
     return events, notes
 
 
+def _section_prediction(run_dir, rank: int, passes: list | None) -> str:
+    """The cost model's step and peak for the run's passes, from the one prediction engine
+    (``plan.whatif.prediction``: the numbers ``inspect`` and the inspector show)."""
+    try:
+        from deepcompile.plan.whatif import prediction
+    except ImportError as e:
+        return f"<section id='prediction'><h2>Prediction</h2><p class='empty'>{esc(str(e))}</p></section>"
+    w, line = prediction(run_dir, rank, passes)
+    warn = "".join(f"<p class='note warning'>{esc(x)}</p>" for x in (w.warnings if w else []))
+    return (f"<section id='prediction'><h2>Prediction</h2><p class='dc-prediction'>{esc(line)}</p>{warn}"
+            "<p class='note'>One prediction engine behind every view: the inspector's Passes tab, its Schedule "
+            "what-if lane and <code>deepcompile inspect</code> give these numbers for the same passes.</p></section>")
+
+
 def _section_schedule(rec: RunRecord, events: list[dict], source: str, figs: _Figures, notes: list[str]) -> str:
     out = ["<section id='schedule'><h2>Schedule</h2>",
            f"<p class='note'>Source: {esc(source)}. One lane per rank and stream; measured and predicted bars are in "
@@ -431,11 +445,12 @@ def _section_schedule(rec: RunRecord, events: list[dict], source: str, figs: _Fi
         out.append("<p class='empty'>no schedule recorded</p></section>")
         return "".join(out)
     graphs = trace.final_graphs(rec.graphs)
-    out.append(figs.add(F.schedule_figure(events, graphs=graphs, rank=rec.rank), "schedule"))
+    device = F.device_kind(rec.environment)
+    out.append(figs.add(F.schedule_figure(events, graphs=graphs, rank=rec.rank, device=device), "schedule"))
     nums = F.step_numbers(events)
     out.append("<h3>Per step</h3><table class='numbers'><thead><tr><th>source</th><th>rank</th><th>step</th>"
                "<th>compute busy</th><th>communication busy</th><th>overlap</th><th>exposed communication</th>"
-               "<th>idle (host-bound)</th></tr></thead><tbody>"
+               f"<th>{esc(F.idle_word(device))}</th></tr></thead><tbody>"
                + "".join(f"<tr><td>{esc(n['source'])}</td><td class=num>{n['rank']}</td>"
                          + "".join(f"<td class=num data-v='{n[k]}'>{F.fmt_ms(n[k])}</td>" for k in
                                    ("step_ms", "compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms"))
@@ -559,8 +574,9 @@ def _section_ops(rec: RunRecord, events: list[dict], samples: list[dict], pscope
 
 
 def render_report(run_dir: str | os.PathLike, out_file: str | os.PathLike | None = None, *, rank: int = 0,
-                  depth: int | None = None, workers: int | None = None) -> Path:
-    """Write the report of ``run_dir`` to ``out_file`` (default ``RUN_DIR/report.html``); returns its path."""
+                  depth: int | None = None, workers: int | None = None, passes: list | None = None) -> Path:
+    """Write the report of ``run_dir`` to ``out_file`` (default ``RUN_DIR/report.html``); returns its path.
+    ``passes``: the pass list whose prediction the report states (default: the run's own)."""
     rec = read_run(run_dir, rank)
     all_steps = read_all_steps(run_dir, rec.manifest)
     out = Path(out_file) if out_file is not None else Path(run_dir) / "report.html"
@@ -582,11 +598,12 @@ def render_report(run_dir: str | os.PathLike, out_file: str | os.PathLike | None
         f"{len(rec.graph_ids)} graph(s) · {len(rec.steps)} step(s) · status {esc(rec.manifest['status'])} · "
         f"rendered {_dt.datetime.now().isoformat(timespec='seconds')}</div></header>",
         "<nav><a href='#run'>Run</a><a href='#steps'>Steps</a><a href='#graphs'>Graphs</a>"
-        "<a href='#schedule'>Schedule</a><a href='#memory'>Memory</a><a href='#ops'>Operators</a></nav>",
+        "<a href='#schedule'>Schedule</a><a href='#prediction'>Prediction</a><a href='#memory'>Memory</a><a href='#ops'>Operators</a></nav>",
         "" if js is not None else f"<p class='note no-plotly-banner'>{NO_PLOTLY}</p>",
         _section_run(rec), _section_steps(rec, all_steps, figs, view),
         _section_graphs(rec, depth, workers or min(8, os.cpu_count() or 1)),
-        _section_schedule(rec, events, ev_src, figs, ev_notes), _section_memory(view, figs),
+        _section_schedule(rec, events, ev_src, figs, ev_notes), _section_prediction(run_dir, rank, passes),
+        _section_memory(view, figs),
         _section_ops(rec, events, F.memory_samples(view), pscopes)]
     lib = f"<script>{js}</script>" if (js is not None and figs.items) else ""
     doc = ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
