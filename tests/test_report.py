@@ -382,6 +382,49 @@ def test_schedule_figure_lanes_never_mix_sources_and_are_in_ms():
     assert wi["data"][0]["x"] == [2.5] and wi["data"][0]["meta"]["source"] == "predicted"
 
 
+def test_schedule_every_panel_has_its_unit_and_device_words():
+    """Each source's time axis carries ms (the measured panel too, not only the bottom one); the
+    idle time is named for the device: no "GPU idle" on a CPU run."""
+    from deepcompile.report import figures as F
+
+    fig = F.schedule_figure(HAND, graphs=GRAPHS, device="cpu")
+    lay = fig["layout"]
+    xs = [k for k in lay if k.startswith("xaxis")]
+    assert len(xs) == 2
+    for k in xs:
+        assert lay[k]["ticksuffix"] == " ms" and "ms" in lay[k]["title"]["text"], (k, lay[k])
+    titles = " ".join(a["text"] for a in lay["annotations"])
+    assert "GPU" not in titles and "idle (between operators)" in titles
+    gpu = " ".join(a["text"] for a in F.schedule_figure(HAND, device="gpu")["layout"]["annotations"])
+    assert "GPU idle (host-bound)" in gpu
+    assert F.device_kind({"devices": []}) == "cpu" and F.device_kind({"devices": ["NVIDIA H200"]}) == "gpu"
+
+
+def test_schedule_whatif_totals_replace_the_span():
+    """A what-if panel states its prediction's own step and peak (one number with the Passes tab),
+    not its bars' span."""
+    from deepcompile.report import figures as F
+
+    evs = [{"graph_id": 0, "kind": "forward", "node": "mm", "stream": "compute", "start_ms": 1.0, "end_ms": 3.5,
+            "source": "what-if (predicted)"}]
+    fig = F.schedule_figure(evs, totals={"what-if (predicted)": {"headline": "predicted step 825.9 ms, peak 4.6 MiB",
+                                                                 "edit": "prefetch.budget_mb=0"}})
+    t = fig["layout"]["annotations"][0]["text"]
+    assert "predicted step 825.9 ms, peak 4.6 MiB" in t and "prefetch.budget_mb=0" in t and ": step 2.50" not in t
+
+
+def test_steady_median_leaves_out_compile_profiling_and_recompile():
+    """One median of step time: the steady steps only (the compile, profiling and re-compile
+    steps of the record's own numbering are left out), as inspect and the inspector state it."""
+    from deepcompile.report import figures as F
+
+    steps = [{"step": 1, "time_s": 9.7}, {"step": 2, "time_s": 1.3}, {"step": 3, "time_s": 5.0},
+             {"step": 4, "time_s": 0.12}, {"step": 5, "time_s": 0.13}, {"step": 6, "time_s": 0.125}]
+    med, n = F.steady_median_ms(steps, {"profile_step": 1})
+    assert n == 3 and med == pytest.approx(125.0)
+    assert F.special_steps(steps, {"profile_step": 1}) == {1: "compile", 2: "profiling", 3: "re-compile"}
+
+
 def test_gather_links_without_graphs_pair_in_order():
     from deepcompile.report import figures as F
 

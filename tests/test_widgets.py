@@ -757,7 +757,8 @@ def test_whatif_on_edit_is_debounced_and_changes_the_numbers(planned_run):
         assert any("ms from the start" in str((v or {}).get("title") or "") for k, v in lay.items()
                    if k.startswith("xaxis")), "the time axis is in ms"
     nums = insp.s_numbers.value
-    assert "exposed comm" in nums and "overlap" in nums and "GPU idle" in nums
+    assert "exposed comm" in nums and "overlap" in nums and "idle (between operators)" in nums
+    assert "GPU" not in nums                        # a CPU run: no GPU words
     insp.s_scope.value = "step"                     # every graph end to end: the panel numbers are the step's
     assert "whole step" in insp.model.schedule.figure_dict()["layout"]["title"]["text"]
 
@@ -788,6 +789,20 @@ def test_one_peak_across_views(planned_run, tmp_path):
 def _schedule_texts(insp):
     lay = insp.model.schedule.figure_dict()["layout"]
     return " ".join(str(a.get("text")) for a in lay.get("annotations", []))
+
+
+def test_after_pass_list_names_each_compile(planned_run):
+    """A graph compiled twice (the re-compile after the profiled step) lists each version with
+    its compile and the step it happened at (the record's numbering), never two identical names."""
+    from deepcompile.record.reader import read_run
+    from deepcompile.widgets.graph_view import GraphModel
+
+    g = GraphModel(read_run(planned_run, 0))
+    labels = g.version_labels
+    assert len(labels) == len(g.pass_names) and len(set(labels)) == len(labels)
+    names = [x.split(": ", 1)[1] for x in labels]
+    assert len(set(names)) == len(names), labels          # 0-3 and 4-7 no longer read the same
+    assert "compile 1/2, step 1" in labels[0] and "compile 2/2, step 3" in labels[-1], labels
 
 
 def test_one_prediction_in_every_view(planned_run, tmp_path):

@@ -353,6 +353,35 @@ class GraphModel:
         """Labels of the versions of the current graph: ``input``, then one per pass."""
         return [v.after for v in self.versions()]
 
+    @property
+    def version_labels(self) -> list[str]:
+        """One label per version for the "after pass" list: its index and pass, and, where the
+        graph was compiled more than once (a re-compile after the profiled step, a scheduled
+        one), which compile it belongs to and at which step (the record's step numbers)."""
+        vs = self.versions()
+        compile_of, c = [], -1
+        for v in vs:
+            if v.after == "input" or c < 0:
+                c += 1
+            compile_of.append(c)
+        n = c + 1
+        if n <= 1:
+            return [f"{i}: {v.after}" for i, v in enumerate(vs)]
+        try:
+            from deepcompile.report.figures import special_steps
+
+            again = sorted(k for k, why in special_steps(self.rec.steps, self.rec.config).items() if "re-compile" in why)
+        except Exception:
+            again = []
+        first = min((x["step"] for x in self.rec.steps if isinstance(x.get("step"), int)), default=None)
+        steps = {0: f"step {first}"} if first is not None else {}
+        steps.update({k + 1: f"step {s}" for k, s in enumerate(again)})
+
+        def tag(k):
+            at = steps.get(k)
+            return f"compile {k + 1}/{n}" + (f", {at}" if at else "")
+        return [f"{i}: {v.after} · {tag(compile_of[i])}" for i, v in enumerate(vs)]
+
     def _pick_default_kind(self) -> None:
         ks = self.kinds
         self.kind = "forward" if "forward" in ks else (ks[0] if ks else None)

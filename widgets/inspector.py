@@ -411,7 +411,7 @@ class Inspector:
         lay = W.Layout(width="220px")
         self.g_graph = W.Dropdown(description="graph", layout=lay)
         self.g_kind = W.Dropdown(description="kind", layout=lay)
-        self.g_pass = W.Dropdown(description="after pass", layout=W.Layout(width="260px"))
+        self.g_pass = W.Dropdown(description="after pass", layout=W.Layout(width="360px"))
         self.g_diff = W.Dropdown(description="diff vs", layout=W.Layout(width="260px"))
         for w, cls in ((self.g_graph, "dc-graph-id"), (self.g_kind, "dc-graph-kind"), (self.g_pass, "dc-pass"),
                        (self.g_diff, "dc-diff-pass")):
@@ -805,7 +805,8 @@ class Inspector:
                 self.g_graph.value = g.graph_id
                 self.g_kind.options = g.kinds
                 self.g_kind.value = g.kind
-                opts = [(f"{i}: {n}", i) for i, n in enumerate(g.pass_names)]
+                # each version's compile named where a graph compiled more than once
+                opts = [(label, i) for i, label in enumerate(g.version_labels)]
                 self.g_pass.options = opts
                 self.g_diff.options = [("(no diff)", None)] + opts
             if g.pass_names:
