@@ -183,7 +183,7 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             assert f"selected {bar['name']}" in page.locator(f"{insp} .dc-graph-summary").inner_text()
             # no diff yet, then choose "diff vs 0: input"
             assert page.locator(f"{insp} .dc-graph-view .dc-diff").count() == 0
-            page.locator(f"{insp} .dc-diff-pass select").select_option(label="0: input")
+            page.locator(f"{insp} .dc-diff-pass select").select_option(index=1)   # "0: input" (its compile named)
             page.wait_for_selector(f"{insp} .dc-graph-view svg .dc-diff.dc-added", timeout=60_000)
             assert "diff: +" in page.locator(f"{insp} .dc-graph-summary").inner_text()
             # a click on a module box in the SVG expands it: its inner boxes appear
