@@ -38,7 +38,21 @@ from pathlib import Path
 _MODULE = None
 _LOAD_LOCK = threading.Lock()
 
-CSRC = importlib.resources.files("deepcompile._csrc")
+
+
+def _sources():
+    """The installed ``deepcompile._csrc``; in a source checkout put on ``sys.path`` without
+    ``pip install`` (the mapping exists only once installed), the checkout's own ``csrc/``."""
+    try:
+        return importlib.resources.files("deepcompile._csrc")
+    except ModuleNotFoundError:
+        tree = Path(__file__).resolve().parents[2] / "csrc"
+        if (tree / "runtime.cpp").is_file():
+            return tree
+        raise
+
+
+CSRC = _sources()
 SOURCES = ["runtime.cpp", "zero3.cpp", "bindings.cpp"]
 BUILD_WAIT_S = 1800.0   # how long a process waits for another one's build before giving up
 
