@@ -131,3 +131,38 @@ def test_record_without_what_it_needs(record, tmp_path):
     (copy / "rank0" / "profile.json.gz").unlink()
     with pytest.raises(WhatIfError, match="no profile"):
         predict_run(copy, plan())
+
+
+def test_a_limit_below_the_peak_replans_or_warns(record):
+    """A memory limit below the predicted peak never changes nothing silently: the what-if
+    re-plans under it (and says so) or warns, naming the limit and the predicted peak."""
+    from deepcompile.plan.estimate import fmt_bytes
+    from deepcompile.plan.whatif import predict_run
+
+    free = predict_run(record, plan({"budget_mb": 64, "fuse_mb": 0}, {"budget_mb": 1000}))
+    assert not free.warnings
+    roomy = predict_run(record, plan({"budget_mb": 64, "fuse_mb": 0}, {"budget_mb": 1000}), memory_limit_gib=100.0)
+    assert not roomy.warnings and roomy.limit_bytes == 100 * 2**30
+    tight = predict_run(record, plan({"budget_mb": 64, "fuse_mb": 0}, {"budget_mb": 1000}), memory_limit_gib=1e-6)
+    assert tight.warnings, tight.notes
+    text = " ".join(tight.warnings)
+    assert fmt_bytes(int(1e-6 * 2**30)) in text and "below the predicted peak" in text
+    assert fmt_bytes(free.peak_bytes) in text or "re-planned" in text
+
+
+def test_measured_side_is_the_one_steady_median():
+    """The what-if's measured step is the median every view states (report.figures.steady_median_ms):
+    the compile, profiling and re-compile steps left out, numbered as the record numbers them."""
+    from types import SimpleNamespace
+
+    from deepcompile.plan.whatif import _measured
+    from deepcompile.report.figures import steady_median_ms
+
+    steps = [{"step": 1, "time_s": 9.7}, {"step": 2, "time_s": 1.3}, {"step": 3, "time_s": 5.0},
+             {"step": 4, "time_s": 0.13}, {"step": 5, "time_s": 0.12}, {"step": 6, "time_s": 0.125},
+             {"step": 7, "time_s": 0.2}]
+    cfg = {"profile_step": 1}
+    _, out = _measured(SimpleNamespace(steps=steps, config=cfg))
+    med, n = steady_median_ms(steps, cfg)
+    assert out["steady"] and out["steps"] == n == 4
+    assert out["step_ms"] == pytest.approx(med) == pytest.approx(127.5)
