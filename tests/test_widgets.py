@@ -985,6 +985,34 @@ def test_live_steps_and_memory_appear_as_written(tmp_path):
         rec.close()
 
 
+def test_live_header_and_steps_tab_agree_at_every_poll(tmp_path):
+    """The header's step count and status come from the same polled steps as the Steps tab: at
+    every poll of a run being written they agree (the header never lags on a stale record)."""
+    pytest.importorskip("ipywidgets")
+    from deepcompile.record.writer import RunRecorder
+    from deepcompile.widgets import Inspector
+
+    run = tmp_path / "live"
+    env = {"torch": "x", "python": "3", "hostname": "h", "world_size": 1, "rank": 0, "devices": []}
+    rec = RunRecorder(run, 0, 1, {"compiler": "eager", "passes": ["zero3"]}, env=env)
+    try:
+        rec.step(1, 0.5, 1.0, {"allocated": 1000, "reserved": 4000, "peak": 2000})
+        insp = Inspector(run, follow=False, live_interval=0.1)
+        insp.reload_every_s = 1e9                    # the record is not re-read: only the steps are
+        insp.poll_once()
+        if insp.model.record is None:
+            pytest.skip("this record is not readable before its first graph")
+        for s in range(2, 12):
+            rec.step(s, 0.1, 1.0 / s, {"allocated": 1000 * s, "reserved": 4000, "peak": 2000 * s})
+            insp.poll_once()
+            n = insp.model.steps.n_steps()
+            assert n == s and f"{n} step(s)" in insp.st_note.value
+            assert f", {n} step(s);" in insp.header_text(), (insp.header_text(), n)
+            assert f", {n} step(s);" in insp.message.value        # the header shown
+    finally:
+        rec.close()
+
+
 def test_live_steps_plot_each_steps_peak_by_category(tmp_path):
     """The live view stacks each step's peak by category (steps.jsonl's mem.by_category) as the
     steps are written, names the remainder as such, and says how the split was made; a CPU run

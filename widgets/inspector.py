@@ -736,14 +736,30 @@ class Inspector:
                 self._s_sig = None
             self.m_out.outputs = ()
             return
-        rec = m.record
-        self._say(f"{rec.path}: {rec.manifest['status']}, {rec.manifest['world_size']} rank(s), "
-                  f"{len(rec.graph_ids)} graph(s), {len(rec.steps)} step(s) on rank {rec.rank}; "
-                  f"torch {rec.environment['torch']} on {rec.environment['hostname']}")
+        self._render_header()
         self._render_graph_controls(full)
         self._show_graph(m.graph)
         self._render_schedule()
         self._render_memory()
+
+    def header_text(self) -> str | None:
+        """The run's one-line header. Its status and step count come from the Steps tab's own
+        source (the polled steps.jsonl, :class:`StepsModel`), so the two agree at every poll;
+        the record (graphs, environment) only for what does not change while a run writes steps."""
+        m = self.model
+        rec = m.record
+        if rec is None:
+            return None
+        st = m.steps
+        status = st.status if st is not None and st.status not in ("", "unknown") else rec.manifest["status"]
+        n = st.n_steps() if st is not None else len(rec.steps)
+        return (f"{rec.path}: {status}, {rec.manifest['world_size']} rank(s), {len(rec.graph_ids)} graph(s), "
+                f"{n} step(s); torch {rec.environment['torch']} on {rec.environment['hostname']}")
+
+    def _render_header(self) -> None:
+        text = self.header_text()
+        if text is not None:
+            self._say(text)
 
     def _render_memory(self) -> None:
         """The run's one peak and its memory by category (memory_view), then the selected graph's
@@ -1091,6 +1107,7 @@ class Inspector:
             with self._lock:   # the steps first: each one shows as soon as its line is written
                 self._render_steps(note_only=not changed)
                 if changed:
+                    self._render_header()   # the header counts from the same steps, at the same poll
                     self.p_runs.value = self._runs_table()
         isig = self._index_signature()
         new_graphs = isig is not None and isig != getattr(self, "_index_sig", None)
