@@ -43,7 +43,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
-PHASES = ("dynamo", "aot_autograd", "flatten", "passes", "inductor", "profiling", "planner", "reuse")
+PHASES = ("dynamo", "causal_mask", "aot_autograd", "flatten", "passes", "inductor", "profiling", "planner", "reuse")
 STEPS = 4
 
 
