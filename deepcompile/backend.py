@@ -42,7 +42,7 @@ class GraphVersion:
 
 class _Slot:
     """The callable AOTAutograd's runtime wrapper holds for one compiled graph: an indirection the
-    trace-once re-compile re-points at the final compiled code (compat ``trace once`` section),
+    trace-once re-compile re-points at the final compiled code (compile/trace_once.py),
     so that neither Dynamo's guarded code nor AOTAutograd's wrappers need to be built again."""
 
     # ``fn`` lives in a slot, not in __dict__: torch._dynamo.disable's functools.wraps copies the
@@ -311,7 +311,7 @@ class Backend:
 
     def _seed_salt(self) -> str | None:
         """The salt a re-run hitting this run's plan will give AOTAutograd's cache, where this
-        run's warm-up compile can seed that entry (compat: AOTAutograd's cache, seeded): a plan
+        run's warm-up compile can seed that entry (compile/aot_seed.py): a plan
         cache miss that will plan (trace once, the final compiler Inductor), with nothing that
         keeps the re-run off AOTAutograd's cache (_aot_cache_salt) known to be off already; the
         planned passes are checked when the entry is saved."""
