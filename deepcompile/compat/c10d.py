@@ -49,6 +49,8 @@ def fsdp_wrapper_kind(m) -> str | None:
 
 
 def is_dtensor(t) -> bool:
+    """Whether ``t`` is a DTensor (``torch.distributed.tensor.DTensor``, public in 2.11 and 2.13),
+    looked up lazily since a torch build without distributed has none."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:

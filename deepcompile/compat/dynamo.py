@@ -8,7 +8,7 @@ import torch
 
 
 def is_compiled_module(model) -> bool:
-    """``torch.compile(model)`` returns an OptimizedModule (torch._dynamo.eval_frame)."""
+    """``torch.compile(model)`` returns an OptimizedModule (``torch._dynamo.eval_frame``, 2.11 and 2.13)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     return isinstance(model, OptimizedModule)

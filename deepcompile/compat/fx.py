@@ -68,7 +68,7 @@ def size_hint(x, fallback: int = 0) -> int:
 
 
 def tensor_nbytes(t: torch.Tensor) -> int:
-    """Bytes of a (possibly fake, possibly symbolic-shaped) tensor, by size hints."""
+    """Bytes of a (possibly fake, possibly symbolic-shaped) tensor, by size hints (``size_hint``)."""
     n = 1
     for s in t.shape:
         n *= size_hint(s, 1)
