@@ -415,7 +415,13 @@ def test_mutated_fields_give_record_error_or_a_working_report(run, tmp_path):
 
     values = [5, "x", None, [], {}, {"node": 5}, float("nan"), 2 ** 70, "DEL"]
     env_keys = ["torch", "python", "hostname", "devices", "world_size", "rank"]   # the rest is shown as text
-    targets = [("manifest.json", None, None), ("config.json", None, None),
+    # the config keys that a reader uses by name (schema.check_config, the report's and the what-if's
+    # special steps and limits, the inspector's passes); the rest only appear in the report's Config
+    # section as JSON, which one of them ("blocks") stands for
+    config_keys = ["zero_stage", "compiler", "warmup_compiler", "profile_step", "gradient_accumulation_steps",
+                   "reduce_bucket_size", "max_inflight_reduces", "auto_schedule", "mixed_precision", "passes",
+                   "schedule", "plan", "memory_limit_gib", "blocks"]
+    targets = [("manifest.json", None, None), ("config.json", None, config_keys),
                ("rank0/environment.json", None, env_keys), ("rank0/graphs/index.json", 1, None),
                (str(_graph_file(run).relative_to(run)), ("nodes", 3), None),
                ("rank0/schedule.json.gz", ("events", 0), None), ("rank0/memory.json.gz", ("samples", 0), None),
