@@ -12,4 +12,4 @@ from deepcompile.params import ConfigError
 __all__ = ["Config", "ConfigError", "DeepCompileModel", "destroy", "initialize", "full_state_dict",
            "load_full_state_dict", "clip_grad_norm_", "get_state_dict", "set_state_dict",
            "save_checkpoint", "load_checkpoint"]
-__version__ = "0.1.0"
+from deepcompile.version import __version__  # noqa: E402

@@ -36,9 +36,9 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0,
     Returns the total norm (the same 0-d tensor on every rank), or ``None`` on a micro-batch
     that does not end an accumulation window (nothing is clipped there).
     """
-    from deepcompile.api import DeepCompileModel
-
-    if isinstance(model_or_params, DeepCompileModel):
+    # the model deepcompile.initialize returned (its sharded parameters' list), found by what it
+    # holds: clip sits below the API and does not import it
+    if isinstance(model_or_params, torch.nn.Module) and hasattr(model_or_params, "dc_sharded"):
         model, params = model_or_params, [sp.shard for sp in model_or_params.dc_sharded]
     else:
         params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)

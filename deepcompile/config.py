@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from deepcompile.params import ConfigError, build, spec
+from deepcompile.passes.registry import DEFAULT_REDUCE_BUCKET
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# keys of features deepcompile no longer has: still unknown keys, with a hint instead of a near-miss
+# keys of features deepcompile does not have: unknown keys, with a hint instead of a near-miss
 REMOVED_KEYS = {"cuda_graphs": "CUDA graphs are not supported",
                 "compile_workers": "compile worker processes are not supported"}
 
@@ -79,12 +80,6 @@ class Mesh:
 
 
 @dataclass
-class PassEntry:
-    name: str = spec(help="registered pass name (see `deepcompile.passes.PASSES`)")
-    params: dict = spec(default_factory=dict, help="values for the pass's declared parameters")
-
-
-@dataclass
 class ScheduleEntry:
     step: int = spec(help="optimizer step from which these passes are used (re-compiles once there)", min=1,
                      max=1 << 30)
@@ -107,7 +102,7 @@ class Config:
                                             help="micro-batches per optimizer step; optimizer.step() is a no-op in between")
     mixed_precision: MixedPrecision = spec(default_factory=MixedPrecision, help="compute and reduce dtypes")
     mesh: Mesh = spec(default_factory=Mesh, help="how ranks shard and replicate the model: {shard: S}")
-    reduce_bucket_size: int = spec(25_000_000, min=1, max=1 << 40,
+    reduce_bucket_size: int = spec(DEFAULT_REDUCE_BUCKET, min=1, max=1 << 40,
                                    help="elements per gradient reduce-scatter bucket (a threshold: 2**40, more than "
                                         "any model's gradients, means one bucket per step)")
     max_inflight_reduces: int = spec(2, min=1, max=64, help="reduce-scatter buckets in flight before the oldest is waited for")

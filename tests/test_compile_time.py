@@ -1,4 +1,4 @@
-"""Compile time must not grow faster than the graph (issue 18): the passes walk the graph a fixed
+"""Compile time must not grow faster than the graph: the passes walk the graph a fixed
 number of times, however many parameters it gathers, and the record parses each node's stack
 trace once, however many versions of the graph it serializes.
 
@@ -71,7 +71,7 @@ def test_zero3_lower_gathers_walks_the_graph_a_fixed_number_of_times():
     small, _ = _walks_lower_gathers(4)
     large, gm = _walks_lower_gathers(48)
     assert large == small <= 3, (f"lower_gathers walked the graph {small} times for 4 parameters and {large} for 48: "
-                                 "a walk per parameter makes the pass quadratic in depth (issue 18)")
+                                 "a walk per parameter makes the pass quadratic in depth")
     # and the graph is what it was before the change: per parameter, gather, wait, use, release
     names = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
     assert names[:4] == ["dc.allgather_param.default", "dc.wait_allgather.default", "aten.mul.Tensor",
@@ -126,7 +126,7 @@ def test_prefetch_hoist_walks_the_graph_a_fixed_number_of_times():
     small, _ = _hoist_walks(4)
     large, order = _hoist_walks(48)
     assert large == small <= 6, (f"prefetch's profile-guided hoist walked the graph {small} times for 4 gathers and "
-                                 f"{large} for 48: a walk per gather is quadratic in depth (issue 18)")
+                                 f"{large} for 48: a walk per gather is quadratic in depth")
     # each issue lands a few multiplies ahead of its wait, never ahead of the previous issue
     issues = [order.index("allgather_param_default" + (f"_{k}" if k else "")) for k in range(48)]
     assert issues == sorted(issues)
@@ -191,7 +191,7 @@ def test_aot_graph_strings_printed_only_for_a_reader(monkeypatch):
     originals = [getattr(graph_compile, n) for n in quiet_aot._AOT_LOG_FNS]
     skipped = quiet_aot.QUIET_SKIPPED[0]
     quiet, g_quiet = _compile_counting_prints(monkeypatch)
-    assert quiet == 0, f"AOTAutograd printed {quiet} graphs nobody reads (issue 18: seconds at 32 layers)"
+    assert quiet == 0, f"AOTAutograd printed {quiet} graphs nobody reads (seconds of host time at 32 layers)"
     assert quiet_aot.QUIET_SKIPPED[0] - skipped == 2  # the joint graph, the forward and backward pair
     assert [getattr(graph_compile, n) for n in quiet_aot._AOT_LOG_FNS] == originals, "left wrapped after the compile"
     torch._logging.set_logs(aot_graphs=True)
@@ -204,10 +204,10 @@ def test_aot_graph_strings_printed_only_for_a_reader(monkeypatch):
 
 
 def test_copies_and_passes_generate_no_code_until_a_graph_runs(monkeypatch):
-    """fx_compat.lazy_graph / copy_graph: the deep copy of a kept graph and zero3's recompile generated
-    the whole graph's Python code, which nothing ran (3.1 s of a 32-layer CPU compile per rank,
-    results/recompile_census_cpu_L32_before_after_s22.txt). Now code is generated once, when the
-    graph runs; the original keeps its graph, and the copy computes what the original does."""
+    """fx_compat.lazy_graph / copy_graph: the deep copy of a kept graph and zero3's recompile would
+    generate the whole graph's Python code, which nothing runs (3.1 s of a 32-layer CPU compile per
+    rank, benchmarks/results/recompile_census_cpu_L32.txt); code is generated once, when the graph
+    runs; the original keeps its graph, and the copy computes what the original does."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     from deepcompile.compat import fx as fx_compat

@@ -1,4 +1,4 @@
-"""Nothing hangs (issue 14): a rank that raises and stays alive, a rank that skips a backward, an
+"""Nothing hangs: a rank that raises and stays alive, a rank that skips a backward, an
 interrupted demo, a killed rank. Every case ends in bounded time with a message naming the rank,
 and the run record's manifest never stays ``running``."""
 from __future__ import annotations

@@ -104,7 +104,7 @@ def test_hand_set_parameters_override_the_planner():
     assert p.chosen.prefetch_mb in P.PREFETCH_LEVELS_MB  # the rest is still planned
     assert p.considered == len(P.PREFETCH_LEVELS_MB)  # one keep level: the hand-set one
 
-    from deepcompile.config import PassEntry
+    from deepcompile.passes.registry import PassEntry
     entries = [PassEntry("zero3"), PassEntry("prefetch", {"fuse_mb": 32.0}), PassEntry("selective_unshard")]
     out = P.apply(entries, p)
     assert [e.name for e in out] == ["zero3", "prefetch", "selective_unshard"]

@@ -96,7 +96,7 @@ def test_auto_parameters_are_planned_and_cached(record):
     assert b.params["prefetch"]["backend"] == "auto" and b.auto == h.auto
     # the config's own forms of a pass list: names and PassEntry (not planned: the record's
     # config does not plan, so a left-out value is the declared default)
-    from deepcompile.config import PassEntry
+    from deepcompile.passes.registry import PassEntry
 
     e = predict_run(record, ["zero3", PassEntry(name="prefetch", params={"budget_mb": 0.0}), "selective_unshard"])
     assert e.auto == {} and e.params["prefetch"]["budget_mb"] == 0.0

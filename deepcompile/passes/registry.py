@@ -7,7 +7,17 @@ from typing import Any, Callable
 
 import torch.fx as fx
 
-from deepcompile.params import ConfigError, build
+from deepcompile.params import ConfigError, build, spec
+
+# the config's default reduce bucket (elements), here so a pass replaying the bucket layout needs
+# no config import (the config sits above the passes)
+DEFAULT_REDUCE_BUCKET = 25_000_000
+
+
+@dataclass
+class PassEntry:
+    name: str = spec(help="registered pass name (see `deepcompile.passes.PASSES`)")
+    params: dict = spec(default_factory=dict, help="values for the pass's declared parameters")
 
 
 @dataclass
@@ -53,8 +63,6 @@ class PassContext:
 
 def normalize_entry(entry: Any, path: str):
     """A pass entry from the config: a name, or {name, params}; params validated with path."""
-    from deepcompile.config import PassEntry
-
     if isinstance(entry, str):
         entry = {"name": entry}
     if isinstance(entry, PassEntry):

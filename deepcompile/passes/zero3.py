@@ -101,9 +101,9 @@ def reduce_layout(ctx: PassContext):
 
     lay = getattr(ctx, "reduce_layout", None) or ops.REDUCE_LAYOUT
     if lay is None:
-        from deepcompile.config import Config
+        from deepcompile.passes.registry import DEFAULT_REDUCE_BUCKET
 
-        lay = ops.ReduceLayout(Config.__dataclass_fields__["reduce_bucket_size"].default, None)
+        lay = ops.ReduceLayout(DEFAULT_REDUCE_BUCKET, None)
     return lay
 
 

@@ -223,7 +223,7 @@ class PlanCache:
         import torch
         import torch.distributed as dist
 
-        import deepcompile
+        from deepcompile.version import __version__
         from deepcompile.plan.planner import local_memory
 
         model = self._model()
@@ -239,7 +239,7 @@ class PlanCache:
                 "optimizer": _optimizer_facts(),
                 "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DEEPCOMPILE_")
                         and not k.startswith("DEEPCOMPILE_RECORD_") and k != "DEEPCOMPILE_PLAN_CACHE_DIR"},
-                "torch": torch.__version__, "deepcompile": deepcompile.__version__, "source": source_digest()}
+                "torch": torch.__version__, "deepcompile": __version__, "source": source_digest()}
 
     def files(self) -> str:
         """This entry's files, ``{rank}`` standing for the rank: what ``model.dc_plan["cache"]`` names,
@@ -337,7 +337,7 @@ class PlanCache:
 
     def _load(self, path: str) -> tuple[dict | None, str]:
         """(entry, '') or (None, why not); a file that is there but unreadable warns."""
-        from deepcompile.config import PassEntry
+        from deepcompile.passes.registry import PassEntry
         from deepcompile.passes import PASSES
         from deepcompile.passes.registry import make_params
         from deepcompile.profile.profiler import Profile

@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from deepcompile.plan.estimate import fmt_bytes
+from deepcompile.plan.estimate import fmt_bytes, offload_ms
 from deepcompile.plan.memory import (GIB, MIB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory, prefetch_bytes,
                                      resident_bytes)
 
@@ -51,7 +51,6 @@ FUSE_MB = 128.0                                  # coalesced group size, never a
 # optimizer.step takes 8-11 ms of host, so chunks only where the whole-group step does not fit.
 CHUNK_FRACTIONS = (1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64)   # of the largest param group
 CHUNK_HOST_MS = 0.1
-HOST_BYTES_PER_US = 38e3  # pinned host <-> device, both ranks of a host copying at once (2 H200s: 37.9 GB/s each)
 PLANNED = {"selective_unshard": ("budget_mb",), "prefetch": ("budget_mb", "fuse_mb"),
            "offload_optimizer": ("limit_mb", "plan_extra_mb", "final_reload")}
 
@@ -492,18 +491,6 @@ def analytic_step_ms(c: Candidate, facts: MemoryFacts, comm, compute_ms: float, 
             + offload_ms(c.offloaded, accumulation * compute_ms))
 
 
-def offload_ms(offloaded: int, overlap_ms: float) -> float:
-    """What offloading ``offloaded`` bytes of optimizer state adds to a step. The copies out run
-    after the optimizer step, under the next forward: only what exceeds the compute shows. The
-    copies back are counted whole: the planner asks ``offload_optimizer`` for
-    ``final_reload: fit``, so what backward could not take back under the limit comes back in the
-    optimizer step's pre-hook, exposed. (With the end-of-backward reload of everything, the 953M
-    Llama on 2 H200s peaked at 9.46 GiB against a 9.07 GiB limit: the end of backward holds the
-    gradients, and the state came back beside them.)"""
-    copy_ms = offloaded / HOST_BYTES_PER_US / 1e3
-    return copy_ms + max(0.0, copy_ms - overlap_ms)
-
-
 def _split_kept(facts: MemoryFacts, kept: int) -> tuple[list[int], list[int]]:
     """The sizes taken as kept (largest-saving-first is selective_unshard's business; here the
     smallest, which it favours) and the rest."""
@@ -528,7 +515,7 @@ def hand_set(entries: list) -> dict:
 def apply(entries: list, plan: Plan) -> list:
     """The pass list with the plan's values for every parameter not set by hand, and
     ``offload_optimizer`` appended when the plan offloads and the list lacks it."""
-    from deepcompile.config import PassEntry
+    from deepcompile.passes.registry import PassEntry
 
     params = plan.chosen.params()
     out = []
@@ -660,7 +647,7 @@ def plan_model(model, entries: list) -> list:
 
 
 def _entry(name: str, params: dict):
-    from deepcompile.config import PassEntry
+    from deepcompile.passes.registry import PassEntry
 
     return PassEntry(name=name, params=dict(params))
 

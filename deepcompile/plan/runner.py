@@ -225,7 +225,7 @@ class GraphRunner:
     def gpu_ms(self, p: dict, kept: int, offloaded: int) -> float:
         """The step on the GPU's timeline: the graphs once per micro-batch (kept parameters
         gathered once per optimizer step), the optimizer step, the offload copies not hidden."""
-        from deepcompile.plan.planner import offload_ms
+        from deepcompile.plan.estimate import offload_ms
 
         b = self.b
         graphs_ms = p["step_ms"] - p["optimizer_ms"]

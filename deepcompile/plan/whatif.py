@@ -460,7 +460,7 @@ def _measured(rec) -> tuple[float | None, dict]:
 def _entries(passes) -> list[tuple[str, dict]]:
     """[(name, params)] of a pass list (names, {"name", "params"} dicts or PassEntry); unknown
     names and keys raise ConfigError naming ``passes[i]...``; "auto" values are kept for later."""
-    from deepcompile.config import PassEntry
+    from deepcompile.passes.registry import PassEntry
     from deepcompile.passes import PASSES
 
     if isinstance(passes, (str, bytes)) or not isinstance(passes, (list, tuple)):

@@ -519,7 +519,7 @@ def format_peak(view: dict) -> str:
 def run_command(run: RunRecord | str | os.PathLike) -> dict | None:
     """How the run was started (``writer.launch_command``: argv, cwd, executable, world_size,
     launcher and its env, ``relaunch`` or ``why_not``), or None when the record does not say
-    (a record from before this field)."""
+    (a record written without this field)."""
     if isinstance(run, RunRecord):
         m = run.manifest
     else:

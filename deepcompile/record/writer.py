@@ -233,7 +233,7 @@ class RunRecorder:
         self._steps = open(self.dir / S.STEPS, "a", encoding="utf-8")
 
     def _manifest(self, status: str, reason: str | None = None) -> None:
-        from deepcompile import __version__
+        from deepcompile.version import __version__
 
         m = {"format_version": S.FORMAT_VERSION, "tool": f"deepcompile {__version__}",
              "created": self.created, "world_size": self.world, "ranks": list(range(self.world)),

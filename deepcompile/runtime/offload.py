@@ -261,20 +261,10 @@ def _wait_activation(t: torch.Tensor, aid: int) -> None:
     ENGINE.wait(t, ("act", aid))
 
 
-def _reload_optimizer_state(anchor: torch.Tensor, reserve_bytes: int) -> None:
-    from deepcompile.runtime import optimizer_state
-
-    optimizer_state.MANAGER.reload_from_graph(reserve_bytes)
-
-
-def _release_optimizer_state(anchor: torch.Tensor, reserve_bytes: int) -> None:
-    from deepcompile.runtime import optimizer_state
-
-    optimizer_state.MANAGER.release_from_graph(reserve_bytes)
-
-
-def define_ops() -> None:
-    """Define the ``dc`` offload ops (idempotent; called by ``ops.ensure_registered``)."""
+def define_ops(extra: dict | None = None) -> None:
+    """Define the ``dc`` offload ops (idempotent; called by ``ops.ensure_registered``), plus
+    ``extra`` ops of the same kind ({schema: impl}: the optimizer-state manager's, which sits
+    above this engine and hands its own impls in)."""
     global _lib
     if _lib is not None:
         return
@@ -285,8 +275,7 @@ def define_ops() -> None:
         "offload_activation(Tensor(a!) t, Tensor[] after, int id) -> ()": _offload_activation,
         "reload_activation(Tensor(a!) t, int id) -> ()": _reload_activation,
         "wait_activation(Tensor(a!) t, int id) -> ()": _wait_activation,
-        "reload_optimizer_state(Tensor(a!) anchor, int reserve_bytes) -> ()": _reload_optimizer_state,
-        "release_optimizer_state(Tensor(a!) anchor, int reserve_bytes) -> ()": _release_optimizer_state,
+        **(extra or {}),
     }
     for schema, fn in defs.items():
         name = schema.split("(")[0]

@@ -216,8 +216,8 @@ def ensure_registered():
     for op in (torch.ops.dc.reduce_grad.default, torch.ops.dc.reduce_grads.default):
         if not inductor_compat.never_reuse_inputs(op, on_failure=lambda: C.set_copy_grads(True)):
             C.set_copy_grads(True)
-    from deepcompile.runtime import offload
+    from deepcompile.runtime import offload, optimizer_state
 
-    offload.define_ops()
+    offload.define_ops(optimizer_state.OPS)
     _REGISTERED = True
     return C

@@ -194,3 +194,18 @@ def _allocated() -> int:
 
 
 MANAGER = OptimizerStateOffload()
+
+
+def _reload_optimizer_state(anchor: torch.Tensor, reserve_bytes: int) -> None:
+    MANAGER.reload_from_graph(reserve_bytes)
+
+
+def _release_optimizer_state(anchor: torch.Tensor, reserve_bytes: int) -> None:
+    MANAGER.release_from_graph(reserve_bytes)
+
+
+# the graph's optimizer-state ops, defined with the offload engine's ops (runtime/offload.py)
+OPS = {
+    "reload_optimizer_state(Tensor(a!) anchor, int reserve_bytes) -> ()": _reload_optimizer_state,
+    "release_optimizer_state(Tensor(a!) anchor, int reserve_bytes) -> ()": _release_optimizer_state,
+}
