@@ -158,8 +158,6 @@ def _signature(gm: fx.GraphModule) -> tuple:
 class Backend:
     def __init__(self, config, param_meta: dict, world_size: int, rank: int,
                  observers: list[Callable[[GraphVersion], None]] | None = None, blocks: str | None = None):
-        import os
-
         self.config = config
         self.blocks = blocks  # blocks.resolve: the final graphs compiled as block regions ("on", "auto") or whole
         self.param_meta = param_meta
@@ -180,8 +178,8 @@ class Backend:
         self.profile = None             # the agreed Profile, once a profiling step has run
         self.measured = {}              # (graph_id, kind) -> node records of the profiling step
         # trace once: the scheduled re-compile reuses the warm-up's partitioned graphs instead of
-        # tracing again; DEEPCOMPILE_TRACE_ONCE=0 turns it off (every compile traces)
-        self.trace_once = os.environ.get("DEEPCOMPILE_TRACE_ONCE", "1") != "0"
+        # tracing again; config trace_once: false turns it off (every compile traces)
+        self.trace_once = bool(getattr(config, "trace_once", True))
         self.kept: list[_Kept] = []
         self.trace_once_log: list[dict] = []   # one entry per scheduled re-compile: reused or why not
         self.plan_cache = None          # deepcompile.plan.cache.PlanCache (initialize sets it), or None: off
@@ -635,7 +633,7 @@ class Backend:
 
     def _cannot_retarget(self, dynamic_changed: bool = False) -> str | None:
         if not self.trace_once:
-            return "trace once is off (DEEPCOMPILE_TRACE_ONCE=0)"
+            return "trace once is off (config trace_once: false)"
         if dynamic_changed:  # the kept graphs are static in dims that now vary
             return "dims became dynamic since the warm-up trace"
         if not self.kept:

@@ -143,6 +143,9 @@ class Config:
                                     "warning (on the CPU whole graphs compile); true: on any device, and a graph "
                                     "it cannot cut raises; false: whole graphs (to compare, or where a "
                                     "cross-block fusion matters more than compile time)")
+    trace_once: bool = spec(True, help="a scheduled re-compile (the default plan's step 2) re-uses the warm-up's "
+                                        "traced and partitioned graphs instead of running Dynamo and AOTAutograd "
+                                        "again; false: every compile traces (to compare)")
     trace_blocks: bool = spec(True, help="trace each distinct decoder block once: every entry of an nn.ModuleList "
                                           "of modules of one class is traced as a nested compile region "
                                           "(torch.compiler.nested_compile_region), so Dynamo installs, and "

@@ -132,10 +132,9 @@ def shard_tensor(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     return out
 
 
-# Environment switches that change which collectives a rank issues (how kept parameters are
-# grouped, how a reduce bucket travels): ranks launched with
-# different values would cut different groups and wait on each other forever.
-SAME_ENV = ("DEEPCOMPILE_KEEP_GROUP_MB", "DEEPCOMPILE_REDUCE_PACK")
+# Environment switches that change which collectives a rank issues (how a reduce bucket
+# travels): ranks launched with different values would wait on each other forever.
+SAME_ENV = ("DEEPCOMPILE_REDUCE_PACK",)
 
 
 def _check_same_on_all_ranks(table: list[tuple[str, tuple[int, ...], str]], group) -> None:

@@ -266,7 +266,7 @@ def test_demo_killed_rank0_leaves_manifest_failed(tmp_path):
 
 
 def _different_env(rank, world):
-    os.environ["DEEPCOMPILE_KEEP_GROUP_MB"] = "128" if rank == 0 else "64"
+    os.environ["DEEPCOMPILE_REDUCE_PACK"] = "coalesced" if rank == 0 else "cat"
     try:
         _init(60)
     except ValueError as e:
@@ -275,13 +275,13 @@ def _different_env(rank, world):
 
 
 def test_ranks_with_different_collective_switches_fail_at_initialize():
-    """DEEPCOMPILE_KEEP_GROUP_MB (and the reduce path, and blocks) decide which collectives a
-    rank issues: ranks launched with different values used to cut different gather groups and
-    hang in the first forward. initialize compares them with the parameter table (one
-    all_gather_object) and names the variable and both values."""
+    """DEEPCOMPILE_REDUCE_PACK decides which collectives a rank issues: ranks launched with
+    different values would pack their reduce buckets differently and hang in the first backward.
+    initialize compares it with the parameter table (one all_gather_object) and names the
+    variable and both values."""
     res = run_ranks(_different_env, 2, timeout=120)
     for msg in res:
-        assert msg and "DEEPCOMPILE_KEEP_GROUP_MB is '128' on rank 0 and '64' on rank 1" in msg, res
+        assert msg and "DEEPCOMPILE_REDUCE_PACK is 'coalesced' on rank 0 and 'cat' on rank 1" in msg, res
 
 
 def _gathers_across_slice_ends(rank, world, n):

@@ -51,31 +51,14 @@ DC = torch.ops.dc
 # at NVLink / at 40 GB/s: one collective at the top 50.8 / 128.5 ms, 16 MiB groups 52.5 / 123.8,
 # 64 MiB 48.0 / 120.3, 128 MiB 47.3 / 119.4, 256 MiB 46.9 / 119.2, 1 GiB 48.1 / 123.3 (the
 # host's cost per start and wait is not measured yet: see plan.estimate.HOST_US).
-# DEEPCOMPILE_KEEP_GROUP_MB replaces this default for A/B runs (benchmarks/zero3.py records
-# DEEPCOMPILE_* variables); a value in the config's pass entry wins over both.
+# Another size is a pass parameter: {"name": "selective_unshard", "params": {"group_mb": ...}}.
 GROUP_MB = 128.0
-
-
-def _group_mb_default() -> float:
-    import os
-
-    v = os.environ.get("DEEPCOMPILE_KEEP_GROUP_MB")
-    if v is None or v == "":
-        return GROUP_MB
-    try:
-        mb = float(v)
-    except ValueError:
-        mb = -1.0
-    if not mb >= 0:
-        raise ValueError(f"DEEPCOMPILE_KEEP_GROUP_MB={v!r}: expected a number of MiB >= 0 (0: one collective "
-                         f"at the top), or unset for the default {GROUP_MB:g}")
-    return mb
 
 
 @dataclass
 class SelectiveUnshardParams:
     budget_mb: float = spec(64.0, min=0.0, max=1e7, help="memory (MiB) of gathered parameters kept resident")
-    group_mb: float = spec(_group_mb_default(), min=0.0, max=1e7,
+    group_mb: float = spec(GROUP_MB, min=0.0, max=1e7,
                            help="the forward gathers kept parameters in need order, in coalesced groups of up to "
                                 "this many MiB, each waited just before its first use; 0: one collective, waited "
                                 "at the top")
