@@ -21,6 +21,7 @@ def run_notebook(name: str, tmp_path: Path, timeout: int = 600):
     nb = nbformat.read(NB / name, as_version=4)
     env_before = dict(os.environ)
     os.environ["DC_NOTEBOOK_WORKDIR"] = str(tmp_path / "work")
+    os.environ["DC_NOTEBOOK_STEPS"] = "2"   # notebooks that train read it: the fewest steps their cells need
     os.environ["PYTHONPATH"] = str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
