@@ -203,8 +203,11 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             # everything gathered in this tiny model, so the final version has no moves to show)
             labels = [t.strip() for t in page.locator(f"{insp} .dc-pass select option").evaluate_all(
                 "els => els.map(e => e.value)")]   # the text has &nbsp; where the value has a space
-            after_pf = [t for t in labels if t.endswith(": prefetch")][-1]
-            before_pf = [t for t in labels if t.endswith(": zero3") and int(t.split(":")[0]) < int(after_pf.split(":")[0])][-1]
+            def after(label):  # "4: prefetch · compile 2/2, step 3" -> "prefetch"
+                return label.split(": ", 1)[1].split(" · ")[0]
+
+            after_pf = [t for t in labels if after(t) == "prefetch"][-1]
+            before_pf = [t for t in labels if after(t) == "zero3" and int(t.split(":")[0]) < int(after_pf.split(":")[0])][-1]
             page.locator(f"{insp} .dc-pass select").select_option(value=after_pf)
             page.wait_for_timeout(1000)
             page.locator(f"{insp} .dc-diff-pass select").select_option(value=before_pf)
