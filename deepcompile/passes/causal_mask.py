@@ -273,6 +273,17 @@ def _describe(v: Any) -> str:
     return f"[{','.join(map(str, v.shape))}] {str(v.dtype).replace('torch.', '')}" if isinstance(v, torch.Tensor) else "?"
 
 
+def _masked_sdpa_calls(graph: fx.Graph):
+    """(node, its parameters, its mask node) of every SDPA call given a mask node and not causal."""
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        p = _sdpa_params(node)
+        mask = p.get("attn_mask")
+        if isinstance(mask, fx.Node) and not p.get("is_causal"):
+            yield node, p, mask
+
+
 def restore_causal_sdpa(gm: fx.GraphModule) -> list[str]:
     """Rewrite, in place, every SDPA call of ``gm`` (and of the nested-region bodies it calls) whose
     mask is a compile-time constant causal mask into ``attn_mask=None, is_causal=True``; returns
@@ -283,13 +294,7 @@ def restore_causal_sdpa(gm: fx.GraphModule) -> list[str]:
     done, kept = [], []
     outer_dead: set[fx.Node] = set()
 
-    for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _SDPA:
-            continue
-        p = _sdpa_params(node)
-        mask = p.get("attn_mask")
-        if not isinstance(mask, fx.Node) or p.get("is_causal"):
-            continue
+    for node, p, mask in _masked_sdpa_calls(gm.graph):
         try:
             v = folder.outer(gm.graph, mask)
             why = folder.causal(v, _value(p["query"]), _value(p["key"]))
@@ -337,13 +342,7 @@ def _rewrite_bodies(gm: fx.GraphModule, folder: _Folder, outer_dead: set[fx.Node
         places = [n for n in body.graph.nodes if n.op == "placeholder"]
         changed = False
         dead: set[fx.Node] = set()
-        for node in list(body.graph.nodes):
-            if node.op != "call_function" or node.target not in _SDPA:
-                continue
-            p = _sdpa_params(node)
-            mask = p.get("attn_mask")
-            if not isinstance(mask, fx.Node) or p.get("is_causal"):
-                continue
+        for node, p, mask in _masked_sdpa_calls(body.graph):
             why, v = None, None
             try:
                 nodes = _ancestors(mask)
