@@ -447,7 +447,8 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0, passes: list | None = N
                 lines.append(f"  graph {gid} {kind:<9}{tag} " + " -> ".join(parts))
     st = rec.steps
     if st:
-        from deepcompile.report.figures import fmt_ms, special_steps, steady_median_ms
+        from deepcompile.record.steps import special_steps, steady_median_ms
+        from deepcompile.report.figures import fmt_ms
 
         times = [s["time_s"] for s in st]
         losses = [s["loss"] for s in st if s.get("loss") is not None]

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from deepcompile.record.steps import special_steps, steady_median_ms
 from deepcompile.report import graph_layout as L
 from deepcompile.report import html as H
 from deepcompile.report.html import render_report
@@ -420,9 +421,9 @@ def test_steady_median_leaves_out_compile_profiling_and_recompile():
 
     steps = [{"step": 1, "time_s": 9.7}, {"step": 2, "time_s": 1.3}, {"step": 3, "time_s": 5.0},
              {"step": 4, "time_s": 0.12}, {"step": 5, "time_s": 0.13}, {"step": 6, "time_s": 0.125}]
-    med, n = F.steady_median_ms(steps, {"profile_step": 1})
+    med, n = steady_median_ms(steps, {"profile_step": 1})
     assert n == 3 and med == pytest.approx(125.0)
-    assert F.special_steps(steps, {"profile_step": 1}) == {1: "compile", 2: "profiling", 3: "re-compile"}
+    assert special_steps(steps, {"profile_step": 1}) == {1: "compile", 2: "profiling", 3: "re-compile"}
 
 
 def test_gather_links_without_graphs_pair_in_order():
@@ -499,7 +500,7 @@ def test_steps_figure_keeps_the_compile_steps_off_the_scale():
 
     steps = [{"step": i, "time_s": t, "loss": 5 - i * 0.1, "mem": {"peak": 3 << 30}}
              for i, t in enumerate([4.0, 0.15, 2.6, 0.040, 0.042, 0.041], start=1)]
-    special = F.special_steps(steps, {"profile_step": 1, "schedule": []})
+    special = special_steps(steps, {"profile_step": 1, "schedule": []})
     assert special == {1: "compile", 2: "profiling", 3: "re-compile"}
     fig = F.steps_figure(steps, special=special)
     steady = next(t for t in fig["data"] if (t.get("meta") or {}).get("steady"))
@@ -510,7 +511,7 @@ def test_steps_figure_keeps_the_compile_steps_off_the_scale():
     assert "step 2: profiling · 150.00 ms" in marks["text"][1]
     mem = next(t for t in fig["data"] if (t.get("meta") or {}).get("row") == "memory")
     assert mem["meta"]["unit"] == "GiB" and mem["y"][0] == 3
-    assert F.special_steps(steps, None)[1] == "compile" and F.special_steps(steps, None).get(3) == "slow"
+    assert special_steps(steps, None)[1] == "compile" and special_steps(steps, None).get(3) == "slow"
 
 
 def test_each_graph_once_and_the_compile_diff_only_when_it_differs():

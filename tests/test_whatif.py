@@ -151,12 +151,12 @@ def test_a_limit_below_the_peak_replans_or_warns(record):
 
 
 def test_measured_side_is_the_one_steady_median():
-    """The what-if's measured step is the median every view states (report.figures.steady_median_ms):
+    """The what-if's measured step is the median every view states (record.steps.steady_median_ms):
     the compile, profiling and re-compile steps left out, numbered as the record numbers them."""
     from types import SimpleNamespace
 
     from deepcompile.plan.whatif import _measured
-    from deepcompile.report.figures import steady_median_ms
+    from deepcompile.record.steps import steady_median_ms
 
     steps = [{"step": 1, "time_s": 9.7}, {"step": 2, "time_s": 1.3}, {"step": 3, "time_s": 5.0},
              {"step": 4, "time_s": 0.13}, {"step": 5, "time_s": 0.12}, {"step": 6, "time_s": 0.125},

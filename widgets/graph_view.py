@@ -368,7 +368,7 @@ class GraphModel:
         if n <= 1:
             return [f"{i}: {v.after}" for i, v in enumerate(vs)]
         try:
-            from deepcompile.report.figures import special_steps
+            from deepcompile.record.steps import special_steps
 
             again = sorted(k for k, why in special_steps(self.rec.steps, self.rec.config).items() if "re-compile" in why)
         except Exception:

@@ -267,7 +267,7 @@ class InspectorModel:
             cfg = S.check_config(str(Path(run_dir) / S.CONFIG), load_json(Path(run_dir) / S.CONFIG, root=run_dir))
         except (RecordError, OSError):
             cfg = {}
-        from deepcompile.report.figures import steady_median_ms
+        from deepcompile.record.steps import steady_median_ms
 
         # compile, profiling, re-compile left out: the one median (report, inspect, what-if)
         out["step_ms"] = steady_median_ms(ss, cfg)[0]
@@ -329,7 +329,7 @@ class InspectorModel:
                 if isinstance(p, dict) else str(p) for p in listed)
             sm = StepsModel(run_dir)
             sm.poll()
-            from deepcompile.report.figures import steady_median_ms
+            from deepcompile.record.steps import steady_median_ms
 
             ss = sm.steps.get(self.rank, next(iter(sm.steps.values()), []))
             med = steady_median_ms(ss, cfg)[0]   # the same steady steps as the comparison and the report

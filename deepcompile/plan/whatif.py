@@ -428,11 +428,11 @@ def _capacity(env: dict) -> int | None:
 
 def _measured(rec) -> tuple[float | None, dict]:
     """(host ms per step, {step_ms, peak_bytes}) of the record's steady steps: every step but the
-    compile, the profiled step and the re-compiles (``report.figures.special_steps``, the steps
+    compile, the profiled step and the re-compiles (``record.steps.special_steps``, the steps
     every view leaves out of its median), else the last half."""
     import statistics
 
-    from deepcompile.report.figures import special_steps
+    from deepcompile.record.steps import special_steps
 
     st = [s for s in rec.steps if isinstance(s.get("time_s"), (int, float))]
     if not st:

@@ -44,6 +44,7 @@ from deepcompile.plan import estimate as E
 from deepcompile.profile import trace
 from deepcompile.record import schema as S
 from deepcompile.record.reader import RecordError, RunRecord, load_json, read_all_steps, read_run
+from deepcompile.record.steps import special_steps
 from deepcompile.report import figures as F
 from deepcompile.report import graph_layout as L
 
@@ -216,7 +217,7 @@ def _section_steps(rec: RunRecord, all_steps: dict[int, list[dict]], figs: _Figu
         out.append(f"<p class='note'>{len(bad_time)} step time(s) are NaN or infinite (from step {bad_time[0]}); "
                    "they are gaps in the step-time chart.</p>")
     out.append(_nan_note(len(bad_loss), "loss") + _nan_note(len(bad_time), "step time"))
-    special = F.special_steps(st, rec.config)
+    special = special_steps(st, rec.config)
     if special:
         out.append("<p class='note'>Not steady-state steps (marked above the step-time chart, whose scale the "
                    "other steps set): " + ", ".join(f"step {k}: {esc(v)}" for k, v in sorted(special.items()))
