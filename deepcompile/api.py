@@ -265,7 +265,7 @@ class DeepCompileModel(nn.Module):
             prof.host["ops_us"] = take_host_ops()   # each dc op's own host time in the profiling step
         rep = self.__dict__.get("dc_replicate_group")
         if rep is not None:  # HSDP: the gradient all-reduce across replicas has its own link
-            from deepcompile.plan.cost_model import ReplicateLink
+            from deepcompile.vocab.links import ReplicateLink
             from deepcompile.profile.profiler import benchmark_allreduce
 
             prof.replicate = ReplicateLink(benchmark_allreduce(rep, self._dc_device()),

@@ -120,7 +120,7 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
     import torch
     import torch.distributed as dist
 
-    import deepcompile
+    from deepcompile.api import initialize
     from deepcompile.profile import trace
     from deepcompile.plan import estimate
     from deepcompile.record.writer import RunRecorder, memory_stats
@@ -139,7 +139,7 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
         device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
         torch.manual_seed(seed)  # same initial weights on every rank
         user_model, make_batch = load_factory(factory)() if factory else _builtin_gpt(batch, seed, world)
-        model, opt = deepcompile.initialize(user_model, lambda ps: torch.optim.AdamW(ps, lr=3e-3), cfg)
+        model, opt = initialize(user_model, lambda ps: torch.optim.AdamW(ps, lr=3e-3), cfg)
         rec = RunRecorder(out, rank, world, model.dc_config, command=command)
         model.dc_backend.observers.append(rec.graph_version)  # graphs compile at the first call
         for step in range(1, steps + 1):
@@ -416,9 +416,9 @@ def cmd_report(a: argparse.Namespace) -> int:
 def summarize(run_dir: str | os.PathLike, rank: int = 0, passes: list | None = None) -> str:
     """What ``deepcompile inspect`` prints; ``passes``: the pass list whose prediction it states
     (default: the run's own)."""
-    from deepcompile.plan.estimate import fmt_bytes
+    from deepcompile.vocab.memory import fmt_bytes
     from deepcompile.record.reader import read_run
-    from deepcompile.report.graph_layout import diff
+    from deepcompile.report.graph_groups import diff
 
     rec = read_run(run_dir, rank)
     m, env = rec.manifest, rec.environment
@@ -448,7 +448,7 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0, passes: list | None = N
     st = rec.steps
     if st:
         from deepcompile.record.steps import special_steps, steady_median_ms
-        from deepcompile.report.figures import fmt_ms
+        from deepcompile.report.style import fmt_ms
 
         times = [s["time_s"] for s in st]
         losses = [s["loss"] for s in st if s.get("loss") is not None]

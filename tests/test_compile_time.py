@@ -103,7 +103,7 @@ def _hoist_walks(n_params: int) -> tuple[int, list[str]]:
     """Walks of prefetch's hoist when a profile guides it (``cover`` > 0), and the order it leaves."""
     from deepcompile.passes import prefetch as pf
     from deepcompile.passes.registry import PassContext
-    from deepcompile.plan.cost_model import CommModel
+    from deepcompile.vocab.links import CommModel
     from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
 
     gm = _zero3_graph(n_params)

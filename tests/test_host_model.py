@@ -1,5 +1,5 @@
 """The host model follows the machine: the profiling step's host micro-benchmark (GPU only) is
-recorded in the profile, agreed across ranks, and scales plan.estimate.HOST_US by its ratio to
+recorded in the profile, agreed across ranks, and scales profile.host.HOST_US by its ratio to
 the reference host's (HOST_REF); on a CPU profile host_model stays None."""
 from __future__ import annotations
 

@@ -136,3 +136,58 @@ def test_the_runtime_stands_on_the_shims_alone():
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b": ["a.py:1"]}, "b": {"c": ["b.py:1"]}, "c": {"a": ["c.py:3"]}, "d": {"a": ["d.py:1"]}}
     assert _cycles(graph) == [["a", "b", "c"]]
+
+
+# The layers, bottom first: a module may import its own package and the layers below it, never one
+# above. Read as the pipeline: shared words, the torch shims, the native runtime and the row shards
+# it executes; the compile machinery and the passes that rewrite graphs; what a profiled step
+# measured, the record that keeps it, the plan made from them; then the entry points (config,
+# backend, api) and what shows the record (report, cli).
+LAYERS = (
+    ("deepcompile.version", "deepcompile.params", "deepcompile.vocab", "deepcompile.models"),
+    ("deepcompile.compat",),
+    ("deepcompile.runtime",),
+    ("deepcompile.sharding",),
+    ("deepcompile.compile",),
+    ("deepcompile.passes",),
+    ("deepcompile.profile",),
+    ("deepcompile.record",),
+    ("deepcompile.plan",),
+    ("deepcompile.config",),
+    ("deepcompile.backend",),
+    ("deepcompile.clip",),
+    ("deepcompile.api",),
+    ("deepcompile.checkpoint",),
+    ("deepcompile.report",),
+    ("deepcompile.cli",),
+    ("deepcompile", "deepcompile.__main__"),
+)
+
+
+def _place(mod: str) -> tuple[int, str]:
+    """(layer, entry) of ``mod``: its longest-matching entry of :data:`LAYERS`."""
+    best = None
+    for i, layer in enumerate(LAYERS):
+        for entry in layer:
+            if (mod == entry or mod.startswith(entry + ".")) and (best is None or len(entry) > len(best[1])):
+                best = (i, entry)
+    assert best is not None, f"{mod} is in no layer of tests/test_layers.py: LAYERS"
+    return best
+
+
+def test_every_import_points_down_the_layers():
+    graph = import_graph()
+    up = []
+    for mod, targets in sorted(graph.items()):
+        layer, entry = _place(mod)
+        for t, where in sorted(targets.items()):
+            t_layer, t_entry = _place(t)
+            if t_entry != entry and t_layer >= layer:
+                up.append(f"  {mod} (layer {layer}) -> {t} (layer {t_layer}) ({', '.join(where)})")
+    assert not up, ("deepcompile's layers (tests/test_layers.py: LAYERS, bottom first) point one way; "
+                    "these imports point up or sideways:\n" + "\n".join(up))
+
+
+def test_the_vocabulary_imports_nothing_of_deepcompile():
+    bad = _reaches_outside(import_graph(), "deepcompile.vocab", ())
+    assert not bad, "deepcompile.vocab is the shared words, beneath everything:\n" + "\n".join(bad)

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deepcompile.plan import planner as P
-from deepcompile.plan.cost_model import CommModel
+from deepcompile.vocab.links import CommModel
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, optimizer_peak, plan_memory
 from deepcompile.runtime import optim_chunks as OC
 from tests.dist_utils import run_ranks

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepcompile.plan import planner as P
-from deepcompile.plan.cost_model import CommModel
+from deepcompile.vocab.links import CommModel
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, plan_memory, prefetch_bytes
 from tests.dist_utils import run_ranks
 

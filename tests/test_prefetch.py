@@ -349,7 +349,7 @@ def test_hoist_moves_exactly_as_the_plain_walk(cover, fuse_mb):
 
     from deepcompile.passes import prefetch as pf
     from deepcompile.passes.registry import PassContext
-    from deepcompile.plan.cost_model import default_model
+    from deepcompile.vocab.links import default_model
 
     seen = set()
     for budget_mb in (0.0, 0.004, 0.01, 0.03, 0.05, 0.08, 1.0):

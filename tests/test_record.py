@@ -171,7 +171,7 @@ def test_estimate_prices_unprofiled_nodes_at_the_profiled_rate():
 
 def test_estimate_kept_parameters_are_one_collective_waited_at_once():
     from deepcompile.plan.estimate import estimate
-    from deepcompile.plan.cost_model import CommModel
+    from deepcompile.vocab.links import CommModel
 
     s1 = {"name": "s1", "op": "placeholder", "target": "s1", "shape": [512], "dtype": "float32"}
     many = {"name": "many", "op": "call_function", "target": "dc.gather_persistent_many",
@@ -222,7 +222,7 @@ def test_estimate_trusts_a_profiled_name_only_for_the_same_op_and_prices_views_a
 
 
 def test_estimate_backward_ends_with_its_last_reduce():
-    from deepcompile.plan.cost_model import CommModel
+    from deepcompile.vocab.links import CommModel
     from deepcompile.plan.estimate import estimate
 
     g = {"name": "g", "op": "placeholder", "target": "g", "shape": [1 << 20], "dtype": "float32"}
@@ -244,7 +244,7 @@ def test_estimate_queues_gathers_and_reduces_on_one_stream():
     NCCL runs in issue order on one stream: a gather issued after a reduce starts when the reduce
     has ended, and the backward waits for both. (Priced as two free-running streams, a slow-link
     plan that gathers again in backward was predicted 18% under its measured step.)"""
-    from deepcompile.plan.cost_model import CommModel
+    from deepcompile.vocab.links import CommModel
     from deepcompile.plan.estimate import estimate
 
     def node(name, target, args, shape=None, op="call_function"):
@@ -302,7 +302,7 @@ def test_fused_estimate_charges_only_what_crosses_a_kernel():
 
 
 def test_hidden_collectives_still_cost_compute_their_memory_traffic():
-    from deepcompile.plan.cost_model import CommModel
+    from deepcompile.vocab.links import CommModel
     from deepcompile.plan.estimate import estimate
 
     s = {"name": "s", "op": "placeholder", "target": "s", "shape": [1 << 18], "dtype": "float32"}

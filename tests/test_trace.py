@@ -53,7 +53,8 @@ def test_cpu_trace_uses_leaf_host_ops():
 
 
 def test_profile_round_trip_and_cost_model_prediction():
-    from deepcompile.plan.cost_model import CommModel, predict
+    from deepcompile.plan.cost_model import predict
+    from deepcompile.vocab.links import CommModel
     from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
 
     def n(name, target, args=(), shape=(1024,), dtype="float32", op="call_function"):

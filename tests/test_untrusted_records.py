@@ -85,7 +85,7 @@ def test_graph_file_names_that_leave_the_folder(run, name):
 def test_graph_file_name_outside_refused_by_cli_and_widget(run, capsys):
     _set_index_file(run, "../../../../../../etc/passwd")
     _cli_refuses(run, capsys, "[1].file", "not a plain file name")
-    from deepcompile.widgets.inspector import InspectorModel
+    from deepcompile.widgets.inspector_model import InspectorModel
 
     m = InspectorModel(run, use_dot=False)
     assert m.record is None and "not a plain file name" in m.error
@@ -176,7 +176,7 @@ def test_fifo_refused_by_cli_and_widget(run, capsys):
     p = run / "rank0" / "steps.jsonl"
     p.unlink()
     os.mkfifo(p)
-    from deepcompile.widgets.inspector import InspectorModel
+    from deepcompile.widgets.inspector_model import InspectorModel
 
     with _Unblocker(p) as u:
         _cli_refuses(run, capsys, "FIFO")
@@ -345,7 +345,7 @@ def _write_profile(run: Path, comm) -> None:
 def test_recorded_comm_model_is_checked_before_the_widget_predicts(run):
     """The inspector's Predict button rebuilds ``CommModel(**comm)`` from the record: the schema
     holds exactly its fields, so a hand-edited comm is a RecordError, not a TypeError on a click."""
-    from deepcompile.plan.cost_model import CommModel
+    from deepcompile.vocab.links import CommModel
     from deepcompile.record import schema as S
     from deepcompile.widgets.passes_view import PassesModel
 
@@ -367,7 +367,7 @@ def test_config_passes_5_through_cli_and_widget(run):
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.strip().splitlines()[-1] == (f"deepcompile inspect: error: {run / 'config.json'}: passes: "
                                                  "expected a list of pass names or {name, params} objects, got 5")
-    from deepcompile.widgets.inspector import InspectorModel
+    from deepcompile.widgets.inspector_model import InspectorModel
 
     m = InspectorModel(run, use_dot=False)
     assert m.record is None and "passes: expected a list" in m.error and "TypeError" not in m.error
@@ -409,9 +409,9 @@ def test_mutated_fields_give_record_error_or_a_working_report(run, tmp_path):
     either refuses it with a RecordError, or ``inspect``, the report and the inspector's models
     all work: no other exception. (Found: a null graph_id in a memory sample broke the sort.)"""
     from deepcompile.cli import summarize
-    from deepcompile.report import graph_layout as L
+    from deepcompile.report import level_layout as L
     from deepcompile.report.html import render_report
-    from deepcompile.widgets.inspector import InspectorModel
+    from deepcompile.widgets.inspector_model import InspectorModel
 
     values = [5, "x", None, [], {}, {"node": 5}, float("nan"), 2 ** 70, "DEL"]
     env_keys = ["torch", "python", "hostname", "devices", "world_size", "rank"]   # the rest is shown as text
@@ -493,24 +493,27 @@ def test_report_of_a_diverged_run_renders_with_a_note(run, tmp_path):
 def test_charts_never_overflow_or_loop():
     """The report's plotly figures take NaN, inf and huge values: JSON that JSON.parse reads
     (non-finite values become null: gaps), no overflow, no endless loop."""
-    from deepcompile.report import figures as F
+    from deepcompile.report.memory_fig import memory_figure
+    from deepcompile.report.schedule_fig import schedule_figure
+    from deepcompile.report.steps_fig import steps_figure
+    from deepcompile.report.style import figure_json, fmt_us
 
     t0 = time.monotonic()
     steps = [{"step": i, "time_s": t, "loss": v, "mem": {"peak": m}}
              for i, (t, v, m) in enumerate([(0.1, float("inf"), 2 ** 70), (float("nan"), 2.0, 0),
                                             (1e308, float("nan"), 5), (0.2, -1e308, -1)], start=1)]
-    fig = F.steps_figure(steps, config={})
-    mem = F.memory_figure({"samples": [{"t_ms": x, "allocated_bytes": b} for x, b in
-                                       ((0, 2 ** 62), (1e17, 0), (1e17 + 1, 5))]})
-    sched = F.schedule_figure([{"graph_id": 0, "kind": "forward", "node": "a", "stream": "compute", "source": "measured",
-                                "start_us": s, "end_us": e} for s, e in ((0, 1e300), (1e17, 1e17 + 1))])
+    fig = steps_figure(steps, config={})
+    mem = memory_figure({"samples": [{"t_ms": x, "allocated_bytes": b} for x, b in
+                                     ((0, 2 ** 62), (1e17, 0), (1e17 + 1, 5))]})
+    sched = schedule_figure([{"graph_id": 0, "kind": "forward", "node": "a", "stream": "compute", "source": "measured",
+                              "start_us": s, "end_us": e} for s, e in ((0, 1e300), (1e17, 1e17 + 1))])
     for f in (fig, mem, sched):
-        text = F.figure_json(f)
+        text = figure_json(f)
         assert "NaN" not in text and "Infinity" not in text
         json.loads(text)
     assert time.monotonic() - t0 < 5
     for v in (float("nan"), float("inf"), 1e300, -1e-320, 0):
-        assert "e+" not in F.fmt_us(v) and "e-" not in F.fmt_us(v)
+        assert "e+" not in fmt_us(v) and "e-" not in fmt_us(v)
 
 
 def test_diverging_demo_ends_with_a_report(tmp_path):

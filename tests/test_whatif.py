@@ -136,7 +136,7 @@ def test_record_without_what_it_needs(record, tmp_path):
 def test_a_limit_below_the_peak_replans_or_warns(record):
     """A memory limit below the predicted peak never changes nothing silently: the what-if
     re-plans under it (and says so) or warns, naming the limit and the predicted peak."""
-    from deepcompile.plan.estimate import fmt_bytes
+    from deepcompile.vocab.memory import fmt_bytes
     from deepcompile.plan.whatif import predict_run
 
     free = predict_run(record, plan({"budget_mb": 64, "fuse_mb": 0}, {"budget_mb": 1000}))

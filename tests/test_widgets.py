@@ -91,7 +91,7 @@ def test_graph_model_handle_click_nested_svg(rec):
     picture it produces: an open module is a frame (``dc-expanded``) around its own boxes."""
     import re
 
-    from deepcompile.report import graph_layout as L
+    from deepcompile.report import level_layout as L
     from deepcompile.widgets import GraphModel
 
     g = GraphModel(rec)
@@ -132,9 +132,9 @@ def _bench_module():
 def test_nested_layout_lays_out_identical_layers_once():
     """Per-module layout: the inside of a layer is laid out by graphviz once and reused for every
     identical layer (the level's graphviz text is its structural signature: no layer names)."""
-    from deepcompile.report import graph_layout as L
+    from deepcompile.report import level_layout as L
     from deepcompile.widgets import GraphModel
-    from deepcompile.widgets.graph_view import key_chains
+    from deepcompile.widgets.graph_groups import key_chains
 
     if not L.have_dot():
         pytest.skip("graphviz is not installed")
@@ -173,7 +173,7 @@ def test_nested_layout_lays_out_identical_layers_once():
 
 
 def test_union_diff_marks_moved_added_removed():
-    from deepcompile.widgets.graph_view import union_diff
+    from deepcompile.widgets.graph_groups import union_diff
 
     n = lambda name: {"name": name, "op": "call_function", "target": "aten.add", "args": [], "scope": ""}  # noqa
     before = [n(x) for x in "abcde"]
@@ -198,9 +198,9 @@ def _prefetch_record(budget_mb=64.0, fuse_mb=0.0):
 def test_graph_view_moved_collectives_from_to(layout):
     import html as H
 
-    from deepcompile.report import graph_layout as L
+    from deepcompile.report import level_layout as L
     from deepcompile.widgets import GraphModel
-    from deepcompile.widgets.graph_view import DIFF_COLORS
+    from deepcompile.widgets.graph_render import DIFF_COLORS
 
     if layout == "dot" and not L.have_dot():
         pytest.skip("graphviz not installed")
@@ -235,7 +235,7 @@ def test_graph_view_moved_collectives_from_to(layout):
 
 def test_graph_view_added_and_removed_chips_differ():
     from deepcompile.widgets import GraphModel
-    from deepcompile.widgets.graph_view import DIFF_COLORS, DIFF_SYMBOLS
+    from deepcompile.widgets.graph_render import DIFF_COLORS, DIFF_SYMBOLS
 
     rec, nm = _prefetch_record(64.0, 64.0)      # three gathers fused into one: 1 added, 3 removed
     g = GraphModel(rec, use_dot=False)
@@ -291,7 +291,7 @@ def test_graph_view_node_detail_fields():
 def test_graph_view_colour_legend_min_max():
     from deepcompile.plan import estimate as E
     from deepcompile.widgets import GraphModel
-    from deepcompile.widgets.graph_view import key_chains
+    from deepcompile.widgets.graph_groups import key_chains
 
     rec, nm = _prefetch_record()
     names = [n["name"] for n in rec.versions(0, "forward")[-1].nodes]
@@ -766,7 +766,7 @@ def test_whatif_on_edit_is_debounced_and_changes_the_numbers(planned_run):
 def test_one_peak_across_views(planned_run, tmp_path):
     pytest.importorskip("ipywidgets")
     from deepcompile.cli import summarize
-    from deepcompile.plan.estimate import fmt_bytes
+    from deepcompile.vocab.memory import fmt_bytes
     from deepcompile.record.reader import memory_view
     from deepcompile.report.html import render_report
     from deepcompile.widgets import Inspector
@@ -849,7 +849,7 @@ def test_reset_clears_the_whatif_and_a_low_limit_warns(planned_run):
     lane left in the Schedule tab. A memory limit below the predicted peak re-plans or says, in
     a visible warning naming the limit and the peak, that it cannot."""
     pytest.importorskip("ipywidgets")
-    from deepcompile.plan.estimate import fmt_bytes
+    from deepcompile.vocab.memory import fmt_bytes
     from deepcompile.widgets import Inspector
 
     insp = Inspector(planned_run, follow=False, whatif_delay_s=30.0)
@@ -952,7 +952,7 @@ def test_live_steps_and_memory_appear_as_written(tmp_path):
     """Following a live run: before step 1 the note says it compiles; each step shows on its own
     within a poll or two of its line; the profiled step's memory timeline is plotted when written."""
     pytest.importorskip("ipywidgets")
-    from deepcompile.plan.memory import MEMORY_CATEGORIES
+    from deepcompile.vocab.memory import MEMORY_CATEGORIES
     from deepcompile.record.writer import RunRecorder
     from deepcompile.widgets import Inspector
 
@@ -1048,7 +1048,7 @@ def test_live_steps_plot_each_steps_peak_by_category(tmp_path):
     rec2 = RunRecorder(run2, 0, 1, {"compiler": "eager"}, env=env)
     rec2.step(1, 0.1, 1.0, {"allocated": 5 << 20, "reserved": 5 << 20, "peak": 6 << 20,
                             "by_category": {"parameter_shards": 1000, "optimizer_state": 2000}, "split": "cpu"})
-    from deepcompile.widgets.timeline_view import StepsModel
+    from deepcompile.widgets.steps_view import StepsModel
 
     sm = StepsModel(run2)
     sm.poll()

@@ -28,7 +28,7 @@ import torch.fx as fx
 from deepcompile.params import spec
 from deepcompile.passes.registry import PassContext, register_pass
 from deepcompile.passes.zero3 import is_op
-from deepcompile.plan.cost_model import default_model
+from deepcompile.vocab.links import default_model
 
 DC = torch.ops.dc
 
@@ -300,7 +300,7 @@ def _annotate(g: fx.Graph, gathers: list[_Gather], order0: list[fx.Node]) -> lis
 
 def _group_note(info: dict, ctx: PassContext) -> str:
     """One line per collective: which parameters, issued where, first used where."""
-    from deepcompile.plan.estimate import fmt_bytes
+    from deepcompile.vocab.memory import fmt_bytes
 
     pids = info["params"]
     names = [ctx.param_meta[p].name if p in ctx.param_meta else str(p) for p in pids]

@@ -38,7 +38,7 @@ import torch.fx as fx
 from deepcompile.params import spec
 from deepcompile.passes.registry import PassContext, register_pass
 from deepcompile.passes.zero3 import _fake_like, is_op
-from deepcompile.plan.cost_model import default_model
+from deepcompile.vocab.links import default_model
 
 DC = torch.ops.dc
 
@@ -50,7 +50,7 @@ DC = torch.ops.dc
 # The cost model on the 16-layer record (benchmarks/plan_offline.py, everything kept) predicts
 # at NVLink / at 40 GB/s: one collective at the top 50.8 / 128.5 ms, 16 MiB groups 52.5 / 123.8,
 # 64 MiB 48.0 / 120.3, 128 MiB 47.3 / 119.4, 256 MiB 46.9 / 119.2, 1 GiB 48.1 / 123.3 (the
-# host's cost per start and wait is not measured yet: see plan.estimate.HOST_US).
+# host's cost per start and wait is not measured yet: see profile.host.HOST_US).
 # Another size is a pass parameter: {"name": "selective_unshard", "params": {"group_mb": ...}}.
 GROUP_MB = 128.0
 

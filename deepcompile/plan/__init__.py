@@ -1,12 +1,12 @@
 """Model and plan: between ``profile/`` (what was measured) and ``passes/`` (what is rewritten).
 
 - ``estimate``: the engine that walks a graph's nodes into a schedule and a memory timeline;
-- ``cost_model``: the communication model and ``predict`` (time and peak of a compiled plan);
+- ``cost_model``: ``predict`` (time and peak of a compiled plan);
 - ``memory``: the memory of a plan by category (shards, gathered, gradients, optimizer state,
   activations, offloaded) from a profile;
 - ``planner``: the default plan's pass parameters from the agreed profile, the device's capacity
   and the user's memory limit.
 
-Policy lives here; the passes only take parameters. This package init imports nothing, so
-``profile.profiler`` can import ``plan.cost_model`` (the CommModel it fits) without a cycle.
+Policy lives here; the passes only take parameters. The plan reads the layers below it (passes,
+profile, record); none of them imports the plan.
 """

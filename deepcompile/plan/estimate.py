@@ -33,34 +33,9 @@ VIEW_OPS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "exp
 MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm"}
 
 
-# The host's time to launch each op of a compiled step on a GPU (microseconds): what a host-bound
-# step's pace follows. Measured on the 2-H200 host (torch 2.11, a runtime with one wait per
-# coalesced group and reduce_grad without a clone), 953M Llama, by the profiler per op kind
-# (benchmarks/results/host_profile_L16_h200_2gpu.json: 40.2 ms of compiled graphs and 10.1
-# ms of optimizer step per step), scaled by 0.863 so that they add up to the host time the same
-# run measured without the profiler (43.4 ms). "node": the
-# generated wrapper's Python, spread over every op node (9.2 ms / 3086 nodes); "kernel": an
-# Inductor kernel, charged per fused kernel (``fused_us``'s written outputs; 3.9 ms / 717);
-# "per_param": a kept-gathered collective's per-parameter work. The gathers of parameters that
-# are not kept were not in that run (it kept everything): allgather_params/allgather_param and
-# the waits are a profile of a runtime without coalesced waits (424 us a fused gather, 31 us
-# a wait) and are the least certain. gather_persistent_start / _wait (kept
-# parameters gathered in need order, selective_unshard.group_mb) are not measured yet: a start
-# is taken as a coalesced launch (40 us) plus the per-parameter work of gather_persistent_many,
-# a wait as wait_allgather_many's.
-HOST_US = {"node": 2.6, "matmul": 18.7, "attention": 81.0, "kernel": 4.7, "reduce_grad": 70.0,
-           "gather_persistent": 13.4, "gather_persistent_many": 0.0, "per_param": 13.4,
-           "gather_persistent_start": 40.0, "gather_persistent_wait": 31.0,
-           "allgather_params": 424.0, "allgather_param": 60.0, "wait_allgather": 31.0,
-           "wait_allgather_many": 31.0, "release_param": 1.0, "end_backward": 141.0,
-           # reduce_grads: one call per reduce bucket (passes/zero3.group_reduces). Most of
-           # reduce_grad's 70 us stays per gradient: on the CPU (1 rank, tiny tensors, no profiler) a
-           # gradient costs ~0.8 us to add and ~8 us in its bucket's flush and hand-over (coalesced
-           # reduce-scatter member, output slice, .grad view), the call itself ~1 us; on 2 H200s under
-           # the profiler 40 calls took 12.5 ms a step where 147 reduce_grad calls took 14.4
-           # (results/host_profile_L16_reduce_calls_h200_2gpu.log). So a call is charged 20 us and
-           # each gradient it hands over ("per_grad") 50 us.
-           "reduce_grads": 20.0, "per_grad": 50.0}
+from deepcompile.profile.host import HOST_US
+from deepcompile.vocab.memory import fmt_bytes  # noqa: F401
+
 
 
 GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct")
@@ -322,7 +297,7 @@ def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | Non
     # parameters, predicted 96.8 ms against 117.9 measured (-18%); one queue: 130.5 (+11%, the
     # same side as every other plan's error there). ``comm_free``: when the queue is free.
     comm_free = 0.0
-    # hybrid sharding (``replicate``: a cost_model.ReplicateLink): each bucket's all-reduce across
+    # hybrid sharding (``replicate``: a vocab.links.ReplicateLink): each bucket's all-reduce across
     # replicas starts when its reduce-scatter ends, on its own stream at its own link's speed
     rep_free = 0.0
     ag_end: dict[Any, float] = {}
@@ -541,13 +516,6 @@ def matched_latency_us(gp: Any, versions: list[dict], final: dict) -> tuple[dict
     return ({n["name"]: lat[n["name"]] for n in final["nodes"]
              if n["name"] in lat and target.get(n["name"]) == n.get("target")},
             memory_bound_rate(profiled["nodes"], lat))
-
-
-def fmt_bytes(n: float) -> str:
-    if not n:
-        return "0 B"
-    k = min(int(math.log(abs(n), 1024)), 4)
-    return f"{n / 1024 ** k:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][k]}" if k else f"{int(n)} B"
 
 
 # pinned host <-> device, both ranks of a host copying at once (2 H200s: 37.9 GB/s each)

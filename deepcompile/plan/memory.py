@@ -37,16 +37,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-MIB = 2 ** 20
-GIB = 2 ** 30
-
-# The one vocabulary of memory, measured (the profiled step's timeline, ``profile.profiler``) and
-# predicted (:class:`PlanMemory`); ``record.schema.MEMORY_CATEGORIES`` is this tuple. Every one but
-# ``offloaded`` is on the device (the allocator's bytes on GPU; on CPU the bytes the profiling
-# interpreter and the training state hold): they sum to the allocated total. ``offloaded`` is in
-# host memory (optimizer state sent out by ``offload_optimizer``, offloaded activations).
-MEMORY_CATEGORIES = ("parameter_shards", "gathered", "gradients", "optimizer_state", "activations", "offloaded")
-DEVICE_CATEGORIES = MEMORY_CATEGORIES[:-1]
+from deepcompile.vocab.memory import GIB, MIB, categories_at_peak
 
 
 @dataclass
@@ -109,31 +100,6 @@ class PlanMemory:
         if self.offloaded:
             s += f"; offloaded {self.offloaded / GIB:.2f}"
         return f"peak {self.peak / GIB:.2f} GiB ({s} GiB)"
-
-
-def categories_at_peak(m: dict) -> tuple[dict[str, int], str]:
-    """A :class:`PlanMemory` (as its dict, e.g. ``plan.json``'s ``chosen.memory``) split into
-    :data:`MEMORY_CATEGORIES` at its peak, and where the peak is.
-
-    At a forward/backward peak: the shards, the kept and prefetched gathered parameters, the
-    gradients (with the reduce buckets), the optimizer state left on the device, activations (the
-    rest of the peak) and what was offloaded to the host. At an optimizer-step peak: shards,
-    gradients, all of the state (offloaded state is back for the step), nothing gathered (kept
-    copies are dropped before the step), and as "activations" the rest (the optimizer's
-    temporaries). The device categories sum to ``peak``."""
-    g = lambda k: max(0, int(m.get(k) or 0))  # noqa: E731
-    peak = g("peak")
-    if g("optimizer_peak") > g("fb_peak"):
-        known = {"parameter_shards": g("parameter_shards"), "gathered": 0, "gradients": g("gradients"),
-                 "optimizer_state": g("optimizer_state") + g("offloaded")}
-        where, offloaded = "optimizer step", 0
-    else:
-        known = {"parameter_shards": g("parameter_shards"),
-                 "gathered": g("gathered_kept") + g("gathered_prefetch"), "gradients": g("gradients"),
-                 "optimizer_state": g("optimizer_state")}
-        where, offloaded = "forward/backward", g("offloaded")
-    out = dict(known, activations=max(0, peak - sum(known.values())), offloaded=offloaded)
-    return {k: out[k] for k in MEMORY_CATEGORIES}, where
 
 
 def prefetch_bytes(facts: MemoryFacts, kept: int, budget_mb: float, fuse_mb: float) -> int:
@@ -239,15 +205,3 @@ def _frontier(points: list[tuple[int, int]]) -> list[tuple[int, int]]:
         if not out or p > out[-1][0]:
             out.append((int(p), int(r)))
     return out
-
-
-def resident_bytes() -> int:
-    """This process's resident set (Linux ``/proc/self/statm``; 0 where it cannot be read): the
-    host memory a CPU (gloo) rank's training state occupies."""
-    import os
-
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0

@@ -33,9 +33,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from deepcompile.plan.estimate import fmt_bytes, offload_ms
-from deepcompile.plan.memory import (GIB, MIB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory, prefetch_bytes,
-                                     resident_bytes)
+from deepcompile.plan.estimate import offload_ms
+from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory, prefetch_bytes
+from deepcompile.profile.host import resident_bytes
+from deepcompile.vocab.memory import fmt_bytes
 
 DEFAULT_LIMIT_FRACTION = 0.9
 PREFETCH_LEVELS_MB = (2048.0, 512.0, 64.0, 0.0)  # how far ahead gathers may run
@@ -618,7 +619,7 @@ def plan_model(model, entries: list) -> list:
                 timer = SplitTimer(timer, model.dc_group, n, dist.get_rank(model.dc_group))
     else:
         compute = sum(n.latency_ms for g in prof.graphs.values() for n in g.nodes)
-        from deepcompile.plan.cost_model import default_model
+        from deepcompile.vocab.links import default_model
 
         comm = prof.comm or default_model("gloo")
         timer = lambda c: analytic_step_ms(c, facts, comm, compute, prof.optimizer_ms, accumulation)  # noqa: E731

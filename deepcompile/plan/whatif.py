@@ -16,7 +16,7 @@ the same graphs, as the run would; with the record's config planning (``plan: tr
 default ZeRO-3 plan) a parameter left out is ``"auto"`` too, else it takes its declared default.
 
 The step: the cost model's GPU timeline (which on a GPU profile includes the host's launch
-time per op, ``plan.estimate.HOST_US``: a host-bound step takes the host's pace), at least the
+time per op, ``profile.host.HOST_US``: a host-bound step takes the host's pace), at least the
 record's measured host time per step where its steps carry one (``host_s``). On a CPU record the
 step is calibrated to the record's own measured steady step (``WhatIf.calibration``): the CPU
 profile times each node alone under the profiler, off by the same factor for every plan. The
@@ -113,7 +113,7 @@ class WhatIf:
 def headline(step_ms: float, peak_bytes: int, peak_where: str = "") -> str:
     """``predicted step 825.9 ms, peak 4.6 MiB (at forward/backward)``: one wording of one
     prediction for every view."""
-    from deepcompile.plan.estimate import fmt_bytes
+    from deepcompile.vocab.memory import fmt_bytes
 
     where = f" (at {peak_where})" if peak_where else ""
     return f"predicted step {step_ms:.1f} ms, peak {fmt_bytes(int(peak_bytes))}{where}"
@@ -731,7 +731,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     asked = int(memory_limit_gib * GIB) if memory_limit_gib else None
     warnings: list[str] = []
     if asked is not None and pm.peak > asked:
-        from deepcompile.plan.estimate import fmt_bytes
+        from deepcompile.vocab.memory import fmt_bytes
 
         over = (f"the memory limit {fmt_bytes(asked)} ({memory_limit_gib:g} GiB) is below the predicted peak "
                 f"{fmt_bytes(int(pm.peak))} of these values")

@@ -12,13 +12,13 @@ mostly the interpreter's Python and the sync itself, not the GPU work (the nodes
 Llama step summed to 15 s), and a device-wide sync serialises the collectives' streams.
 
 A micro-benchmark times allgather and reduce-scatter by message size on the actual process
-group and fits the alpha-beta :class:`~deepcompile.plan.cost_model.CommModel`.
+group and fits the alpha-beta :class:`~deepcompile.vocab.links.CommModel`.
 
 Profiles are agreed across ranks (element-wise maximum) before any pass reads them: a rank
 that decided differently would issue different collectives and deadlock the job.
 
 The same walk records this rank's **memory timeline** of the profiled step (not agreed: it is
-per rank), split into ``plan.memory.MEMORY_CATEGORIES``: after every node, the parameter shards
+per rank), split into ``vocab.memory.MEMORY_CATEGORIES``: after every node, the parameter shards
 and their gradients (the model's shards and their ``.grad``), the optimizer state on the device
 (``runtime.optimizer_state``), the gathered parameters alive (the runtime's transient gathers and
 kept copies), what is offloaded to the host, and as activations everything else: on GPU the
@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from deepcompile.compat import c10d as c10d_compat
 from deepcompile.compat import nn as nn_compat
-from deepcompile.plan.cost_model import CommModel, ReplicateLink
+from deepcompile.vocab.links import CommModel, ReplicateLink
 
 
 @dataclass
@@ -567,7 +567,7 @@ def take_memory_timeline(compiled: dict, step: int = -1, optimizer_ms: float = 0
     record's ``memory.json.gz`` form (``record.schema``), and forget it. ``compiled``: the
     backend's (graph_id, kind) -> graph module, naming the graphs that ran; the optimizer step
     adds one last sample (its measured peak on GPU; on CPU what it holds: shards, gradients, state)."""
-    from deepcompile.plan.memory import DEVICE_CATEGORIES, MEMORY_CATEGORIES
+    from deepcompile.vocab.memory import DEVICE_CATEGORIES, MEMORY_CATEGORIES
 
     graphs, _MEMORY.graphs = _MEMORY.graphs, []
     src = _MEMORY.sources()
@@ -723,7 +723,7 @@ def agree(profile: Profile, group=None) -> Profile:
     profile.optimizer_ms = vals.pop()
     profile.optimizer_peak_bytes = int(vals.pop())
     if profile.host:   # every rank measures it on a GPU (or none does): the slowest host's pace
-        from deepcompile.plan.estimate import HOST_US
+        from deepcompile.profile.host import HOST_US
 
         # a fixed list of op names on every rank (the tensor's length must match): HOST_US's kinds
         names = sorted(HOST_US)

@@ -412,7 +412,7 @@ def read_plan(run: RunRecord | str | os.PathLike, rank: int = 0) -> dict | None:
 
 
 def _fmt(n: float) -> str:
-    from deepcompile.plan.estimate import fmt_bytes
+    from deepcompile.vocab.memory import fmt_bytes
 
     return fmt_bytes(n)
 
@@ -442,7 +442,7 @@ def memory_view(run: RunRecord | str | os.PathLike, rank: int = 0) -> dict:
 
     A record from before the timeline (its memory samples carry no categories: the naive
     per-graph estimate, activations only) has no ``measured`` part."""
-    from deepcompile.plan.memory import categories_at_peak
+    from deepcompile.vocab.memory import categories_at_peak
 
     rec = _as_record(run, rank)
     cats = list(S.MEMORY_CATEGORIES)

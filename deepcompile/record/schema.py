@@ -45,11 +45,11 @@ PLAN = "plan.json"   # the planner's choice, per rank (RunRecorder.plan; `deepco
 GRAPH_KINDS = ("dynamo", "forward", "backward", "inference")
 STREAMS = ("compute", "allgather", "reduce", "copy", "host")  # host: the cost model's launch-time span (predicted)
 SOURCES = ("measured", "predicted")
-COMM_FIELDS = ("alpha_us", "bytes_per_us", "copy_bytes_per_us")   # deepcompile.plan.cost_model.CommModel
+COMM_FIELDS = ("alpha_us", "bytes_per_us", "copy_bytes_per_us")   # deepcompile.vocab.links.CommModel
 # One vocabulary of memory, measured (memory.json.gz) and predicted (plan.json's chosen.memory):
 # defined beside the memory model (deepcompile.plan.memory, no imports); every category but
 # "offloaded" (host) is on the device, and those sum to a sample's allocated_bytes.
-from deepcompile.plan.memory import DEVICE_CATEGORIES, MEMORY_CATEGORIES  # noqa: E402
+from deepcompile.vocab.memory import DEVICE_CATEGORIES, MEMORY_CATEGORIES  # noqa: E402
 MEMORY_KINDS = GRAPH_KINDS + ("optimizer",)   # a memory sample is in a graph or in optimizer.step()
 
 
@@ -334,7 +334,7 @@ def check_profile(file: str, p: Any) -> dict:
         _field(file, g, "kind", str, w, choices=GRAPH_KINDS)
         _field(file, g, "hardware", (str, dict), w, optional=True)
         comm = _field(file, g, "comm", dict, w, optional=True, nullable=True)
-        if comm is not None:   # cost_model.CommModel(**comm): exactly its fields; rates divide
+        if comm is not None:   # vocab.links.CommModel(**comm): exactly its fields; rates divide
             if set(comm) != set(COMM_FIELDS):
                 _fail(file, f"{w}.comm", f"expected the keys {list(COMM_FIELDS)}, got {sorted(comm)}")
             for k in COMM_FIELDS:

@@ -91,7 +91,7 @@ def memory_stats(reset_peak: bool = False) -> dict:
         if reset_peak:
             torch.cuda.reset_peak_memory_stats()
         return out
-    from deepcompile.plan.memory import resident_bytes
+    from deepcompile.profile.host import resident_bytes
 
     rss = resident_bytes()
     peak = rss
