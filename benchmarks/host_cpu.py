@@ -21,7 +21,7 @@ bucket, cut where the runtime flushes, as passes/zero3.group_reduces cuts them) 
 ``invalidate_persistent``. Prints rank 0's main-thread CPU per step and per gradient (medians of
 ``--repeat`` blocks of ``--reps`` steps), and, from one step under the torch profiler, the ATen
 ops each runtime op issues per gradient/parameter, the collective library's own (``c10d::`` and
-below) counted apart. ``DC_REDUCE_PACK`` selects the reduce path as in training.
+below) counted apart.
 """
 from __future__ import annotations
 

@@ -52,8 +52,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     locked([&](dc::Runtime& rt) { rt.set_replicate_group(std::move(pg)); });
   });
   m.def("set_reduce_dtype", [](at::ScalarType d) { locked([&](dc::Runtime& rt) { rt.set_reduce_dtype(d); }); });
-  // how a bucket of several gradients is reduced: "coalesced" or "cat" (DEEPCOMPILE_REDUCE_PACK
-  // sets it at init; tests switch it)
+  // how a bucket of several gradients is reduced: "coalesced" or "cat" (config reduce_pack, set
+  // by initialize right after init)
   m.def("set_reduce_pack", [](const std::string& v) {
     TORCH_CHECK(v == "coalesced" || v == "cat", "deepcompile: reduce pack '", v, "': use 'coalesced' or 'cat'");
     locked([&](dc::Runtime& rt) {
@@ -64,11 +64,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::string(locked([](dc::Runtime& rt) { return rt.reduce_pack(); }) == dc::ReducePack::kCat
                            ? "cat" : "coalesced");
   });
+  // casts around the collectives on a side stream (config cast_stream, set by initialize right
+  // after init, before any collective)
+  m.def("set_cast_stream", [](bool on) { locked([&](dc::Runtime& rt) { rt.set_cast_stream(on); }); });
+  m.def("cast_stream", []() { return locked([](dc::Runtime& rt) { return rt.cast_stream(); }); });
   m.def("live_gathered", []() { return locked([](dc::Runtime& rt) { return rt.live_gathered(); }); });
   m.def("check_idle", []() { locked([](dc::Runtime& rt) { rt.check_idle(); }); });
-  m.def("invalidate_persistent", [](bool keep_memory) {
-    if (dc::has_runtime()) locked([&](dc::Runtime& rt) { rt.invalidate_persistent(keep_memory); });
-  }, pybind11::arg("keep_memory") = false);
+  m.def("invalidate_persistent", []() {
+    if (dc::has_runtime()) locked([](dc::Runtime& rt) { rt.invalidate_persistent(); });
+  });
   m.def("persistent_ptrs", []() { return locked([](dc::Runtime& rt) { return rt.persistent_ptrs(); }); });
   m.def("local_grad_bytes", []() { return locked([](dc::Runtime& rt) { return rt.local_grad_bytes(); }); });
   m.def("persistent_bytes", []() { return locked([](dc::Runtime& rt) { return rt.persistent_bytes(); }); });
@@ -86,7 +90,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     d["allgather_bytes"] = s.allgather_bytes;
     d["releases"] = s.releases;
     d["persistent_hits"] = s.persistent_hits;
-    d["reused_buffers"] = s.reused_buffers;
     d["local_accumulations"] = s.local_accumulations;
     d["reduce_calls"] = s.reduce_calls;
     d["reduce_scatters"] = s.reduce_scatters;

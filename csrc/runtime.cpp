@@ -33,27 +33,6 @@ std::string error_text(const std::exception& e) {
 void set_copy_grads(bool copy) { g_copy_grads = copy; }
 bool copy_grads() { return g_copy_grads; }
 
-ReducePack reduce_pack_from_env() {
-  const char* v = std::getenv("DEEPCOMPILE_REDUCE_PACK");
-  const std::string s = v ? v : "";
-  if (s.empty() || s == "coalesced") return ReducePack::kCoalesced;
-  if (s == "cat") return ReducePack::kCat;
-  TORCH_CHECK(false, "deepcompile: DEEPCOMPILE_REDUCE_PACK='", s, "' is not a reduce path: use 'coalesced' (one "
-              "coalesced reduce-scatter over a bucket's gradients, the default) or 'cat' (the bucket packed by one "
-              "copy kernel, one reduce-scatter), or unset it");
-  return ReducePack::kCoalesced;
-}
-
-bool cast_stream_from_env() {
-  const char* v = std::getenv("DEEPCOMPILE_CAST_STREAM");
-  const std::string s = v ? v : "";
-  if (s.empty() || s == "1") return true;
-  if (s == "0") return false;
-  TORCH_CHECK(false, "deepcompile: DEEPCOMPILE_CAST_STREAM='", s, "' is not 0 or 1: use 1 (casts around the "
-              "collectives on a side stream, the default) or 0 (on the compute stream), or unset it");
-  return true;
-}
-
 Runtime& runtime() {
   TORCH_CHECK(g_runtime, "deepcompile runtime is not initialized: call deepcompile.initialize(...) first");
   return *g_runtime;
@@ -79,8 +58,6 @@ Runtime::Runtime(c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_elems
   TORCH_CHECK(max_inflight_ > 0, "deepcompile: max in-flight reduces must be positive");
   rank_ = pg_->getRank();
   world_ = pg_->getSize();
-  reduce_pack_ = reduce_pack_from_env();
-  cast_stream_ = cast_stream_from_env();
 }
 
 c10::Stream Runtime::to_side(const at::Device& device) {
@@ -219,34 +196,7 @@ std::vector<int64_t> Runtime::live_gathered() {
   return ids;
 }
 
-void Runtime::invalidate_persistent(bool keep_memory) {
-  if (!keep_memory) {
-    spare_.clear();
-  } else {
-    for (auto& kv : persistent_) {
-      const Param& p = param(kv.first);
-      const at::Tensor& v = kv.second;  // as_param's view: the flat buffer starts where it starts
-      spare_[kv.first] = at::as_strided(v, {p.chunk * world_}, {1}, v.storage_offset());
-    }
-  }
-  persistent_.clear();
-}
-
-at::Tensor Runtime::take_spare(int64_t id, int64_t numel, at::ScalarType dtype, const at::Device& device) {
-  // The collective is ordered after everything already queued on the compute stream (NCCL's
-  // stream waits on it at issue), so the last step's reads of this buffer are done before it
-  // is overwritten.
-  auto it = spare_.find(id);
-  if (it != spare_.end()) {
-    at::Tensor b = std::move(it->second);
-    spare_.erase(it);
-    if (b.numel() == numel && b.scalar_type() == dtype && b.device() == device) {
-      stats_.reused_buffers += 1;
-      return b;
-    }
-  }
-  return at::empty({numel}, at::TensorOptions().dtype(dtype).device(device));
-}
+void Runtime::invalidate_persistent() { persistent_.clear(); }
 
 void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
   Param& p = mutable_param(id);
@@ -255,7 +205,7 @@ void Runtime::start_allgather(const at::Tensor& shard, int64_t id) {
   TORCH_CHECK(pending_.find(id) == pending_.end(), "deepcompile: allgather of '", p.name,
               "' started twice without wait_allgather in between");
   at::Tensor src = flat_shard(p, shard);
-  at::Tensor buffer = take_spare(id, p.chunk * world_, p.gather_dtype, src.device());
+  at::Tensor buffer = at::empty({p.chunk * world_}, at::TensorOptions().dtype(p.gather_dtype).device(src.device()));
   c10::intrusive_ptr<c10d::Work> work;
   c10d::AllgatherOptions opts;
   if (!src.is_cuda()) opts.timeout = host_op_timeout();
@@ -312,7 +262,7 @@ void Runtime::start_allgather_fused(const std::vector<at::Tensor>& shards, const
     TORCH_CHECK(shards[i].device() == shards[0].device(), "deepcompile: fused allgather of '", p.name,
                 "': shard on ", shards[i].device(), ", the group's first on ", shards[0].device());
     srcs.push_back(flat_shard(p, shards[i]));
-    outs.push_back(take_spare(ids[i], p.chunk * world_, p.gather_dtype, srcs.back().device()));
+    outs.push_back(at::empty({p.chunk * world_}, at::TensorOptions().dtype(p.gather_dtype).device(srcs.back().device())));
   }
   std::vector<c10::intrusive_ptr<c10d::Work>> works(ids.size());
   std::vector<std::shared_ptr<PackedGather>> packs(ids.size());

@@ -97,7 +97,6 @@ struct Stats {
   int64_t peak_live_gathered = 0;
   int64_t peak_live_gathered_bytes = 0;
   int64_t persistent_hits = 0;
-  int64_t reused_buffers = 0;  // gathers into a stale kept buffer (invalidate_persistent(true))
   int64_t local_accumulations = 0;
   // host work per step: copies add_grad made of a gradient (padding, dtype cast, the
   // clone where the graph could reuse the memory), host waits on allgathers, cat-packed buckets
@@ -115,7 +114,7 @@ struct Stats {
   int64_t reduce_packed = 0;
 };
 
-// How a bucket of several gradients travels (DEEPCOMPILE_REDUCE_PACK, read at init):
+// How a bucket of several gradients travels (config reduce_pack, set after init):
 // kCoalesced: one coalesced reduce-scatter over the gradients themselves (no copy; the process
 // group's host work is per gradient); kCat: the gradients packed by one cat kernel into a
 // [world, cols] buffer and reduced by one _reduce_scatter_base (a copy on the device, host work
@@ -133,6 +132,8 @@ class Runtime {
   void set_reduce_dtype(at::ScalarType dtype) { reduce_dtype_ = dtype; }
   void set_reduce_pack(ReducePack pack) { reduce_pack_ = pack; }
   ReducePack reduce_pack() const { return reduce_pack_; }
+  void set_cast_stream(bool on) { cast_stream_ = on; }
+  bool cast_stream() const { return cast_stream_; }
   // ZeRO-1: between accumulation boundaries gradients are summed locally, not communicated
   void set_grad_sync(bool sync) { grad_sync_ = sync; }
   // Hybrid sharding (config mesh.shard): pg_ is the shard group (gathers, reduce-scatters); each
@@ -160,8 +161,7 @@ class Runtime {
   // keep_memory their buffers stay allocated and the next gather of each parameter writes into
   // the same memory (CUDA graphs read them at fixed addresses, runtime/cudagraphs.py); without
   // it they are freed, so the optimizer step's peak does not carry them.
-  void invalidate_persistent(bool keep_memory = false);
-  at::Tensor take_spare(int64_t id, int64_t numel, at::ScalarType dtype, const at::Device& device);
+  void invalidate_persistent();
   std::unordered_map<int64_t, int64_t> persistent_ptrs() const {
     std::unordered_map<int64_t, int64_t> out;
     for (auto& kv : persistent_) out[kv.first] = reinterpret_cast<int64_t>(kv.second.data_ptr());
@@ -261,7 +261,8 @@ class Runtime {
   at::Tensor cast_scaled(const at::Tensor& src, at::ScalarType dtype);
   void cast_scaled_into(at::Tensor& out, const at::Tensor& src);
   const at::Tensor& scale_tensor(at::ScalarType dtype, const at::Device& device);  // grad_scale_, one element
-  // The cast stream (DEEPCOMPILE_CAST_STREAM, on by default): on CUDA the casts around
+  // The cast stream (config cast_stream, on by default; set after init, before any collective):
+  // on CUDA the casts around
   // the collectives (a gather's fp32 shard to bf16, a reduced bucket to the shards' fp32 with its
   // scale) run on a side stream, so compute kernels queued after them do not wait for them.
   // to_side: the side stream, made to wait on all work queued so far on the current stream (the
@@ -300,7 +301,6 @@ class Runtime {
   std::unordered_map<int64_t, Param> params_;
   std::unordered_map<int64_t, PendingGather> pending_;
   std::unordered_map<int64_t, at::Tensor> persistent_;
-  std::unordered_map<int64_t, at::Tensor> spare_;  // stale kept buffers, reused by the next gather
   std::unordered_map<int, Bucket> buckets_;  // by reduce dtype
   std::deque<InFlightReduce> inflight_;      // reduce-scatters issued, not yet waited
   std::deque<InFlightReduce> replicating_;  // HSDP: reduced in the shard group, all-reduce across replicas in flight
@@ -355,9 +355,5 @@ void cleanup();
 // could not be installed. Process-wide (it describes the op's lowering), so it outlives init().
 void set_copy_grads(bool copy);
 bool copy_grads();
-// DEEPCOMPILE_REDUCE_PACK ("coalesced", the default, or "cat"); an error names a bad value
-ReducePack reduce_pack_from_env();
-// DEEPCOMPILE_CAST_STREAM ("1", the default, or "0": the casts stay on the compute stream)
-bool cast_stream_from_env();
 
 }  // namespace dc

@@ -155,11 +155,10 @@ void end_backward(at::TensorList /*grads*/, int64_t graph_id) {
 
 // The ids that compiled graphs pass are SymInt (the kernels still take int64_t; the dispatcher
 // hands them concrete values): a decoder-block region compiled once takes each layer's ids as
-// inputs (deepcompile/blocks.py); with `int` the dispatcher would pin them to one layer's ids.
-// Every op is tagged cudagraph_unsafe: Inductor cuts its graph into partitions at them
-// (graph_partition), and only the compute between them becomes a CUDA graph
-// (deepcompile/runtime/cudagraphs.py); an op captured into a graph would never run its host
-// logic (buckets, in-flight lists, collectives) again.
+// inputs (deepcompile/compile/blocks.py); with `int` the dispatcher would pin them to one layer's ids.
+// Every op is tagged cudagraph_unsafe: each runs host logic every step (buckets, in-flight lists,
+// collectives), which a CUDA graph replay would skip, so torch's CUDA-graph paths must never
+// capture one.
 TORCH_LIBRARY(dc, m) {
   m.def("unshard(Tensor shard, int id) -> Tensor", {at::Tag::cudagraph_unsafe});
   m.def("shard_grad(Tensor grad, int id) -> Tensor", {at::Tag::cudagraph_unsafe});

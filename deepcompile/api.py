@@ -476,6 +476,8 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     ops.PARAMS.clear()
     C.init(shard_group, cfg.reduce_bucket_size, cfg.max_inflight_reduces,
            max(1, int(cfg.collective_timeout_s * 1000)))
+    C.set_reduce_pack(cfg.reduce_pack)
+    C.set_cast_stream(cfg.cast_stream)
     seqcheck.clear_nodes()
     try:
         state_keys = list(model.state_dict().keys())

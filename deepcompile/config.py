@@ -106,6 +106,13 @@ class Config:
                                    help="elements per gradient reduce-scatter bucket (a threshold: 2**40, more than "
                                         "any model's gradients, means one bucket per step)")
     max_inflight_reduces: int = spec(2, min=1, max=64, help="reduce-scatter buckets in flight before the oldest is waited for")
+    reduce_pack: str = spec("coalesced", choices=("coalesced", "cat"),
+                            help="how a bucket of several gradients is reduce-scattered: 'coalesced' (one coalesced "
+                                 "collective over the gradients themselves, no copy) or 'cat' (packed by one copy "
+                                 "kernel, one reduce-scatter: less host work per gradient); the same on every rank")
+    cast_stream: bool = spec(True, help="on GPU, the casts around the collectives (a gather's shards to the compute "
+                                        "dtype, a reduced bucket back to the shards' dtype) run on a side stream, so "
+                                        "compute queued after them does not wait; false: on the compute stream")
     collective_timeout_s: float = spec(600.0, min=1.0, max=7 * 24 * 3600.0,
                                        help="seconds a rank waits for the others in any collective (and at the "
                                             "step's sequence check) before it fails naming the rank, the collective "

@@ -132,27 +132,21 @@ def shard_tensor(full: torch.Tensor, world: int, rank: int) -> torch.Tensor:
     return out
 
 
-# Environment switches that change which collectives a rank issues (how a reduce bucket
-# travels): ranks launched with different values would wait on each other forever.
-SAME_ENV = ("DEEPCOMPILE_REDUCE_PACK",)
-
-
 def _check_same_on_all_ranks(table: list[tuple[str, tuple[int, ...], str]], group) -> None:
     world = dist.get_world_size(group)
     if world == 1:
         return
-    import os
-
-    env = {k: os.environ.get(k) for k in SAME_ENV}
+    # the runtime's reduce path (config reduce_pack) decides which collectives a rank issues:
+    # ranks that differ would wait on each other forever
+    pack = ops.C.reduce_pack() if ops.C.is_initialized() else None
     tables: list = [None] * world
-    dist.all_gather_object(tables, (table, env), group=group)
+    dist.all_gather_object(tables, (table, pack), group=group)
     for r, (_, e) in enumerate(tables):
-        for k in SAME_ENV:
-            if e[k] != tables[0][1][k]:
-                raise ValueError(
-                    f"deepcompile: {k} is {tables[0][1][k]!r} on rank 0 and {e[k]!r} on rank {r}. It changes "
-                    "which collectives a rank issues, so ranks that differ would wait on each other forever: "
-                    "set it to the same value on every rank (or unset it everywhere).")
+        if e != tables[0][1]:
+            raise ValueError(
+                f"deepcompile: config reduce_pack is {tables[0][1]!r} on rank 0 and {e!r} on rank {r}. It changes "
+                "which collectives a rank issues, so ranks that differ would wait on each other forever: "
+                "give every rank the same config.")
     tables = [t for t, _ in tables]
     ref = tables[0]
     for r, t in enumerate(tables):

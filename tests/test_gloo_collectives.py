@@ -79,7 +79,7 @@ def _fused_gathers_under_load(rank, world, seconds):
                 for h, g in zip(hs, groups):
                     for i, t in zip(g, D.gather_persistent_wait.default(h, g)):
                         assert torch.equal(t, want[i]), (n, "kept", i)
-                C.invalidate_persistent(n % 2 == 0)  # reuse the kept buffers every other round
+                C.invalidate_persistent()
             if n == 0:
                 names = {e.name for e in prof.events()}
                 coalesced_calls = sum(1 for e in prof.events() if "coalesced" in e.name)

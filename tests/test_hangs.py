@@ -19,13 +19,13 @@ from tests.dist_utils import run_ranks
 T = 8.0  # collective_timeout_s of the hang tests
 
 
-def _init(timeout_s: float):
+def _init(timeout_s: float, **extra):
     import deepcompile
     from tests.workloads import make_model, make_optimizer
 
     model, opt = deepcompile.initialize(make_model(), make_optimizer,
                                         {"passes": ["zero3"], "compiler": "aot_eager",
-                                         "collective_timeout_s": timeout_s})
+                                         "collective_timeout_s": timeout_s, **extra})
     return model, opt
 
 
@@ -265,23 +265,22 @@ def test_demo_killed_rank0_leaves_manifest_failed(tmp_path):
     assert read_run(out).manifest["status"] == "failed"  # the record still opens
 
 
-def _different_env(rank, world):
-    os.environ["DEEPCOMPILE_REDUCE_PACK"] = "coalesced" if rank == 0 else "cat"
+def _different_reduce_pack(rank, world):
     try:
-        _init(60)
+        _init(60, reduce_pack="coalesced" if rank == 0 else "cat")
     except ValueError as e:
         return str(e)
     return None
 
 
 def test_ranks_with_different_collective_switches_fail_at_initialize():
-    """DEEPCOMPILE_REDUCE_PACK decides which collectives a rank issues: ranks launched with
-    different values would pack their reduce buckets differently and hang in the first backward.
-    initialize compares it with the parameter table (one all_gather_object) and names the
-    variable and both values."""
-    res = run_ranks(_different_env, 2, timeout=120)
+    """Config reduce_pack decides which collectives a rank issues: ranks given different values
+    would pack their reduce buckets differently and hang in the first backward. initialize
+    compares it with the parameter table (one all_gather_object) and names the key and both
+    values."""
+    res = run_ranks(_different_reduce_pack, 2, timeout=120)
     for msg in res:
-        assert msg and "DEEPCOMPILE_REDUCE_PACK is 'coalesced' on rank 0 and 'cat' on rank 1" in msg, res
+        assert msg and "config reduce_pack is 'coalesced' on rank 0 and 'cat' on rank 1" in msg, res
 
 
 def _gathers_across_slice_ends(rank, world, n):

@@ -236,9 +236,7 @@ def _op_counts(rank: int, world: int):
     (bf16 gathers and reduces of fp32 shards, .grad set to None before the backward): a backward's
     reduce_grads (one call per bucket) and end_backward, a forward's kept-parameter gathers in
     groups; one step under the profiler. Then the same backward on both reduce paths
-    (DEEPCOMPILE_REDUCE_PACK coalesced / cat) for the reduced gradients."""
-    import os
-
+    (config reduce_pack coalesced / cat) for the reduced gradients."""
     import deepcompile
     from deepcompile.runtime import ops
 
@@ -290,19 +288,14 @@ def _op_counts(rank: int, world: int):
     out["same"] = all(torch.equal(a, b) for a, b in zip(by_pack["coalesced"][0], by_pack["cat"][0]))
     out["packed"] = {k: (v[1]["reduce_packed"], v[1]["reduce_cats"], v[1]["reduce_scatters"], v[2])
                      for k, v in by_pack.items()}
-    # the switch as a launch sets it, and a wrong value named
-    os.environ["DEEPCOMPILE_REDUCE_PACK"] = "cat"
+    # the config key sets it, and a wrong value is named with its key path
+    model, _ = deepcompile.initialize(make_model(), make_optimizer, dict(cfg, reduce_pack="cat"))
+    out["config"] = ops.C.reduce_pack()
     try:
-        model, _ = deepcompile.initialize(make_model(), make_optimizer, cfg)
-        out["env"] = ops.C.reduce_pack()
-        os.environ["DEEPCOMPILE_REDUCE_PACK"] = "cats"
-        try:
-            deepcompile.initialize(make_model(), make_optimizer, cfg)
-            out["bad"] = None
-        except Exception as e:  # noqa: BLE001
-            out["bad"] = str(e)
-    finally:
-        del os.environ["DEEPCOMPILE_REDUCE_PACK"]
+        deepcompile.initialize(make_model(), make_optimizer, dict(cfg, reduce_pack="cats"))
+        out["bad"] = None
+    except Exception as e:  # noqa: BLE001
+        out["bad"] = str(e)
     return out
 
 
@@ -341,5 +334,5 @@ def test_runtime_dispatcher_calls_per_gradient_and_parameter():
     packed_cat, cats, rs, name = r["packed"]["cat"]
     assert name == "cat" and 0 < packed_cat == cats <= rs, r["packed"]
     assert r["packed"]["coalesced"][0] == 0 and r["packed"]["coalesced"][3] == "coalesced"
-    assert r["env"] == "cat"
-    assert r["bad"] and "DEEPCOMPILE_REDUCE_PACK='cats'" in r["bad"], r["bad"]
+    assert r["config"] == "cat"
+    assert r["bad"] and "reduce_pack" in r["bad"] and "'cats'" in r["bad"], r["bad"]
