@@ -303,7 +303,7 @@ def timed(fn, repeat: int) -> tuple[float, list[float]]:
 
 
 def bench(layers: int, repeat: int, use_dot: bool | None, rec=None, source: str = "synthetic Llama-style") -> dict:
-    from deepcompile.report import graph_layout as L
+    from deepcompile.report import level_layout as L
     from deepcompile.widgets.graph_view import GraphModel
 
     rec = rec or make_record(layers)
@@ -484,7 +484,7 @@ def main() -> int:
                     help="time plan.whatif.predict_run on this record (repeatable; default: every "
                          "benchmarks/results/*dc_default_record); 'none' skips it")
     a = ap.parse_args()
-    from deepcompile.report.graph_layout import have_dot
+    from deepcompile.report.level_layout import have_dot
 
     previous = _previous(Path(a.out))
 

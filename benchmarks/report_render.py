@@ -4,7 +4,7 @@ Builds the record by really tracing a 16-layer GPT (n_embd 256, 8 heads; the emb
 nanoGPT-shaped decoder, standing in for a Llama-style stack of identical blocks) through the
 deepcompile backend on one gloo rank for two steps, then renders the report several times with
 graphviz ``dot`` (when installed) and with the built-in fallback layout. Each timed render starts
-cold (``graph_layout.LEVEL_CACHE`` emptied: every layout made again); ``warm_s`` is one more
+cold (``level_layout.LEVEL_CACHE`` emptied: every layout made again); ``warm_s`` is one more
 render with the layouts of the previous one cached (a second report from the same process).
 ``--layers 16 32`` times several depths; ``before`` in the JSON keeps the numbers of the old
 cluster layout (labelled edges, one graphviz run per picture, no module levels), measured with
@@ -95,7 +95,7 @@ BEFORE = {   # the old cluster layout (commit fd1d955), this script on the machi
 def time_report(run: Path, d: Path, repeat: int, keep_html: str | None) -> dict:
     import subprocess as sp
 
-    from deepcompile.report import graph_layout as L
+    from deepcompile.report import level_layout as L
     from deepcompile.report.html import render_report
 
     results = {}
@@ -178,7 +178,7 @@ def main() -> None:
 
     doc = {
         "benchmark": "report_render", "layers": a.layers, "model": "deepcompile.models.GPT n_embd=256 n_head=8",
-        "layout": "per-module levels (graph_layout.module_levels): collapsed top level per version, every module's "
+        "layout": "per-module levels (module_pictures.module_levels): collapsed top level per version, every module's "
                   "inside pre-rendered (skeleton + strings), graphviz once per distinct level text, in <= workers "
                   "processes",
         "runs": runs, "before": BEFORE, "target_s": 10.0,

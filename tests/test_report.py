@@ -9,9 +9,14 @@ from pathlib import Path
 import pytest
 
 from deepcompile.record.steps import special_steps, steady_median_ms
-from deepcompile.report import graph_layout as L
 from deepcompile.report import html as H
+from deepcompile.report import level_layout
+from deepcompile.report.graph_groups import FOLD_MARK, collapse, param_scopes
+from deepcompile.report.graph_section import _compile_diff, compiles
 from deepcompile.report.html import render_report
+from deepcompile.report.level_layout import LEVEL_CACHE, nested_svg
+from deepcompile.report.module_pictures import fill_skeleton, level_skeleton, module_levels, svg_skeleton
+from deepcompile.report.plotly_embed import plotly_js
 
 CHROMIUM = "/usr/bin/chromium"
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -20,7 +25,7 @@ ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-net
 
 def _without_plotly_lib(text: str) -> str:
     """The page minus the inlined plotly.min.js (whose own text names URLs it never loads here)."""
-    js = H.plotly_js()
+    js = plotly_js()
     return text.replace(js, "") if js else text
 
 
@@ -28,7 +33,7 @@ def test_report_is_self_contained(demo_run, tmp_path):
     out = render_report(demo_run, tmp_path / "report.html")
     text = out.read_bytes().decode("utf-8")   # as written: read_text would translate the library's \r
     assert text.startswith("<!DOCTYPE html>")
-    assert H.plotly_js() is not None and H.plotly_js()[:200] in text, "plotly.min.js is inlined"
+    assert plotly_js() is not None and plotly_js()[:200] in text, "plotly.min.js is inlined"
     page = _without_plotly_lib(text)
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page), "report must not load anything remote"
     assert "<script src" not in text and "<link" not in text
@@ -66,12 +71,12 @@ def _card(text: str, kind: str, after: str) -> tuple[str, int]:
 
 
 def test_report_draws_the_inspectors_collapsed_view(demo_run, tmp_path):
-    """The pictures are the inspector's collapsed view (graph_layout.module_levels, laid out per
+    """The pictures are the inspector's collapsed view (module_pictures.module_levels, laid out per
     level): module boxes with op summaries and chips, no edge-count labels, no arrows to the
     inputs/outputs boxes; every module box (at every depth) opens to a pre-rendered level."""
     from deepcompile.record.reader import read_run
 
-    if not L.have_dot():  # the order-based fallback draws other skeletons (test_fallback_layout_without_dot)
+    if not level_layout.have_dot():  # the order-based fallback draws other skeletons (test_fallback_layout_without_dot)
         pytest.skip("graphviz is not installed")
     out = render_report(demo_run, tmp_path / "report.html")
     text = out.read_text()
@@ -79,14 +84,14 @@ def test_report_draws_the_inspectors_collapsed_view(demo_run, tmp_path):
     assert 'id="group-blocks.0"' in svg and 'id="group-blocks.1"' in svg and 'id="group-inputs"' in svg
     # graphviz's layout writes id then class, the order-based fallback class then id
     assert re.search(r'<g (?=[^>]*\bid="group-blocks\.0")(?=[^>]*\bclass="[^"]*\bdc-openable\b)[^>]*>', svg)
-    assert f"{L.FOLD_MARK} blocks.0 (" in svg and "allgather_param ×" in svg
+    assert f"{FOLD_MARK} blocks.0 (" in svg and "allgather_param ×" in svg
     if 'class="graph dot ' in svg:   # graphviz: edges carry no count labels (pen width instead)
         assert not re.search(r'<g class="edge">(?:(?!</g>).)*<text', svg, re.S)
         assert "cluster" not in svg
     rec = read_run(demo_run)
     nodes = rec.versions(0, "forward")[-1].nodes
-    top, inner = L.module_levels(nodes, L.param_scopes(rec.graphs))
-    assert [b.key for b in top.boxes] == [g.key for g in L.collapse(nodes, None, L.param_scopes(rec.graphs)).groups]
+    top, inner = module_levels(nodes, param_scopes(rec.graphs))
+    assert [b.key for b in top.boxes] == [g.key for g in collapse(nodes, None, param_scopes(rec.graphs)).groups]
     io = {i for i, b in enumerate(top.boxes) if b.key in ("inputs", "outputs")}
     assert top.edges and not any(a in io or b in io for a, b, _ in top.edges)
 
@@ -99,13 +104,13 @@ def test_report_draws_the_inspectors_collapsed_view(demo_run, tmp_path):
     for key in ("blocks.0", "blocks.1", "blocks.0.attn", "inputs"):   # blocks.1: drawn from blocks.0
         s_idx, texts, rel = levels[key][:3]
         keys = [key + r for r in rel]
-        assert keys == [k for k in re.findall(r'id="group-([^"]*)"', L.nested_svg(inner[key], ""))]
+        assert keys == [k for k in re.findall(r'id="group-([^"]*)"', nested_svg(inner[key], ""))]
         titles = levels[key][3] if len(levels[key]) > 3 else \
             [k + (" · click: open" if k in inner else "") for k in keys]
-        want = L.level_skeleton(inner[key])
+        want = level_skeleton(inner[key])
         assert (D["s"][s_idx], texts, titles, keys) == want
-        again = L.fill_skeleton(D["s"][s_idx], texts, titles, keys)
-        assert L.svg_skeleton(again)[1:] == want[1:]
+        again = fill_skeleton(D["s"][s_idx], texts, titles, keys)
+        assert svg_skeleton(again)[1:] == want[1:]
     # every module box inside a level opens too (no dead boxes); node boxes do not claim to
     for key, (s_idx, _, rel, *_) in levels.items():
         skel = D["s"][s_idx]
@@ -123,7 +128,7 @@ def test_report_starts_graphviz_at_most_once_per_worker(demo_run, tmp_path, monk
     versions are laid out by at most ``workers`` graphviz processes, one per distinct level text."""
     import subprocess
 
-    if not L.have_dot():
+    if not level_layout.have_dot():
         pytest.skip("graphviz is not installed")
     calls = []
     real = subprocess.run
@@ -133,20 +138,20 @@ def test_report_starts_graphviz_at_most_once_per_worker(demo_run, tmp_path, monk
             calls.append(cmd)
         return real(cmd, *a, **kw)
 
-    monkeypatch.setattr(L.subprocess, "run", counting)
-    L.LEVEL_CACHE.clear()
+    monkeypatch.setattr(subprocess, "run", counting)
+    LEVEL_CACHE.clear()
     out = render_report(demo_run, tmp_path / "report.html", workers=2)
     assert 1 <= len(calls) <= 2
     D = _levels(out.read_text())
     n_levels = sum(len(v) for v in D["v"])
-    assert len(L.LEVEL_CACHE) < n_levels   # distinct structures only
+    assert len(LEVEL_CACHE) < n_levels   # distinct structures only
     calls.clear()
     render_report(demo_run, tmp_path / "again.html", workers=2)
     assert calls == []                     # everything was laid out already
 
 
 def test_fallback_layout_without_dot(demo_run, tmp_path, monkeypatch):
-    monkeypatch.setattr(L, "have_dot", lambda: False)
+    monkeypatch.setattr(level_layout, "have_dot", lambda: False)
     out = render_report(demo_run, tmp_path / "nodot.html")
     text = out.read_text()
     assert text.count('class="graph simple ') >= 5 and 'class="graph dot' not in text
@@ -156,10 +161,10 @@ def test_fallback_layout_without_dot(demo_run, tmp_path, monkeypatch):
     from deepcompile.record.reader import read_run
 
     rec = read_run(demo_run)
-    _, inner = L.module_levels(rec.versions(0, "forward")[-1].nodes, L.param_scopes(rec.graphs))
+    _, inner = module_levels(rec.versions(0, "forward")[-1].nodes, param_scopes(rec.graphs))
     for key in ("blocks.0", "blocks.1", "blocks.0.attn"):   # blocks.1: drawn from blocks.0's skeleton
         s_idx, texts, rel = D["v"][ref][key][:3]
-        want = L.level_skeleton(inner[key], use_dot=False)
+        want = level_skeleton(inner[key], use_dot=False)
         assert 'class="dc-level dc-simple"' in want[0]
         assert (D["s"][s_idx], texts, [key + r for r in rel]) == (want[0], want[1], want[3])
 
@@ -168,15 +173,15 @@ def test_collapse_groups_layers(demo_run):
     from deepcompile.record.reader import read_run
 
     rec = read_run(demo_run)
-    ps = L.param_scopes(rec.graphs)
+    ps = param_scopes(rec.graphs)
     fw = rec.versions(0, "forward")[-1]
-    c = L.collapse(fw.nodes, None, ps)
+    c = collapse(fw.nodes, None, ps)
     keys = [g.key for g in c.groups]
     assert "blocks.0" in keys and "blocks.1" in keys and not any(k.startswith("blocks.0.") for k in keys)
     b0 = c.groups[keys.index("blocks.0")]
     assert b0.comm["allgather_param"] > 0 and b0.comm["release_param"] == b0.comm["allgather_param"]
     assert sum(g.n_ops for g in c.groups) == len(fw.nodes)
-    deeper = [g.key for g in L.collapse(fw.nodes, 3, ps).groups]
+    deeper = [g.key for g in collapse(fw.nodes, 3, ps).groups]
     assert "blocks.0.attn" in deeper
 
 
@@ -284,7 +289,7 @@ def test_report_in_headless_chromium(demo_run, tmp_path):
             browser.close()
 
 
-# --------------------------------------------------------------------------- figures.py, by hand
+# --------------------------------------------------------------------------- the figures, by hand
 def _ev(node, stream, a_ms, b_ms, source="measured", kind="forward", rank=0, gid=0):
     return {"graph_id": gid, "kind": kind, "node": node, "stream": stream, "start_us": a_ms * 1e3,
             "end_us": b_ms * 1e3, "source": source, "rank": rank}
@@ -307,9 +312,9 @@ GRAPHS = {(0, "forward"): [{"name": "allgather_param_1", "op": "call_function", 
 
 
 def test_step_numbers_by_hand():
-    from deepcompile.report import figures as F
+    from deepcompile.report.schedule_fig import step_numbers
 
-    n = {x["source"]: x for x in F.step_numbers(HAND)}
+    n = {x["source"]: x for x in step_numbers(HAND)}
     m = n["measured"]
     assert m["step_ms"] == pytest.approx(50)
     assert m["compute_ms"] == pytest.approx(30)              # the wait is not compute
@@ -328,21 +333,22 @@ def test_host_launch_span_is_idle_not_device_work(tmp_path):
     the graph; the device is idle where no device stream runs, and the record accepts it (a GPU
     demo's predicted schedule carries one: the schema refused the stream once)."""
     from deepcompile.record.schema import check_schedule
-    from deepcompile.report import figures as F
+    from deepcompile.report.schedule_fig import step_numbers
 
     evs = [_ev("mm", "compute", 0, 2, "predicted"), _ev("mm_1", "compute", 6, 8, "predicted"),
            _ev("host launches", "host", 0, 8, "predicted")]
-    p = F.step_numbers(evs)[0]
+    p = step_numbers(evs)[0]
     assert p["step_ms"] == pytest.approx(8) and p["idle_ms"] == pytest.approx(4)
     check_schedule(str(tmp_path / "schedule.json.gz"), {"events": evs})
 
 
 def test_schedule_figure_lanes_never_mix_sources_and_are_in_ms():
-    from deepcompile.report import figures as F
+    from deepcompile.report.schedule_fig import schedule_figure
+    from deepcompile.report.style import figure_json
 
     evs = HAND + [dict(e, rank=1) for e in HAND]
-    fig = F.schedule_figure(evs, graphs=GRAPHS)
-    json.loads(F.figure_json(fig))
+    fig = schedule_figure(evs, graphs=GRAPHS)
+    json.loads(figure_json(fig))
     bars = [t for t in fig["data"] if t["type"] == "bar"]
     axis_source: dict[str, set] = {}
     for t in bars:
@@ -376,19 +382,19 @@ def test_schedule_figure_lanes_never_mix_sources_and_are_in_ms():
     assert "exposed comm 10.00 ms" in titles[0] and "overlap 13.00 ms" in titles[0] and "idle (host-bound) 10.00 ms" \
         in titles[0]
     # one graph only; and the what-if schedule's ms fields
-    one = F.schedule_figure(HAND, graph=(0, "backward"))
+    one = schedule_figure(HAND, graph=(0, "backward"))
     assert {v for t in one["data"] if t["type"] == "bar" for v in t["customdata"][0][2:3]} == {"graph 0 · backward"}
-    wi = F.schedule_figure([{"graph_id": 0, "kind": "forward", "node": "mm", "stream": "compute",
-                             "start_ms": 1.0, "end_ms": 3.5, "source": "predicted"}])
+    wi = schedule_figure([{"graph_id": 0, "kind": "forward", "node": "mm", "stream": "compute",
+                           "start_ms": 1.0, "end_ms": 3.5, "source": "predicted"}])
     assert wi["data"][0]["x"] == [2.5] and wi["data"][0]["meta"]["source"] == "predicted"
 
 
 def test_schedule_every_panel_has_its_unit_and_device_words():
     """Each source's time axis carries ms (the measured panel too, not only the bottom one); the
     idle time is named for the device: no "GPU idle" on a CPU run."""
-    from deepcompile.report import figures as F
+    from deepcompile.report.schedule_fig import device_kind, schedule_figure
 
-    fig = F.schedule_figure(HAND, graphs=GRAPHS, device="cpu")
+    fig = schedule_figure(HAND, graphs=GRAPHS, device="cpu")
     lay = fig["layout"]
     xs = [k for k in lay if k.startswith("xaxis")]
     assert len(xs) == 2
@@ -396,20 +402,20 @@ def test_schedule_every_panel_has_its_unit_and_device_words():
         assert lay[k]["ticksuffix"] == " ms" and "ms" in lay[k]["title"]["text"], (k, lay[k])
     titles = " ".join(a["text"] for a in lay["annotations"])
     assert "GPU" not in titles and "idle (between operators)" in titles
-    gpu = " ".join(a["text"] for a in F.schedule_figure(HAND, device="gpu")["layout"]["annotations"])
+    gpu = " ".join(a["text"] for a in schedule_figure(HAND, device="gpu")["layout"]["annotations"])
     assert "GPU idle (host-bound)" in gpu
-    assert F.device_kind({"devices": []}) == "cpu" and F.device_kind({"devices": ["NVIDIA H200"]}) == "gpu"
+    assert device_kind({"devices": []}) == "cpu" and device_kind({"devices": ["NVIDIA H200"]}) == "gpu"
 
 
 def test_schedule_whatif_totals_replace_the_span():
     """A what-if panel states its prediction's own step and peak (one number with the Passes tab),
     not its bars' span."""
-    from deepcompile.report import figures as F
+    from deepcompile.report.schedule_fig import schedule_figure
 
     evs = [{"graph_id": 0, "kind": "forward", "node": "mm", "stream": "compute", "start_ms": 1.0, "end_ms": 3.5,
             "source": "what-if (predicted)"}]
-    fig = F.schedule_figure(evs, totals={"what-if (predicted)": {"headline": "predicted step 825.9 ms, peak 4.6 MiB",
-                                                                 "edit": "prefetch.budget_mb=0"}})
+    fig = schedule_figure(evs, totals={"what-if (predicted)": {"headline": "predicted step 825.9 ms, peak 4.6 MiB",
+                                                               "edit": "prefetch.budget_mb=0"}})
     t = fig["layout"]["annotations"][0]["text"]
     assert "predicted step 825.9 ms, peak 4.6 MiB" in t and "prefetch.budget_mb=0" in t and ": step 2.50" not in t
 
@@ -417,8 +423,6 @@ def test_schedule_whatif_totals_replace_the_span():
 def test_steady_median_leaves_out_compile_profiling_and_recompile():
     """One median of step time: the steady steps only (the compile, profiling and re-compile
     steps of the record's own numbering are left out), as inspect and the inspector state it."""
-    from deepcompile.report import figures as F
-
     steps = [{"step": 1, "time_s": 9.7}, {"step": 2, "time_s": 1.3}, {"step": 3, "time_s": 5.0},
              {"step": 4, "time_s": 0.12}, {"step": 5, "time_s": 0.13}, {"step": 6, "time_s": 0.125}]
     med, n = steady_median_ms(steps, {"profile_step": 1})
@@ -427,11 +431,11 @@ def test_steady_median_leaves_out_compile_profiling_and_recompile():
 
 
 def test_gather_links_without_graphs_pair_in_order():
-    from deepcompile.report import figures as F
+    from deepcompile.report.schedule_fig import gather_links, normalize
 
-    evs = F.normalize([_ev("allgather_params_default", "allgather", 0, 2), _ev("allgather_param_x", "allgather", 1, 3),
-                       _ev("wait_allgather_many_default", "compute", 4, 5), _ev("wait_allgather_y", "compute", 6, 7)])
-    lk = F.gather_links(evs)
+    evs = normalize([_ev("allgather_params_default", "allgather", 0, 2), _ev("allgather_param_x", "allgather", 1, 3),
+                     _ev("wait_allgather_many_default", "compute", 4, 5), _ev("wait_allgather_y", "compute", 6, 7)])
+    lk = gather_links(evs)
     assert [(x["issue"], x["wait"]) for x in lk] == [("allgather_params_default", "wait_allgather_many_default"),
                                                      ("allgather_param_x", "wait_allgather_y")]
 
@@ -440,23 +444,24 @@ def test_gather_links_follow_the_kept_groups_start_to_wait():
     """The default plan's kept parameters are gathered in need-order groups: each
     gather_persistent_start is linked to the gather_persistent_wait that reads its handle, and the
     wait counts as the compute stream waiting."""
-    from deepcompile.report import figures as F
+    from deepcompile.report.schedule_fig import gather_links, is_wait, normalize
 
-    evs = F.normalize([_ev("gather_persistent_start", "allgather", 0, 2), _ev("gather_persistent_start_1", "allgather", 2, 4),
-                       _ev("gather_persistent_wait", "compute", 3, 4), _ev("gather_persistent_wait_1", "compute", 6, 7)])
+    evs = normalize([_ev("gather_persistent_start", "allgather", 0, 2), _ev("gather_persistent_start_1", "allgather", 2, 4),
+                     _ev("gather_persistent_wait", "compute", 3, 4), _ev("gather_persistent_wait_1", "compute", 6, 7)])
     graphs = {(0, "forward"): [{"name": "gather_persistent_start", "args": []},
                                {"name": "gather_persistent_start_1", "args": []},
                                {"name": "gather_persistent_wait", "args": [{"node": "gather_persistent_start"}, [1, 2]]},
                                {"name": "gather_persistent_wait_1", "args": [{"node": "gather_persistent_start_1"}, [3]]}]}
-    lk = F.gather_links(evs, graphs)
+    lk = gather_links(evs, graphs)
     assert sorted((x["issue"], x["wait"]) for x in lk) == [("gather_persistent_start", "gather_persistent_wait"),
                                                            ("gather_persistent_start_1", "gather_persistent_wait_1")]
-    assert F.is_wait({"node": "gather_persistent_wait_1", "op": ""})
-    assert not F.is_wait({"node": "gather_persistent_start_1", "op": ""})
+    assert is_wait({"node": "gather_persistent_wait_1", "op": ""})
+    assert not is_wait({"node": "gather_persistent_start_1", "op": ""})
 
 
 def test_memory_figure_stacks_categories_in_mib_or_gib_with_labelled_peaks():
-    from deepcompile.report import figures as F
+    from deepcompile.report.memory_fig import _peaks, memory_figure
+    from deepcompile.report.style import figure_json
 
     G = 1 << 30
     cats = ["parameter_shards", "gathered", "activations"]
@@ -466,8 +471,8 @@ def test_memory_figure_stacks_categories_in_mib_or_gib_with_labelled_peaks():
     view = {"categories": cats, "samples": samples,
             "peak": {"bytes": 5 * G, "where": "n3.0", "source": "measured"},
             "predicted": {"bytes": int(5.5 * G), "by_category": {"gathered": 2 * G}, "source": "predicted"}}
-    fig = F.memory_figure(view)
-    json.loads(F.figure_json(fig))
+    fig = memory_figure(view)
+    json.loads(figure_json(fig))
     stacked = [t for t in fig["data"] if t.get("stackgroup")]
     assert [t["meta"]["category"] for t in stacked] == cats
     assert fig["layout"]["yaxis"]["title"]["text"] == "GiB" and fig["layout"]["yaxis"]["ticksuffix"] == " GiB"
@@ -486,23 +491,23 @@ def test_memory_figure_stacks_categories_in_mib_or_gib_with_labelled_peaks():
                                 "by_category": {"activations": 3 * G}}},
           "predicted": {"source": "predicted", "label": "predicted peak of the chosen plan",
                         "peak": {"bytes": int(5.5 * G), "where": "backward", "by_category": {}}}}
-    fig2 = F.memory_figure(mv)
+    fig2 = memory_figure(mv)
     assert [t["meta"]["category"] for t in fig2["data"] if t.get("stackgroup")] == cats
     pk2 = {t["meta"]["peak"]: t for t in fig2["data"] if "peak" in (t.get("meta") or {})}
     assert pk2["measured"]["x"] == [2.5] and pk2["predicted"]["y"] == [5.5, 5.5]
-    assert [p["source"] for p in F._peaks(mv)] == ["measured", "predicted"]    # the run's peak counted once
-    small = F.memory_figure({"samples": [{"node_index": i, "allocated_bytes": b} for i, b in enumerate((0, 3 << 20))]})
+    assert [p["source"] for p in _peaks(mv)] == ["measured", "predicted"]    # the run's peak counted once
+    small = memory_figure({"samples": [{"node_index": i, "allocated_bytes": b} for i, b in enumerate((0, 3 << 20))]})
     assert small["layout"]["yaxis"]["title"]["text"] == "MiB" and small["data"][0]["y"] == [0, 3]
 
 
 def test_steps_figure_keeps_the_compile_steps_off_the_scale():
-    from deepcompile.report import figures as F
+    from deepcompile.report.steps_fig import steps_figure
 
     steps = [{"step": i, "time_s": t, "loss": 5 - i * 0.1, "mem": {"peak": 3 << 30}}
              for i, t in enumerate([4.0, 0.15, 2.6, 0.040, 0.042, 0.041], start=1)]
     special = special_steps(steps, {"profile_step": 1, "schedule": []})
     assert special == {1: "compile", 2: "profiling", 3: "re-compile"}
-    fig = F.steps_figure(steps, special=special)
+    fig = steps_figure(steps, special=special)
     steady = next(t for t in fig["data"] if (t.get("meta") or {}).get("steady"))
     assert steady["x"] == [4, 5, 6] and steady["y"] == pytest.approx([40, 42, 41])
     assert fig["layout"]["yaxis"]["range"][1] < 100           # set by the steady steps, not by 4 s
@@ -524,11 +529,11 @@ def test_each_graph_once_and_the_compile_diff_only_when_it_differs():
         return GraphRecord(0, "forward", after, seq, nodes)
 
     same = [g("input", 0, a), g("zero3", 1, b), g("input", 2, a), g("zero3", 3, b)]
-    chains = H.compiles(same)
+    chains = compiles(same)
     assert [[v.after for v in c] for c in chains] == [["input", "zero3"], ["input", "zero3"]]
-    text = H._compile_diff(chains)
+    text = _compile_diff(chains)
     assert "compiled 2 times" in text and "gave the same graph" in text and "compile-diff" not in text
     differ = [g("input", 0, a), g("zero3", 1, b), g("input", 2, a), g("zero3", 3, a)]
-    text = H._compile_diff(H.compiles(differ))
+    text = _compile_diff(compiles(differ))
     assert "compile 1 of 2 (zero3) → the latest: 3 → 2 nodes" in text
-    assert H._compile_diff(H.compiles(same[:2])) == ""
+    assert _compile_diff(compiles(same[:2])) == ""

@@ -4,38 +4,28 @@
 :class:`~deepcompile.record.schema.RecordError` before anything is written) and writes:
 
 * the run: status, environment, config;
-* steps: step time, loss and per-step memory per rank (:func:`figures.steps_figure`: the
+* steps: step time, loss and per-step memory per rank (:func:`steps_fig.steps_figure`: the
   compile and profiling steps marked, not setting the scale), a sortable table, the run's peak;
-* every graph id and kind once, with the versions of its latest compile (an earlier compile's
-  graph is described only where it differs), the graph before and after each pass, collapsed by
-  module scope as the inspector's collapsed view draws it (``graph_layout.module_levels``: one
-  box per module with op counts and communication chips, edge counts as pen width, no arrows to
-  the inputs/outputs boxes; graphviz ``dot`` per level when installed, else the order-based
-  layout), with what each pass changed. Every module box opens on a click (a few lines of inline
-  script, no kernel): the level inside it, pre-rendered, shows below the picture and its module
-  boxes open further. The levels are stored once per distinct structure (a skeleton: identical
-  decoder layers share one) plus each level's strings, and graphviz lays out each distinct level
-  once, all of them in at most ``workers`` processes;
-* the schedule of one step for every rank (:func:`figures.schedule_figure`: measured and
+* every graph id and kind once, with the versions of its latest compile, the graph before and
+  after each pass collapsed by module scope, every module box opening on a click
+  (:mod:`deepcompile.report.graph_section`, whose script is part of :data:`JS`);
+* the schedule of one step for every rank (:func:`schedule_fig.schedule_figure`: measured and
   predicted in separate panels, ms, gathers linked issue to wait) with its exposed
   communication, overlap and idle time; the memory timeline stacked by category
-  (:func:`figures.memory_figure`, from ``record.reader.memory_view``: the run's one peak);
+  (:func:`memory_fig.memory_figure`, from ``record.reader.memory_view``: the run's one peak);
 * per-operator latency and memory tables, sortable by clicking a column header.
 
 The charts are plotly figures drawn by the plotly.min.js of the installed plotly package,
-inlined (:func:`plotly_js`): the file opens offline. Without plotly the page says so and keeps
-its tables and graph pictures.
+inlined (:func:`plotly_embed.plotly_js`): the file opens offline. Without plotly the page says so
+and keeps its tables and graph pictures.
 """
 from __future__ import annotations
 
 import datetime as _dt
-import functools
 import html
-import importlib.util
 import json
 import math
 import os
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -45,8 +35,13 @@ from deepcompile.profile import trace
 from deepcompile.record import schema as S
 from deepcompile.record.reader import RecordError, RunRecord, load_json, read_all_steps, read_run
 from deepcompile.record.steps import special_steps
-from deepcompile.report import figures as F
-from deepcompile.report import graph_layout as L
+from deepcompile.report.graph_groups import comm_color, node_groups, param_scopes
+from deepcompile.report.graph_section import _section_graphs
+from deepcompile.report.memory_fig import _peaks, memory_figure, memory_samples
+from deepcompile.report.plotly_embed import NO_PLOTLY, PLOT_JS, _Figures, plotly_js
+from deepcompile.report.schedule_fig import device_kind, idle_word, schedule_figure, step_numbers
+from deepcompile.report.steps_fig import steps_figure
+from deepcompile.report.style import fmt_bytes, fmt_ms, fmt_us
 
 esc = html.escape
 
@@ -115,68 +110,6 @@ document.querySelectorAll('table.sortable').forEach(function(t){
 """
 
 
-# --------------------------------------------------------------------------- plotly, offline
-@functools.lru_cache(maxsize=2)
-def _read_js(path: str, mtime: float) -> str:
-    # a script element ends at the first "</script": keep any inside the library from ending it
-    # (bytes, not read_text: the library is inlined byte for byte, its "\r"s untranslated)
-    return Path(path).read_bytes().decode("utf-8").replace("</script", "<\\/script")
-
-
-def plotly_js() -> str | None:
-    """The text of ``plotly.min.js`` shipped inside the installed plotly package (located with
-    ``importlib.util.find_spec``, which does not import plotly), or None without plotly. The
-    report inlines it: its charts then work with no network."""
-    try:
-        spec = importlib.util.find_spec("plotly")
-    except (ImportError, ValueError):
-        return None
-    for d in (spec.submodule_search_locations or []) if spec is not None else []:
-        p = Path(d) / "package_data" / "plotly.min.js"
-        if p.is_file():
-            return _read_js(str(p), p.stat().st_mtime)
-    return None
-
-
-NO_PLOTLY = ("The charts need plotly, which is not installed here (<code>pip install plotly</code>, or "
-             "<code>pip install 'deepcompile[report]'</code>), then render the report again; the tables below "
-             "do not need it.")
-
-
-class _Figures:
-    """The plotly figures of one report: each a ``<div>`` where it goes, all their JSON in one
-    ``<script type="application/json">`` that a few lines of script hand to ``Plotly.newPlot``."""
-
-    def __init__(self, enabled: bool):
-        self.enabled, self.items = enabled, []
-
-    def add(self, fig: dict, cls: str) -> str:
-        if not self.enabled:
-            return f"<p class='empty no-plotly'>{esc(cls)} chart: plotly is not installed.</p>"
-        self.items.append(fig)
-        h = int((fig.get("layout") or {}).get("height") or 300)
-        return (f"<div class='plotly-fig {esc(cls)}' id='dc-fig-{len(self.items) - 1}' "
-                f"data-fig='{len(self.items) - 1}' style='min-height:{h}px'></div>")
-
-    def script(self) -> str:
-        if not self.items:
-            return ""
-        return ("<script type='application/json' id='dc-figs'>["
-                + ",".join(F.figure_json(f) for f in self.items) + "]</script>")
-
-
-PLOT_JS = """
-(function(){  // the plotly figures: JSON in #dc-figs, drawn by the inlined plotly.min.js
-  var src=document.getElementById('dc-figs');if(!src)return;
-  var divs=document.querySelectorAll('.plotly-fig');
-  if(!window.Plotly){divs.forEach(function(d){d.innerHTML="<p class='empty'>plotly.js did not load</p>";});return;}
-  var F=JSON.parse(src.textContent);
-  divs.forEach(function(d){var f=F[+d.dataset.fig];
-    Plotly.newPlot(d,f.data,f.layout,{responsive:true,displaylogo:false});});
-})();
-"""
-
-
 def _finite(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -222,7 +155,7 @@ def _section_steps(rec: RunRecord, all_steps: dict[int, list[dict]], figs: _Figu
         out.append("<p class='note'>Not steady-state steps (marked above the step-time chart, whose scale the "
                    "other steps set): " + ", ".join(f"step {k}: {esc(v)}" for k, v in sorted(special.items()))
                    + ".</p>")
-    out.append(figs.add(F.steps_figure({r: ss for r, ss in all_steps.items() if ss} or {rec.rank: st},
+    out.append(figs.add(steps_figure({r: ss for r, ss in all_steps.items() if ss} or {rec.rank: st},
                                        special=special), "steps"))
     rows = []
     for s in st:
@@ -231,9 +164,9 @@ def _section_steps(rec: RunRecord, all_steps: dict[int, list[dict]], figs: _Figu
         t = s["time_s"]
         rows.append(f"<tr><td class=num data-v='{s['step']}'>{s['step']}</td>"
                     f"<td class=num data-v='{_js_num(loss)}'>{'' if loss is None else f'{loss:.4f}'}</td>"
-                    f"<td class=num data-v='{_js_num(t)}'>{F.fmt_us(t * 1e6) if _finite(t) else esc(str(t))}"
+                    f"<td class=num data-v='{_js_num(t)}'>{fmt_us(t * 1e6) if _finite(t) else esc(str(t))}"
                     f"{' (' + esc(special[s['step']]) + ')' if s['step'] in special else ''}</td>"
-                    + "".join(f"<td class=num data-v='{_js_num(mem.get(k, 0))}'>{F.fmt_bytes(mem.get(k, 0))}</td>"
+                    + "".join(f"<td class=num data-v='{_js_num(mem.get(k, 0))}'>{fmt_bytes(mem.get(k, 0))}</td>"
                               for k in ("allocated", "reserved", "peak")) + "</tr>")
     out.append("<div class='scroll'><table class='sortable steps'><thead><tr><th>step</th><th>loss</th><th>time</th>"
                "<th>allocated</th><th>reserved</th><th>allocator peak</th></tr></thead><tbody>"
@@ -253,145 +186,6 @@ def _js_num(v: Any) -> str:
     if isinstance(v, float) and math.isinf(v):
         return "Infinity" if v > 0 else "-Infinity"
     return str(v)
-
-
-def _legend() -> str:
-    items = [("compute ops", L.COMPUTE_COLOR), ("inputs/outputs", L.IO_COLOR)] + \
-        [(k, v) for k, v in L.COMM_COLORS.items()]
-    return "<div class='legend'>" + "".join(
-        f"<span><i style='background:{c}'></i>{esc(k)}</span>" for k, c in items) + "</div>"
-
-
-GRAPH_HINT = "click: open"
-
-
-def _graph_pictures(jobs: list, pscopes: dict, depth: int | None,
-                    workers: int) -> tuple[list[str], list[int], str]:
-    """(the collapsed picture of every job's version, the index of its levels in the script, the
-    ``<script>`` with the levels inside every module box).
-
-    A version equal to an earlier one (a recompile that gave the same graph) shares its levels and
-    picture. Every level of every distinct version is built first, then graphviz lays out the
-    distinct ones in ``workers`` processes (:func:`graph_layout.prelayout`), then each is drawn
-    from that cache; an inner level is stored as an index into a table of skeletons (identical
-    layers share one) plus its strings: texts in document order and box keys relative to the
-    opened box (its tooltips, ``<key>`` or ``<key> · click: open``, are rebuilt by the script)."""
-    distinct: list[tuple[list, tuple]] = []     # (nodes, (top level, inner levels))
-    refs = []
-    for (_, _, _, v, _) in jobs:
-        k = next((k for k, (nodes, _) in enumerate(distinct) if len(nodes) == len(v.nodes) and nodes == v.nodes),
-                 None)
-        if k is None:
-            k = len(distinct)
-            distinct.append((v.nodes, L.module_levels(v.nodes, pscopes, depth, hint=GRAPH_HINT)))
-        refs.append(k)
-    dot = L.have_dot()
-    if dot:
-        L.prelayout((lv for _, (top, inner) in distinct for lv in (top, *inner.values())), workers)
-    pictures, drawn = [], {}
-    for (gid, kind, _, v, _), k in zip(jobs, refs):
-        title = f"graph {gid} · {kind} · {'input' if v.after == 'input' else 'after ' + v.after}"
-        svg = drawn.get((k, title))
-        if svg is None:
-            svg = drawn[(k, title)] = L.nested_svg(distinct[k][1][0], title, use_dot=dot)
-            if 'class="dc-level dc-simple"' in svg[:2000]:   # too big for graphviz, or no graphviz
-                svg = drawn[(k, title)] = svg.replace('class="graph dot ', 'class="graph simple ', 1)
-        pictures.append(svg)
-    skeletons: dict[str, int] = {}
-    sig_cache: dict = {}
-    per_version = []
-    for _, (_, inner) in distinct:
-        d = {}
-        for key, lv in inner.items():
-            skel, texts, titles, keys = L.level_skeleton(lv, use_dot=dot, cache=sig_cache)
-            entry = [skeletons.setdefault(skel, len(skeletons)), texts, [k[len(key):] for k in keys]]
-            at = {b.key: b for b in lv.boxes}
-            if titles != [k + (f" · {GRAPH_HINT}" if k in at and "dc-openable" in at[k].classes else "")
-                          for k in keys]:
-                entry.append(titles)   # not the usual tooltips: keep them
-            d[key] = entry
-        per_version.append(d)
-    blob = json.dumps({"s": list(skeletons), "v": per_version, "hint": GRAPH_HINT}, ensure_ascii=False,
-                      separators=(",", ":"))
-    return pictures, refs, ("<script type='application/json' id='dc-levels'>" + blob.replace("<", "\\u003c")
-                            + "</script>")
-
-
-def compiles(versions: list) -> list[list]:
-    """The versions of one (graph_id, kind) split per compile: each compile starts at ``input``."""
-    out: list[list] = []
-    for v in versions:
-        if v.after == "input" or not out:
-            out.append([])
-        out[-1].append(v)
-    return out
-
-
-def _compile_diff(chains: list[list]) -> str:
-    """A line per earlier compile whose final graph differs from the latest one's; nothing when
-    every compile gave the same graph."""
-    if len(chains) < 2:
-        return ""
-    last = chains[-1][-1]
-    lines = []
-    for k, ch in enumerate(chains[:-1], start=1):
-        v = ch[-1]
-        passes = " → ".join(x.after for x in ch[1:]) or "no passes"
-        if v.nodes == last.nodes:
-            continue
-        df = L.diff(v.nodes, last.nodes)
-        comm = ", ".join(f"{c} +{n}" for c, n in sorted(df["comm_added"].items()))
-        lines.append(f"<div class='diff compile-diff'>compile {k} of {len(chains)} ({esc(passes)}) → the latest: "
-                     f"{df['before']} → {df['after']} nodes, +{df['added']} / −{df['removed']}"
-                     f"{'; comm: ' + esc(comm) if comm else ''}</div>")
-    same = len(chains) - 1 - len(lines)
-    head = (f"<div class='note'>compiled {len(chains)} times; shown: the latest compile"
-            + (f" ({same} earlier compile(s) gave the same graph)" if same else "") + "</div>")
-    return head + "".join(lines)
-
-
-def _section_graphs(rec: RunRecord, depth: int | None, workers: int) -> str:
-    pscopes = L.param_scopes(rec.graphs)
-    jobs, chains_of = [], {}
-    for gid in rec.graph_ids:
-        for kind in rec.kinds(gid):
-            chains = compiles(rec.versions(gid, kind))
-            chains_of[(gid, kind)] = chains
-            vs = chains[-1]      # each graph once: the latest compile's passes
-            for i, v in enumerate(vs):
-                jobs.append((gid, kind, i, v, vs[i - 1] if i else None))
-    svgs, refs, levels_script = _graph_pictures(jobs, pscopes, depth, workers)
-    out = ["<section id='graphs'><h2>Graphs</h2>",
-           "<p class='note'>Each graph once, with the passes of its latest compile (an earlier compile is "
-           "described only where its graph differs). Each picture is the graph collapsed by module scope (one box "
-           "per module, to the first ModuleList index, with its op counts; communication ops as coloured chips; a "
-           "thicker arrow carries more tensors; the inputs and outputs boxes are drawn without their arrows). "
-           "Backward nodes without a scope are placed with the layer they follow in graph order. Click a "
-           f"{L.FOLD_MARK} box to open it: the boxes inside it (sub-modules and single nodes) show below the picture, "
-           "where a module opens further; click it again or <i>close</i> to fold it.</p>", _legend()]
-    by: dict[tuple[int, str], list] = defaultdict(list)
-    for ref, job, svg in zip(refs, jobs, svgs):
-        by[(job[0], job[1])].append((ref, job, svg))
-    for (gid, kind), items in by.items():
-        out.append(f"<h3 id='graph-{gid}-{kind}'>graph {gid} · {esc(kind)}</h3>"
-                   + _compile_diff(chains_of[(gid, kind)]) + "<div class='versions'>")
-        for ref, (_, _, i, v, prev), svg in items:
-            head = "input" if v.after == "input" else f"after {esc(v.after)}"
-            d = ""
-            if prev is not None:
-                df = L.diff(prev.nodes, v.nodes)
-                comm = ", ".join(f"{k} +{n}" for k, n in sorted(df["comm_added"].items()))
-                d = (f"<div class='diff'>{df['before']} → {df['after']} nodes: +{df['added']} / "
-                     f"−{df['removed']}{'; comm: ' + esc(comm) if comm else ''}; {F.fmt_us(v.seconds * 1e6)}</div>")
-            notes = "".join(f"<div class='note'>{esc(n)}</div>" for n in v.notes)
-            out.append(f"<div class='version' data-graph='{gid}' data-kind='{esc(kind)}' data-after='{esc(v.after)}' "
-                       f"data-levels='{ref}'><h4>{head} ({len(v.nodes)} nodes)</h4>{d}{notes}{svg}"
-                       "<div class='dc-panels'></div></div>")
-        out.append("</div>")
-    if not jobs:
-        out.append("<p class='empty'>no graphs recorded</p>")
-    out.append(levels_script + "</section>")
-    return "".join(out)
 
 
 def _final_versions(rec: RunRecord) -> dict[tuple[int, str], Any]:
@@ -446,14 +240,14 @@ def _section_schedule(rec: RunRecord, events: list[dict], source: str, figs: _Fi
         out.append("<p class='empty'>no schedule recorded</p></section>")
         return "".join(out)
     graphs = trace.final_graphs(rec.graphs)
-    device = F.device_kind(rec.environment)
-    out.append(figs.add(F.schedule_figure(events, graphs=graphs, rank=rec.rank, device=device), "schedule"))
-    nums = F.step_numbers(events)
+    device = device_kind(rec.environment)
+    out.append(figs.add(schedule_figure(events, graphs=graphs, rank=rec.rank, device=device), "schedule"))
+    nums = step_numbers(events)
     out.append("<h3>Per step</h3><table class='numbers'><thead><tr><th>source</th><th>rank</th><th>step</th>"
                "<th>compute busy</th><th>communication busy</th><th>overlap</th><th>exposed communication</th>"
-               f"<th>{esc(F.idle_word(device))}</th></tr></thead><tbody>"
+               f"<th>{esc(idle_word(device))}</th></tr></thead><tbody>"
                + "".join(f"<tr><td>{esc(n['source'])}</td><td class=num>{n['rank']}</td>"
-                         + "".join(f"<td class=num data-v='{n[k]}'>{F.fmt_ms(n[k])}</td>" for k in
+                         + "".join(f"<td class=num data-v='{n[k]}'>{fmt_ms(n[k])}</td>" for k in
                                    ("step_ms", "compute_ms", "comm_ms", "overlap_ms", "exposed_comm_ms", "idle_ms"))
                          + "</tr>" for n in nums)
                + "</tbody></table><p class='note'>Exposed communication: a collective runs while no compute "
@@ -476,7 +270,7 @@ def memory_view_of(rec: RunRecord) -> dict:
     except RecordError as e:   # a plan.json that fails its schema: the rest of the report stands
         view = {"categories": [], "measured": None, "predicted": None, "peak": None, "error": str(e)}
     view["rank"] = rec.rank
-    if F.memory_samples(view):
+    if memory_samples(view):
         view["note"] = (view.get("measured") or {}).get("label") or "the record's memory timeline"
         return view
     samples = [s for s in (rec.memory or {}).get("samples") or [] if isinstance(s, dict)]
@@ -496,18 +290,18 @@ def _peak_line(view: dict) -> str:
     if not p:
         why = f" ({view['error']})" if view.get("error") else ""
         return f"<p class='peak'>Peak memory: none recorded (no profiling step and no plan){esc(why)}.</p>"
-    cats = ", ".join(f"{k.replace('_', ' ')} {F.fmt_bytes(v)}" for k, v in (p.get("by_category") or {}).items() if v)
-    out = (f"<p class='peak'>The run's peak {F.fmt_bytes(p['bytes'])} — {esc(str(p.get('label') or p['source']))}"
+    cats = ", ".join(f"{k.replace('_', ' ')} {fmt_bytes(v)}" for k, v in (p.get("by_category") or {}).items() if v)
+    out = (f"<p class='peak'>The run's peak {fmt_bytes(p['bytes'])} — {esc(str(p.get('label') or p['source']))}"
            + (f", at {esc(str(p['where']))}" if p.get("where") else "") + (f" [{esc(cats)}]" if cats else "") + "</p>")
-    other = [q for q in F._peaks(view) if q["source"] != p["source"]]
+    other = [q for q in _peaks(view) if q["source"] != p["source"]]
     for q in other:
-        out += (f"<p class='note'>{esc(q['source'])} peak {F.fmt_bytes(q['bytes'])}"
+        out += (f"<p class='note'>{esc(q['source'])} peak {fmt_bytes(q['bytes'])}"
                 + (f" ({esc(str(q['label']))})" if q.get("label") else "") + "</p>")
     return out
 
 
 def _section_memory(view: dict, figs: _Figures) -> str:
-    samples = F.memory_samples(view)
+    samples = memory_samples(view)
     out = ["<section id='memory'><h2>Memory timeline</h2>",
            f"<p class='note'>Source: {esc(view.get('note') or 'the record')}. "
            "Stacked by category; "
@@ -516,7 +310,7 @@ def _section_memory(view: dict, figs: _Figures) -> str:
     if not samples:
         out.append("<p class='empty'>no memory timeline recorded</p></section>")
         return "".join(out)
-    out.append(figs.add(F.memory_figure(view, title=f"memory of one step, rank {view.get('rank', 0)}"), "memory"))
+    out.append(figs.add(memory_figure(view, title=f"memory of one step, rank {view.get('rank', 0)}"), "memory"))
     out.append("</section>")
     return "".join(out)
 
@@ -540,7 +334,7 @@ def _section_ops(rec: RunRecord, events: list[dict], samples: list[dict], pscope
            if "allocated_bytes" in s}
     for (gid, kind), v in sorted(_final_versions(rec).items(), key=lambda kv: (kv[0][0], kv[0][1] != "forward")):
         p, hw = prof.get((gid, kind), ({}, None))
-        keys, _ = L.node_groups(v.nodes, None, pscopes)
+        keys, _ = node_groups(v.nodes, None, pscopes)
         rows = []
         for i, (n, grp) in enumerate(zip(v.nodes, keys)):
             if n["op"] in ("placeholder", "output", "get_attr"):
@@ -548,23 +342,23 @@ def _section_ops(rec: RunRecord, events: list[dict], samples: list[dict], pscope
             pn = p.get(n["name"])
             if pn:
                 latency = pn.get("latency_ms")
-                lat_s = "" if latency is None else F.fmt_ms(latency)
+                lat_s = "" if latency is None else fmt_ms(latency)
                 after = pn.get("mem_after_bytes")
                 peak, outb = pn.get("peak_bytes"), pn.get("out_bytes", E.node_bytes(n))
             else:
                 us = lat.get((gid, kind, n["name"]))
                 latency = None if us is None else us / 1e3
-                lat_s = "" if latency is None else F.fmt_ms(latency) + "*"
+                lat_s = "" if latency is None else fmt_ms(latency) + "*"
                 after, peak, outb = mem.get((gid, kind, n["name"])), None, E.node_bytes(n)
             comm = E.comm_kind(n)
-            style = f" style='background:{L.comm_color(comm)}'" if comm else ""
+            style = f" style='background:{comm_color(comm)}'" if comm else ""
             rows.append(
                 f"<tr><td class=num data-v='{i}'>{i}</td><td{style}>{esc(n['name'])}</td><td>{esc(n['target'])}</td>"
                 f"<td>{esc(grp)}</td><td>{esc(json.dumps(n.get('shape')))}</td>"
                 f"<td class=num data-v='{latency if latency is not None else -1}'>{lat_s}</td>"
-                f"<td class=num data-v='{outb or 0}'>{F.fmt_bytes(outb or 0)}</td>"
-                f"<td class=num data-v='{after if after is not None else -1}'>{'' if after is None else F.fmt_bytes(after)}</td>"
-                f"<td class=num data-v='{peak if peak is not None else -1}'>{'' if peak is None else F.fmt_bytes(peak)}</td></tr>")
+                f"<td class=num data-v='{outb or 0}'>{fmt_bytes(outb or 0)}</td>"
+                f"<td class=num data-v='{after if after is not None else -1}'>{'' if after is None else fmt_bytes(after)}</td>"
+                f"<td class=num data-v='{peak if peak is not None else -1}'>{'' if peak is None else fmt_bytes(peak)}</td></tr>")
         src = f"measured on {esc(json.dumps(hw))}" if p else "predicted (*)"
         out.append(f"<h3>graph {gid} · {esc(kind)} · after {esc(v.after)} — {src}</h3>"
                    "<div class='scroll'><table class='sortable ops'><thead><tr><th>#</th><th>node</th><th>target</th>"
@@ -581,7 +375,7 @@ def render_report(run_dir: str | os.PathLike, out_file: str | os.PathLike | None
     rec = read_run(run_dir, rank)
     all_steps = read_all_steps(run_dir, rec.manifest)
     out = Path(out_file) if out_file is not None else Path(run_dir) / "report.html"
-    pscopes = L.param_scopes(rec.graphs)
+    pscopes = param_scopes(rec.graphs)
     js = plotly_js()
     figs = _Figures(js is not None)
     events, ev_notes = _all_rank_events(rec)
@@ -605,7 +399,7 @@ def render_report(run_dir: str | os.PathLike, out_file: str | os.PathLike | None
         _section_graphs(rec, depth, workers or min(8, os.cpu_count() or 1)),
         _section_schedule(rec, events, ev_src, figs, ev_notes), _section_prediction(run_dir, rank, passes),
         _section_memory(view, figs),
-        _section_ops(rec, events, F.memory_samples(view), pscopes)]
+        _section_ops(rec, events, memory_samples(view), pscopes)]
     lib = f"<script>{js}</script>" if (js is not None and figs.items) else ""
     doc = ("<!DOCTYPE html><html lang='en'><head><meta charset='utf-8'>"
            f"<title>{esc(title)}</title><style>{CSS}</style>{lib}</head><body>"

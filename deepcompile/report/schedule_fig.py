@@ -1,33 +1,26 @@
-"""Plotly figures of a run, as plain figure dicts (``{"data": [...], "layout": {...}}``).
+"""The schedule of one step as a plotly figure dict (``{"data": [...], "layout": {...}}``), and
+the numbers read off the same events.
 
-deepcompile does not import plotly: these functions build the JSON that plotly.js draws. The
-static report (:mod:`deepcompile.report.html`) hands them to ``Plotly.newPlot`` with the
-plotly.min.js of the installed plotly package inlined (no network); the notebook widget passes
-the same dicts to ``plotly.graph_objects.Figure``.
+deepcompile does not import plotly: :func:`schedule_figure` builds the JSON that plotly.js draws
+(the static report hands it to ``Plotly.newPlot``, the notebook widget to
+``plotly.graph_objects.Figure``). It is a Perfetto-like schedule: one lane per rank and stream,
+measured and predicted never in one lane (each source has its own subplot, its own y axis, the
+two x axes zoom together), time in ms, hover with node name, duration and graph, every gather
+linked from its issue to its wait (:func:`gather_links`).
 
-* :func:`schedule_figure`: a Perfetto-like schedule of one step: one lane per rank and stream,
-  measured and predicted never in one lane (each source has its own subplot, its own y axis,
-  the two x axes zoom together), time in ms, hover with node name, duration and graph, every
-  gather linked from its issue to its wait; with it :func:`step_numbers`, the three numbers that
-  matter per step: exposed communication, overlap, and idle (host-bound) time.
-* :func:`memory_figure`: memory by category over time, stacked, the peak marked and labelled
-  measured or predicted, in MiB or GiB with the axis saying which.
-* :func:`steps_figure`: step times (and loss), the compile and profiling steps marked as
-  annotations above a y range that the steady-state steps set (one 2 s compile step does not
-  flatten 40 ms steps into a line at the bottom).
-
-Times are formatted by :func:`fmt_us` (µs below a millisecond, ms above, never scientific).
+The events are first put on one time base per source and rank (:func:`normalize`);
+:func:`step_numbers` gives the three numbers that matter per step: exposed communication,
+overlap, and idle (host-bound) time. The graph-order helpers here (:func:`_exec_order`,
+:func:`_graph_key`, :func:`_src_index`) also order the memory figure's samples and peaks.
 """
 from __future__ import annotations
 
-import json
-import math
 import re
 from collections import defaultdict
 from typing import Any, Iterable
 
 from deepcompile.profile.trace import intersection_length, union
-from deepcompile.record.steps import special_steps
+from deepcompile.report.style import fmt_ms, fmt_us
 
 STREAM_ORDER = ("compute", "allgather", "reduce", "copy")
 STREAM_COLORS = {"compute": "#4e79a7", "allgather": "#f28e2b", "reduce": "#9c6ade", "copy": "#59a14f"}
@@ -43,62 +36,6 @@ COMM_STREAMS = ("allgather", "reduce")
 _ISSUE = re.compile(r"^(dc::)?(allgather_params?|gather_persistent_start)(_|$|\.)")
 _WAIT = re.compile(r"^(dc::)?(wait_allgather(_many)?|gather_persistent_wait)(_|$|\.)")
 _ANY_WAIT = re.compile(r"^(dc::)?(wait_|gather_persistent_wait)")
-
-CATEGORY_COLORS = {"parameter_shards": "#4e79a7", "gathered": "#f28e2b", "gradients": "#9c6ade",
-                   "optimizer_state": "#59a14f", "activations": "#e15759", "offloaded": "#bab0ac"}
-_EXTRA_COLORS = ["#76b7b2", "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#86bcb6"]
-
-
-# --------------------------------------------------------------------------- formatting
-def fmt_us(us: float | None) -> str:
-    """A duration or time given in µs, as a person reads it: ``850.0 µs``, ``12.34 ms``, ``2.500 s``."""
-    if us is None or not isinstance(us, (int, float)) or not math.isfinite(us):
-        return "–"
-    a = abs(us)
-    if a == 0:
-        return "0 µs"
-    if a < 10:
-        return f"{us:.2f} µs"
-    if a < 1000:
-        return f"{us:.1f} µs"
-    if a < 1e6:
-        return f"{us / 1e3:.2f} ms"
-    return f"{us / 1e6:.3f} s"
-
-
-def fmt_ms(ms: float | None) -> str:
-    return fmt_us(None if ms is None else ms * 1e3)
-
-
-_BIN = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None or not isinstance(n, (int, float)) or not math.isfinite(n):
-        return "–"
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    k = min(int(math.log(abs(n), 1024)), 4)
-    return f"{n / 1024 ** k:.1f} {_BIN[k]}"
-
-
-def byte_unit(max_bytes: float) -> tuple[str, float]:
-    """(unit name, divisor) for an axis whose largest value is ``max_bytes``: MiB below 2 GiB, else GiB."""
-    return ("GiB", float(1 << 30)) if max_bytes >= 2 * (1 << 30) else ("MiB", float(1 << 20))
-
-
-def figure_json(fig: dict) -> str:
-    """``fig`` as JSON that ``JSON.parse`` accepts (NaN/inf become null) and that is safe inside a
-    ``<script>`` element (no ``</``)."""
-    def clean(o):
-        if isinstance(o, float) and not math.isfinite(o):
-            return None
-        if isinstance(o, dict):
-            return {k: clean(v) for k, v in o.items()}
-        if isinstance(o, (list, tuple)):
-            return [clean(v) for v in o]
-        return o
-    return json.dumps(clean(fig), separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
 
 
 # --------------------------------------------------------------------------- events
@@ -433,248 +370,3 @@ def schedule_figure(events: Iterable[dict], *, graphs: dict | None = None, graph
 
 def _stream_index(s: str) -> int:
     return STREAM_ORDER.index(s) if s in STREAM_ORDER else len(STREAM_ORDER)
-
-
-# --------------------------------------------------------------------------- memory
-def _sample_total(s: dict) -> float:
-    bc = s.get("by_category")
-    if isinstance(bc, dict) and bc:
-        return float(sum(v for v in bc.values() if isinstance(v, (int, float))))
-    return float(s.get("allocated_bytes") or 0)
-
-
-def _peaks(view: dict) -> list[dict]:
-    """Every peak ``view`` carries, each ``{bytes, source, label?, where?, by_category?}``, measured
-    first: ``record.reader.memory_view``'s ``measured.peak`` and ``predicted.peak`` (its ``peak``,
-    the run's one peak, is one of those two), or a flat view's ``peak`` / ``predicted`` / ``peaks``."""
-    out: list[dict] = []
-
-    def add(p: Any, source: str, label: str | None = None) -> None:
-        if isinstance(p, dict) and _fin(p.get("bytes")):
-            d = dict(p, source=str(p.get("source") or source))
-            if label and "label" not in d:
-                d["label"] = label
-            if not any(q["source"] == d["source"] and q["bytes"] == d["bytes"] for q in out):
-                out.append(d)
-
-    for key in ("measured", "predicted"):
-        part = view.get(key)
-        if isinstance(part, dict) and isinstance(part.get("peak"), dict):
-            add(part["peak"], key, part.get("label"))
-    add(view.get("peak"), "measured")
-    if isinstance(view.get("predicted"), dict) and "peak" not in view["predicted"]:
-        add(view["predicted"], "predicted")
-    add(view.get("predicted_peak"), "predicted")
-    for p in view.get("peaks") or []:
-        add(p, "predicted")
-    out.sort(key=lambda p: _src_index(p["source"]))
-    return out
-
-
-def memory_samples(view: dict) -> list[dict]:
-    """The timeline's samples: ``memory_view``'s measured ones, else a flat view's ``samples``."""
-    m = view.get("measured")
-    if isinstance(m, dict) and m.get("samples"):
-        return [dict(s, source=s.get("source", "measured")) for s in m["samples"] if isinstance(s, dict)]
-    return [s for s in view.get("samples") or [] if isinstance(s, dict)]
-
-
-def memory_x(samples: list[dict]) -> tuple[list[float], str]:
-    """x of each sample and the axis title: ms (``t_ms``, or ``t_us``) when every sample has a
-    time, else a running node index across the graphs in execution order."""
-    if samples and all("t_ms" in s for s in samples):
-        return [float(s["t_ms"]) for s in samples], "ms from the start of the step"
-    if samples and all("t_us" in s for s in samples):
-        return [float(s["t_us"]) / 1e3 for s in samples], "ms from the start of the step"
-    return list(range(len(samples))), "node (in execution order)"
-
-
-def memory_figure(view: dict, *, title: str | None = None) -> dict:
-    """Memory over one step, stacked by category (``record.reader.memory_view``'s
-    ``{categories, samples: [{t_ms, graph_id, kind, node, by_category, allocated_bytes}], peak}``);
-    samples without ``by_category`` are one ``allocated`` band. The measured peak is a labelled
-    marker, a predicted peak a dashed line with its categories on hover; the y axis is in MiB or
-    GiB and says which."""
-    samples = memory_samples(view)
-    if samples and not any("t_ms" in s or "t_us" in s for s in samples):
-        order = {k: i for i, k in enumerate(_exec_order(_graph_key(s) for s in samples))}
-        samples.sort(key=lambda s: (order.get(_graph_key(s), 0), s.get("node_index", 0)))
-    elif samples:
-        samples.sort(key=lambda s: s.get("t_ms", s.get("t_us", 0)))
-    xs, xtitle = memory_x(samples)
-    cats = list(view.get("categories") or [])
-    have_cat = any(isinstance(s.get("by_category"), dict) for s in samples)
-    if have_cat:
-        for s in samples:
-            for c in (s.get("by_category") or {}):
-                if c not in cats:
-                    cats.append(c)
-    else:
-        cats = ["allocated"]
-    peaks = _peaks(view)
-    top = max([_sample_total(s) for s in samples] + [float(p["bytes"]) for p in peaks] + [1.0])
-    unit, div = byte_unit(top)
-    src = sorted({str(s.get("source", "measured")) for s in samples}) or ["–"]
-    data: list[dict] = []
-    for i, c in enumerate(cats):
-        ys = [((s.get("by_category") or {}).get(c, 0) if have_cat else s.get("allocated_bytes", 0)) / div
-              for s in samples]
-        color = CATEGORY_COLORS.get(c, _EXTRA_COLORS[i % len(_EXTRA_COLORS)])
-        data.append({"type": "scatter", "mode": "lines", "x": xs, "y": ys, "name": c.replace("_", " "),
-                     "stackgroup": "memory", "line": {"width": 0.6, "color": color}, "fillcolor": color,
-                     "customdata": [[s.get("node", ""), f"graph {s.get('graph_id', '')} · {s.get('kind', '')}",
-                                     fmt_bytes(y * div), fmt_bytes(_sample_total(s))] for s, y in zip(samples, ys)],
-                     "hovertemplate": "<b>%{customdata[0]}</b> (%{customdata[1]})<br>" + c.replace("_", " ")
-                                      + ": %{customdata[2]} of %{customdata[3]}<extra>" + "/".join(src) + "</extra>",
-                     "meta": {"category": c, "source": "/".join(src)}})
-    if have_cat and any("allocated_bytes" in s for s in samples):
-        data.append({"type": "scatter", "mode": "lines", "x": xs, "y": [s.get("allocated_bytes", 0) / div for s in samples],
-                     "name": "allocated (allocator)", "line": {"color": "#333", "width": 1, "dash": "dot"},
-                     "hovertemplate": "allocated %{y:.1f} " + unit + "<extra></extra>", "meta": {"total": True}})
-    annotations, shapes = [], []
-    x_lo, x_hi = (min(xs), max(xs)) if xs else (0, 1)
-    for p in peaks:
-        label = f"{p['source']} peak {fmt_bytes(p['bytes'])}"
-        bc = p.get("by_category") or {}
-        detail = "<br>".join(f"{k.replace('_', ' ')}: {fmt_bytes(v)}" for k, v in bc.items() if v)
-        where = p.get("where")
-        where_s = where if isinstance(where, str) else (where or {}).get("node", "") if isinstance(where, dict) else ""
-        t_peak = p.get("t_ms") if _fin(p.get("t_ms")) else (where or {}).get("t_ms") if isinstance(where, dict) else None
-        if p["source"] == "measured" and samples:
-            k = None
-            if _fin(t_peak) and xtitle.startswith("ms"):
-                k = min(range(len(samples)), key=lambda j: abs(xs[j] - float(t_peak)))
-            elif where_s:
-                k = next((j for j, s in enumerate(samples) if s.get("node") == where_s), None)
-            if k is None:
-                k = max(range(len(samples)), key=lambda j: _sample_total(samples[j]))
-            x = float(t_peak) if _fin(t_peak) and xtitle.startswith("ms") else xs[k]
-            where_s = where_s or str(samples[k].get("node", ""))
-            data.append({"type": "scatter", "mode": "markers", "x": [x], "y": [p["bytes"] / div], "name": label,
-                         "marker": {"symbol": "triangle-down", "size": 12, "color": "#d62728"},
-                         "text": [f"<b>{label}</b> at {where_s}<br>{detail}"], "hovertemplate": "%{text}<extra></extra>",
-                         "meta": {"peak": p["source"], "bytes": p["bytes"]}})
-            annotations.append({"x": x, "y": p["bytes"] / div, "text": f"{label} ({where_s})" if where_s else label,
-                                "showarrow": True, "arrowhead": 0, "ax": 0, "ay": -28, "font": {"size": 11, "color": "#d62728"}})
-        else:
-            data.append({"type": "scatter", "mode": "lines", "x": [x_lo, x_hi], "y": [p["bytes"] / div] * 2,
-                         "name": label, "line": {"color": "#1f77b4", "width": 1.5, "dash": "dash"},
-                         "text": [f"<b>{label}</b><br>{detail}"] * 2, "hovertemplate": "%{text}<extra></extra>",
-                         "meta": {"peak": p["source"], "bytes": p["bytes"]}})
-            annotations.append({"x": x_hi, "y": p["bytes"] / div, "xanchor": "right", "yanchor": "bottom",
-                                "text": label, "showarrow": False, "font": {"size": 11, "color": "#1f77b4"}})
-    head = title or "memory"
-    layout = {"title": {"text": f"{head} — {'/'.join(src)}", "font": {"size": 13}, "x": 0.01}, "height": 360,
-              "margin": {"l": 70, "r": 20, "t": 40, "b": 45}, "hovermode": "closest",
-              "xaxis": {"title": {"text": xtitle}, "exponentformat": "none", "zeroline": False},
-              "yaxis": {"title": {"text": unit}, "exponentformat": "none", "rangemode": "tozero",
-                        "ticksuffix": f" {unit}", "hoverformat": ".1f"},
-              "legend": {"orientation": "h", "y": -0.22, "font": {"size": 11}},
-              "annotations": annotations, "shapes": shapes, "meta": {"unit": unit, "peaks": peaks}}
-    if not samples:
-        layout["title"]["text"] = f"{head}: no memory timeline"
-    return {"data": data, "layout": layout}
-
-
-# --------------------------------------------------------------------------- steps
-def _int_dtick(n: int) -> int:
-    """A tick step of 1, 2 or 5 times a power of ten giving at most ~12 integer ticks over n steps."""
-    k = 1
-    while True:
-        for m in (1, 2, 5):
-            if n / (k * m) <= 12:
-                return k * m
-        k *= 10
-
-
-def _fin(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-RANK_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"]
-
-
-def steps_figure(steps: list[dict] | dict[int, list[dict]], *, special: dict[int, str] | None = None,
-                 config: dict | None = None, memory: bool = True) -> dict:
-    """Step time (ms) per rank, loss, and each step's peak memory, one row each (x axes zoom
-    together). The y range of the time row is set by the steady-state steps; the compile,
-    profiling and re-compile steps (``special``, default :func:`special_steps`) are marked above
-    it, each with its real time written out, so they neither flatten the chart nor vanish."""
-    by_rank = steps if isinstance(steps, dict) else {0: list(steps)}
-    by_rank = {r: [s for s in ss if isinstance(s, dict) and "step" in s] for r, ss in sorted(by_rank.items())}
-    ref = next((ss for ss in by_rank.values() if ss), [])
-    special = special if special is not None else special_steps(ref, config)
-    has_loss = any(_fin(s.get("loss")) for ss in by_rank.values() for s in ss)
-    peaks_b = [((s.get("mem") or {}).get("peak")) for ss in by_rank.values() for s in ss]
-    has_mem = memory and any(_fin(v) and v > 0 for v in peaks_b)
-    rows = ["time"] + (["loss"] if has_loss else []) + (["memory"] if has_mem else [])
-    gap = 0.08
-    h = (1 - gap * (len(rows) - 1)) / len(rows)
-    layout: dict[str, Any] = {"height": 190 * len(rows) + 60, "margin": {"l": 75, "r": 20, "t": 30, "b": 40},
-                              "hovermode": "x unified", "legend": {"orientation": "h", "y": 1.02, "yanchor": "bottom"},
-                              "annotations": [], "shapes": []}
-    data: list[dict] = []
-    steady_max = 0.0
-    for i, row in enumerate(rows):
-        ax = "" if i == 0 else str(i + 1)
-        top = 1 - i * (h + gap)
-        layout["xaxis" + ax] = {"anchor": "y" + ax, "matches": "x" if i else None, "exponentformat": "none",
-                                "showticklabels": i == len(rows) - 1, "title": {"text": "step"} if i == len(rows) - 1 else None,
-                                "tickformat": "d", "dtick": _int_dtick(len(ref))}
-        layout["yaxis" + ax] = {"domain": [max(0.0, top - h), top], "anchor": "x" + ax, "exponentformat": "none",
-                                "rangemode": "tozero"}
-    for j, (r, ss) in enumerate(by_rank.items()):
-        color = RANK_COLORS[j % len(RANK_COLORS)]
-        st = [s for s in ss if s["step"] not in special]
-        times = [s["time_s"] * 1e3 if _fin(s.get("time_s")) else None for s in st]
-        steady_max = max([steady_max] + [t for t in times if t is not None])
-        data.append({"type": "scatter", "mode": "lines+markers", "x": [s["step"] for s in st], "y": times,
-                     "name": f"rank {r} step time", "line": {"color": color, "width": 1.5}, "marker": {"size": 4},
-                     "xaxis": "x", "yaxis": "y", "hovertemplate": "%{y:.1f} ms<extra>rank " + str(r) + "</extra>",
-                     "meta": {"row": "time", "rank": r, "steady": True}})
-        if has_loss and (j == 0 or len(by_rank) <= 8):
-            k = rows.index("loss")
-            ax = str(k + 1)
-            data.append({"type": "scatter", "mode": "lines", "x": [s["step"] for s in ss],
-                         "y": [s.get("loss") if _fin(s.get("loss")) else None for s in ss], "name": f"rank {r} loss",
-                         "line": {"color": color, "width": 1.2}, "xaxis": "x" + ax, "yaxis": "y" + ax,
-                         "showlegend": False, "hovertemplate": "loss %{y:.4f}<extra>rank " + str(r) + "</extra>",
-                         "meta": {"row": "loss", "rank": r}})
-        if has_mem:
-            vals = [((s.get("mem") or {}).get("peak")) for s in ss]
-            k = rows.index("memory")
-            ax = str(k + 1)
-            unit, div = byte_unit(max([v for v in peaks_b if _fin(v)] + [1]))
-            data.append({"type": "scatter", "mode": "lines", "x": [s["step"] for s in ss],
-                         "y": [v / div if _fin(v) else None for v in vals], "name": f"rank {r} peak",
-                         "line": {"color": color, "width": 1.2, "dash": "dot"}, "xaxis": "x" + ax, "yaxis": "y" + ax,
-                         "showlegend": False, "hovertemplate": "%{y:.1f} " + unit + "<extra>rank " + str(r) + "</extra>",
-                         "meta": {"row": "memory", "rank": r, "unit": unit}})
-            layout["yaxis" + ax]["title"] = {"text": f"peak ({unit})"}
-            layout["yaxis" + ax]["ticksuffix"] = f" {unit}"
-    layout["yaxis"]["title"] = {"text": "step time (ms)"}
-    if has_loss:
-        k = str(rows.index("loss") + 1)
-        layout["yaxis" + k]["title"] = {"text": "loss"}
-        layout["yaxis" + k]["rangemode"] = "normal"
-    marked = [s for s in ref if s["step"] in special]
-    if steady_max > 0:
-        ceiling = steady_max * 1.35
-        layout["yaxis"]["range"] = [0, ceiling]
-        ys = [min(s["time_s"] * 1e3, ceiling * 0.97) if _fin(s.get("time_s")) else ceiling * 0.97 for s in marked]
-    else:
-        ys = [s["time_s"] * 1e3 if _fin(s.get("time_s")) else None for s in marked]
-    if marked:
-        txt = [f"step {s['step']}: {special[s['step']]} · {fmt_ms(s['time_s'] * 1e3) if _fin(s.get('time_s')) else '–'}"
-               for s in marked]
-        data.append({"type": "scatter", "mode": "markers", "x": [s["step"] for s in marked], "y": ys,
-                     "name": "compile / profiling steps (off the scale)" if steady_max > 0 else "compile / profiling steps",
-                     "marker": {"symbol": "triangle-up", "size": 11, "color": "#888"}, "text": txt,
-                     "hovertemplate": "%{text}<extra></extra>", "xaxis": "x", "yaxis": "y",
-                     "meta": {"row": "time", "special": {str(s['step']): special[s['step']] for s in marked}}})
-        for s, y, t in zip(marked, ys, txt):
-            layout["annotations"].append({"x": s["step"], "y": y, "xref": "x", "yref": "y", "text": t,
-                                          "showarrow": True, "arrowhead": 0, "ax": 0, "ay": 22 if y else -20,
-                                          "font": {"size": 10, "color": "#555"}, "bgcolor": "rgba(255,255,255,0.8)"})
-    layout["meta"] = {"special": {str(k): v for k, v in special.items()}, "rows": rows}
-    return {"data": data, "layout": layout}
