@@ -1,4 +1,4 @@
-"""Models of the schedule, memory and step-metrics views, and their plotly figures.
+"""Models of the schedule and memory views, the run's one memory peak, and their plotly figures.
 
 * :class:`ScheduleModel`: the record's schedule events of every rank (measured and predicted,
   as recorded; the naive order-based estimate when the record has none), one timeline lane per
@@ -6,11 +6,12 @@
 * :class:`MemoryModel`: the memory timeline of one graph (recorded samples, plus the naive
   liveness estimate of the selected pass and the one before it), the peak marked and the
   tensors live at the peak listed; a per-operator table sortable by any column.
-* :class:`StepsModel`: time, loss and memory per step and rank, read from ``steps.jsonl``;
-  :meth:`StepsModel.poll` re-reads only files that changed, so following a live run is cheap.
+* :func:`memory_view`, :func:`view_peak`, :func:`peak_label`, :func:`view_figure`: the run's
+  memory by category and its one peak, as every view shows them.
 
-Figures are built with plotly's ``graph_objects`` (no network: the JupyterLab plotly extension
-renders them offline).
+The Steps tab's model, :class:`~deepcompile.widgets.steps_view.StepsModel`, is in
+:mod:`~deepcompile.widgets.steps_view`. Figures are built with plotly's ``graph_objects`` (no
+network: the JupyterLab plotly extension renders them offline).
 """
 from __future__ import annotations
 
@@ -20,11 +21,10 @@ from typing import Any
 
 from deepcompile.plan import estimate as E
 from deepcompile.record import schema as S
-from deepcompile.record.reader import RecordError, load_json, read_run, read_steps
+from deepcompile.record.reader import RecordError, load_json, read_run
 
 STREAM_ORDER = ["compute", "allgather", "reduce", "copy"]
 STREAM_COLORS = {"compute": "#4e79a7", "allgather": "#f28e2b", "reduce": "#9c6ade", "copy": "#59a14f"}
-RANK_COLORS = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948", "#b07aa1", "#ff9da7"]
 
 
 def _final_versions(rec) -> dict[tuple[int, str], Any]:
@@ -121,8 +121,8 @@ class ScheduleModel:
     def numbers(self) -> list[dict]:
         """The three numbers per source and rank over the whole step (every graph): exposed
         communication, overlap and idle (host-bound) time, with step and busy times
-        (:func:`deepcompile.report.figures.step_numbers`)."""
-        from deepcompile.report import figures as F
+        (:func:`deepcompile.report.schedule_fig.step_numbers`)."""
+        from deepcompile.report import schedule_fig as F
 
         ev = self.events + list(self.whatif_events)
         out = F.step_numbers(ev) if ev else []
@@ -135,12 +135,13 @@ class ScheduleModel:
     @property
     def device(self) -> str | None:
         """``"gpu"`` or ``"cpu"``: what the run ran on (the idle column's words follow it)."""
-        from deepcompile.report.figures import device_kind
+        from deepcompile.report.schedule_fig import device_kind
 
         return device_kind(getattr(self.rec, "environment", None))
 
     def numbers_html(self) -> str:
-        from deepcompile.report.figures import fmt_ms, idle_word
+        from deepcompile.report.schedule_fig import idle_word
+        from deepcompile.report.style import fmt_ms
 
         rows = "".join(
             f"<tr><td>{n['source']}</td><td>{n['rank']}</td><td>{fmt_ms(n['step_ms'])}</td>"
@@ -153,10 +154,10 @@ class ScheduleModel:
 
     def figure_dict(self) -> dict:
         """The schedule of the selected graph as a plotly figure dict
-        (:func:`deepcompile.report.figures.schedule_figure`: one subplot per source, a lane per
+        (:func:`deepcompile.report.schedule_fig.schedule_figure`: one subplot per source, a lane per
         rank and stream, ms, hover, each gather linked from issue to wait), the selected node's
         bars outlined."""
-        from deepcompile.report import figures as F
+        from deepcompile.report import schedule_fig as F
 
         title = "schedule"
         whole = self.scope == "step" or not self.key
@@ -186,7 +187,7 @@ class ScheduleModel:
 
 
 def bar_node(customdata_item) -> str | None:
-    """The node name of one bar's customdata (report.figures puts ``[node, duration, ...]``)."""
+    """The node name of one bar's customdata (report.schedule_fig puts ``[node, duration, ...]``)."""
     c = customdata_item
     if isinstance(c, (list, tuple)) or (hasattr(c, "tolist") and not isinstance(c, str)):
         c = list(c)
@@ -232,7 +233,7 @@ def peak_label(pk: dict | None) -> str:
 
 
 def figure_view(view: dict) -> dict:
-    """memory_view in the shape report.figures.memory_figure draws: the measured samples, the
+    """memory_view in the shape report.memory_fig.memory_figure draws: the measured samples, the
     one peak, and the plan's predicted peak beside it (when the peak shown is the measured one)."""
     meas = view.get("measured") or {}
     out = {"categories": list(view.get("categories") or []), "samples": list(meas.get("samples") or view.get("samples") or [])}
@@ -246,11 +247,11 @@ def figure_view(view: dict) -> dict:
 
 
 def view_figure(view: dict, title: str = "memory by category"):
-    """The memory view's timeline (report.figures.memory_figure: stacked by category, ms on x,
+    """The memory view's timeline (report.memory_fig.memory_figure: stacked by category, ms on x,
     node names on hover, the peak marked and labelled) as a plotly Figure."""
     import plotly.graph_objects as go
 
-    from deepcompile.report.figures import memory_figure
+    from deepcompile.report.memory_fig import memory_figure
 
     return go.Figure(memory_figure(figure_view(view), title=title))
 
@@ -261,7 +262,7 @@ OP_COLUMNS = ("index", "name", "target", "module", "latency_us", "out_bytes", "m
 
 class MemoryModel:
     def __init__(self, rec, *, pscopes: dict | None = None):
-        from deepcompile.report import graph_layout as L
+        from deepcompile.report import graph_groups as L
 
         self.rec = rec
         self.pscopes = pscopes if pscopes is not None else L.param_scopes(rec.graphs)
@@ -364,7 +365,7 @@ class MemoryModel:
 
     def op_rows(self, latency: dict | None = None) -> list[dict]:
         """Per-operator rows of the selected version, sorted as set by :meth:`set_sort`."""
-        from deepcompile.report import graph_layout as L
+        from deepcompile.report import graph_groups as L
 
         if not self.key:
             return []
@@ -453,174 +454,6 @@ class MemoryModel:
                           xaxis_title="node index", yaxis_title="bytes (graph estimate)",
                           legend=dict(orientation="h", y=-0.25))
         return fig
-
-
-# --------------------------------------------------------------------------- steps (live)
-class StepsModel:
-    """Per-rank step lines of a (possibly live) run, re-read when the files change."""
-
-    def __init__(self, run_dir: str | Path):
-        self.run_dir = Path(run_dir)
-        self.steps: dict[int, list[dict]] = {}
-        self.status = "unknown"
-        self.error: str | None = None
-        self._sig: dict[int, tuple] = {}
-        self.ranks: list[int] = []
-
-    def poll(self) -> bool:
-        """Re-read what changed; True when anything did."""
-        changed = False
-        mpath = self.run_dir / S.MANIFEST
-        try:
-            m = load_json(mpath, optional=True, root=self.run_dir)
-            if m is None:
-                self.error = f"{mpath}: no record yet"
-                return False
-            m = S.check_manifest(str(mpath), m)
-        except RecordError as e:
-            self.error = str(e)
-            return False
-        self.error = None
-        if m["status"] != self.status:
-            self.status, changed = m["status"], True
-        self.ranks = list(m["ranks"])
-        for r in self.ranks:
-            p = self.run_dir / S.rank_dir_name(r) / S.STEPS
-            try:
-                st = p.stat()
-            except OSError:
-                continue
-            sig = (st.st_size, st.st_mtime_ns)
-            if self._sig.get(r) == sig:
-                continue
-            try:
-                self.steps[r] = read_steps(p, root=self.run_dir)[0]
-            except RecordError as e:
-                self.error = str(e)
-                continue
-            self._sig[r] = sig
-            changed = True
-        return changed
-
-    @property
-    def live(self) -> bool:
-        return self.status == "running"
-
-    def n_steps(self) -> int:
-        return max((len(v) for v in self.steps.values()), default=0)
-
-    def by_category(self, step: dict) -> dict | None:
-        """A step line's peak by memory category, where the writer records it
-        (``mem.by_category``: :func:`deepcompile.profile.profiler.step_split`)."""
-        m = step.get("mem") or {}
-        for k in ("by_category", "peak_by_category"):
-            d = m.get(k) if isinstance(m, dict) else None
-            if isinstance(d, dict) and d:
-                return {c: v for c, v in d.items() if isinstance(v, (int, float))}
-        return None
-
-    def split_how(self, rank: int | None = None) -> str | None:
-        """How the shown rank's latest step split its peak (``mem.split``), or None."""
-        r = rank if rank is not None else (self.ranks[0] if self.ranks else min(self.steps, default=0))
-        for s in reversed(self.steps.get(r, [])):
-            how = (s.get("mem") or {}).get("split")
-            if isinstance(how, str):
-                return how
-        return None
-
-    @staticmethod
-    def category_name(cat: str) -> str:
-        """Legend name: the remainder of the peak is said to be one."""
-        return "activations (remainder of the peak)" if cat == "activations" else cat.replace("_", " ")
-
-    def figure(self):
-        """Step time (ms), loss, and memory per step as it is written: each step's peak by
-        category (stacked, the shown rank) where the steps carry it, else allocated / peak per rank.
-        The y range of step time follows the steady steps; a compile step far above is annotated."""
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
-
-        from deepcompile.report import figures as F
-
-        # per step the writer logs process memory (the allocator's high-water mark on GPU, the resident
-        # set on CPU): another quantity than the run's peak (memory_view), so titled as such
-        shown = self.ranks[0] if self.ranks else (min(self.steps) if self.steps else 0)
-        has_cat = any(self.by_category(s) for s in self.steps.get(shown, []))
-        # the step's peak by category where the writer split it (profiler.step_split), else the
-        # process memory per step: on GPU the allocator's high-water mark, on CPU the resident set
-        mem_title = (f"memory per step by category (rank {shown})" if has_cat else "process memory per step")
-        fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (ms)", "loss", mem_title))
-        allmax = 0
-        steady: list[float] = []
-        for r, ss in sorted(self.steps.items()):
-            c = RANK_COLORS[r % len(RANK_COLORS)]
-            xs = [s["step"] for s in ss]
-            ts = [s["time_s"] * 1e3 for s in ss]
-            steady += ts[2:] if len(ts) > 2 else ts
-            fig.add_trace(go.Scatter(x=xs, y=ts, name=f"rank {r} time", mode="lines+markers",
-                                     line=dict(color=c), legendgroup=f"r{r}",
-                                     hovertemplate="step %{x}: %{y:.1f} ms<extra>rank " + str(r) + "</extra>"), row=1, col=1)
-            fig.add_trace(go.Scatter(x=xs, y=[s.get("loss") for s in ss], name=f"rank {r} loss", mode="lines+markers",
-                                     line=dict(color=c), legendgroup=f"r{r}", showlegend=False), row=1, col=2)
-            allmax = max([allmax] + [max([v for v in (s.get("mem") or {}).values() if isinstance(v, (int, float))],
-                                         default=0) for s in ss])
-        unit, div = F.byte_unit(allmax)
-        cat_steps = [(s["step"], self.by_category(s)) for s in self.steps.get(shown, [])]
-        cat_steps = [(k, d) for k, d in cat_steps if d]
-        if cat_steps:
-            cats = list(dict.fromkeys(c for _, d in cat_steps for c in d))
-            for cat in cats:
-                if cat == "offloaded":
-                    continue   # host memory: not part of the device's peak the bars stack up to
-                name = self.category_name(cat)
-                fig.add_trace(go.Bar(x=[k for k, _ in cat_steps], y=[d.get(cat, 0) / div for _, d in cat_steps],
-                                     name=name, marker_color=F.CATEGORY_COLORS.get(cat), legendgroup="mem",
-                                     meta={"category": cat},
-                                     hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>" + name + "</extra>"),
-                              row=1, col=3)
-            peaks = [(s["step"], (s.get("mem") or {}).get("peak")) for s in self.steps.get(shown, [])]
-            if not any("activations" in d for _, d in cat_steps):
-                # CPU: no allocator peak to split; the resident set is another quantity, drawn as a line
-                fig.add_trace(go.Scatter(x=[k for k, v in peaks if v], y=[v / div for _, v in peaks if v],
-                                         name=f"rank {shown} process resident set", mode="lines+markers",
-                                         line=dict(color="#333", dash="dot"), legendgroup="mem",
-                                         hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>resident set</extra>"),
-                              row=1, col=3)
-            fig.update_layout(barmode="stack")
-        for r, ss in sorted(self.steps.items()):
-            if cat_steps and r == shown:
-                continue
-            c = RANK_COLORS[r % len(RANK_COLORS)]
-            xs = [s["step"] for s in ss]
-            for key, dash in (("allocated", "solid"), ("reserved", "dot"), ("peak", "dash")):
-                ys = [((s.get("mem") or {}).get(key) or 0) / div for s in ss]
-                if any(ys):
-                    fig.add_trace(go.Scatter(x=xs, y=ys, name=f"rank {r} {key}", mode="lines+markers",
-                                             line=dict(color=c, dash=dash), legendgroup=f"r{r}",
-                                             hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>rank " + str(r)
-                                             + " " + key + "</extra>"), row=1, col=3)
-        fig.update_yaxes(title_text=unit, row=1, col=3)
-        fig.update_xaxes(title_text="step", dtick=1 if self.n_steps() <= 20 else None)
-        if steady:
-            top = max(steady) * 1.3
-            allt = [s["time_s"] * 1e3 for ss in self.steps.values() for s in ss]
-            if allt and max(allt) > 3 * top:   # a compile step: keep the steady steps readable
-                fig.update_yaxes(range=[0, top], row=1, col=1)
-                fig.add_annotation(text=f"step 1 (compile): {max(allt) / 1e3:.1f} s, above the range",
-                                   xref="x domain", yref="y domain", x=0, y=1, showarrow=False, xanchor="left",
-                                   font=dict(size=10))
-        live = " (live)" if self.live else ""
-        fig.update_layout(title=dict(text=f"steps · {self.status}{live} · {self.n_steps()} step(s)", font=dict(size=13)),
-                          height=340, margin=dict(l=10, r=10, t=60, b=30), legend=dict(orientation="h", y=-0.25))
-        return fig
-
-    def memory_signature(self, rank: int) -> tuple | None:
-        """(size, mtime) of the rank's memory timeline file: the live view re-reads it when it changes."""
-        try:
-            st = (self.run_dir / S.rank_dir_name(rank) / S.MEMORY).stat()
-        except OSError:
-            return None
-        return st.st_size, st.st_mtime_ns
 
 
 def read_rank(run_dir: str | Path, rank: int):
