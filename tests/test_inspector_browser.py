@@ -27,7 +27,7 @@ ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--d
 
 
 # the centre (page coordinates) and node of the widest bar of rank 0's predicted compute lane
-# (report.figures' traces: meta {source, rank, stream, wait}; customdata [node, ...] per bar)
+# (report.schedule_fig's traces: meta {source, rank, stream, wait}; customdata [node, ...] per bar)
 BAR_JS = """(gd) => {
   const ti = gd.data.findIndex(t => t.type === 'bar' && t.meta && t.meta.source === 'predicted'
                                     && t.meta.stream === 'compute' && !t.meta.wait && t.meta.rank === 0);

@@ -34,7 +34,7 @@ def _check(rank, world):
 def test_each_access_is_one_unshard_in_its_owners_scope():
     for r in run_ranks(_check, 2, timeout=300):
         assert r["own"], r
-        # the record keeps an access's scope as <owner module>.<attr>.0 (report.graph_layout reads
+        # the record keeps an access's scope as <owner module>.<attr>.0 (report.graph_groups reads
         # the module back); a parametrization module in the stack would add a level
         assert r["scopes"] and all(r["known"]), r["scopes"]
         assert not any("parametrizations" in s or "dc_parametrization" in s for s in r["scopes"]), r["scopes"]

@@ -20,7 +20,7 @@ def __getattr__(name):
     if name == "InspectorModel":
         from .inspector_model import InspectorModel
         return InspectorModel
-    if name in ("Inspector", "RunView"):
+    if name == "Inspector":
         from . import inspector
         return getattr(inspector, name)
     raise AttributeError(name)

@@ -1,6 +1,6 @@
 """Which box of the graph picture each node is drawn in, and the union of two graph versions.
 
-Grouping is :mod:`deepcompile.report.graph_layout`'s (``node_groups``: the module-collapsed
+Grouping is :mod:`deepcompile.report.graph_groups`'s (``node_groups``: the module-collapsed
 picture of the HTML report); :func:`key_chains` opens expanded modules one scope level at a time,
 down to single nodes (``blocks.3`` -> ``blocks.3.attn`` -> ``blocks.3.attn/addmm_4``), and
 :func:`collapse_keys` builds the boxes and edges of explicit group keys. :func:`union_diff` merges
@@ -56,7 +56,7 @@ def expanded_keys(nodes: list[dict], expanded: set[str], pscopes: dict,
 
 
 def collapse_keys(nodes: list[dict], keys: list[str], inferred: list[bool]) -> L.Collapsed:
-    """``graph_layout.Collapsed`` for explicit group keys (same fields as ``collapse``)."""
+    """``report.graph_groups.Collapsed`` for explicit group keys (same fields as ``collapse``)."""
     groups: dict[str, L.Group] = {}
     for i, (n, k) in enumerate(zip(nodes, keys)):
         g = groups.get(k)

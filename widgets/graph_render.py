@@ -1,9 +1,9 @@
 """The graph view's picture: layouts, box colours, diff chips, the legend strip.
 
 :class:`GraphRenderMixin` draws the state of a :class:`~deepcompile.widgets.graph_view.GraphModel`
-(its base class): graphviz's nested layout (``graph_layout.nested_svg``, one small layout per
+(its base class): graphviz's nested layout (``level_layout.nested_svg``, one small layout per
 open module, cached by structure) or the order-based column without graphviz
-(``graph_layout.simple_svg``), then marks the boxes through their ``id="group-<key>"`` attribute
+(``level_layout.simple_svg``), then marks the boxes through their ``id="group-<key>"`` attribute
 (search hits, the selected node, diff outlines), draws the diff chips (:func:`add_chips`) and puts
 the moved collectives on the SVG root (``data-dc-moves``, drawn as arrows by the canvas).
 :class:`Rendered` is one picture with its summary; renders are cached per state and layout.
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deepcompile.plan import estimate as E
-from deepcompile.report import graph_layout as L
+from deepcompile.report import graph_groups as G
+from deepcompile.report import level_layout as LL
 
 from .graph_groups import collapse_keys, key_chains
 
@@ -147,7 +148,7 @@ class Rendered:
         return legend_html(self.legend) + self.svg
 
 
-def _decorate_simple(svg: str, c: L.Collapsed, fills: dict[int, str], extra_label: dict[int, str],
+def _decorate_simple(svg: str, c: G.Collapsed, fills: dict[int, str], extra_label: dict[int, str],
                      cluster_style: dict[int, tuple[list[str], str]]) -> str:
     for g in c.groups:
         gid = html.escape("group-" + g.key)
@@ -208,8 +209,8 @@ class GraphRenderMixin:
         if layout == "simple":
             return False
         if layout == "dot":
-            return L.have_dot()
-        return L.have_dot() if self.use_dot is None else bool(self.use_dot and L.have_dot())
+            return LL.have_dot()
+        return LL.have_dot() if self.use_dot is None else bool(self.use_dot and LL.have_dot())
 
     def _fill(self, v: float) -> str:
         """The colour of a box total on the picture's scale (``self._scale``: min and max box totals)."""
@@ -256,7 +257,7 @@ class GraphRenderMixin:
         if self._use_dot(layout):
             self._mf = self._metric(nodes)
             level = self._level(nodes, status, chains, inferred, list(range(len(nodes))), 0, None, hit_groups, classes)
-            svg, used = L.nested_svg(level, title), "dot"
+            svg, used = LL.nested_svg(level, title), "dot"
         else:
             svg, used = self._draw_flat(nodes, status, keys, inferred, title, hit_groups, classes), "simple"
         chips: dict[str, dict[str, int]] = {}
@@ -286,7 +287,7 @@ class GraphRenderMixin:
         if status:
             sc = Counter(status.values())
             d = {"added": sc["added"], "removed": sc["removed"], "moved": sc["moved"],
-                 "comm_added": L.diff(vs[self.compare].nodes, v.nodes)["comm_added"]}
+                 "comm_added": G.diff(vs[self.compare].nodes, v.nodes)["comm_added"]}
             comm = ", ".join(f"{k} +{n}" for k, n in sorted(d["comm_added"].items()))
             summary += f"; diff: +{d['added']} added, −{d['removed']} removed, {d['moved']} moved" + (
                 f" (comm: {comm})" if comm else "")
@@ -300,7 +301,7 @@ class GraphRenderMixin:
         return Rendered(svg, summary, list(dict.fromkeys(keys)), hits, d, classes, used, moves, chips, lg)
 
     def _level(self, nodes, status, chains, inferred, idxs: list[int], depth: int, parent: str | None,
-               hit_groups: set, classes: dict) -> L.Level:
+               hit_groups: set, classes: dict) -> LL.Level:
         """The boxes directly inside ``parent`` (None: the top level), open modules recursively."""
         c = collapse_keys([nodes[i] for i in idxs], [chains[i][depth] for i in idxs], [inferred[i] for i in idxs])
         metric, fmt = self._mf
@@ -324,17 +325,17 @@ class GraphRenderMixin:
                 cls, stroke = cls + ["dc-selected"], SELECT_COLOR
             if cls:
                 classes[g.key] = cls
-            fill = L.IO_COLOR if g.is_io else L.COMPUTE_COLOR
+            fill = G.IO_COLOR if g.is_io else G.COMPUTE_COLOR
             chips: list[tuple[str, int]] = []
             if single:
                 n = nodes[mem[0]]
                 ck = E.comm_kind(n)
-                fill = L.comm_color(ck) if ck else (L.IO_COLOR if n["op"] in ("placeholder", "get_attr", "output")
-                                                    else L.COMPUTE_COLOR)
-                lines = [rel + extra, L._short(n["target"])]
+                fill = G.comm_color(ck) if ck else (G.IO_COLOR if n["op"] in ("placeholder", "get_attr", "output")
+                                                    else G.COMPUTE_COLOR)
+                lines = [rel + extra, G._short(n["target"])]
                 tip = f"{g.key} · {n['target']} (click: select)"
             else:
-                lines = L.module_box_lines(g, rel, OPEN_MARK if is_open else FOLD_MARK, extra)
+                lines = G.module_box_lines(g, rel, OPEN_MARK if is_open else FOLD_MARK, extra)
                 chips = sorted(g.comm.items())
                 tip = f"{g.key} ({g.n_ops} nodes) · click: {'collapse' if is_open else 'expand'}"
             if g.index in totals and not is_open:
@@ -342,10 +343,10 @@ class GraphRenderMixin:
             child = None
             if is_open:
                 child = self._level(nodes, status, chains, inferred, mem, depth + 1, g.key, hit_groups, classes)
-            boxes.append(L.Box(g.key, lines, fill, chips, child, cls, stroke or None, tip))
+            boxes.append(LL.Box(g.key, lines, fill, chips, child, cls, stroke or None, tip))
         io = {g.index for g in c.groups if g.is_io}
         edges = [(a, b, n) for a, b, n in c.edges if a not in io and b not in io]   # fan-in/out: box labels say it
-        return L.Level(boxes, edges)
+        return LL.Level(boxes, edges)
 
     def prewarm(self, limit: int = 8, budget_s: float = 3.0, min_nodes: int = 8) -> int:
         """Lay out, ahead of a click, the inside of the shown top-level modules (distinct structures
@@ -370,12 +371,12 @@ class GraphRenderMixin:
             lvl = self._level(nodes, status, chains, inferred, idxs, depth, key, set(), {})
             if any(b.child is not None for b in lvl.boxes):
                 continue
-            text = L.level_dot(lvl, {})
-            if text in seen or text in L.LEVEL_CACHE:
+            text = LL.level_dot(lvl, {})
+            if text in seen or text in LL.LEVEL_CACHE:
                 seen.add(text)
                 continue
             seen.add(text)
-            L.nested_level_svg(lvl)
+            LL.nested_level_svg(lvl)
             runs += 1
         return runs
 
@@ -405,6 +406,6 @@ class GraphRenderMixin:
             if cls:
                 style[g.index] = (cls, color)
                 classes[g.key] = cls
-        svg = L.simple_svg(c, title)
+        svg = LL.simple_svg(c, title)
         svg = _decorate_simple(svg, c, fills, extra, style)
         return svg.replace('<svg class="graph simple"', '<svg class="graph simple dc-graph"', 1)

@@ -5,16 +5,16 @@ returns the SVG and a text summary, so tests drive "clicks" by calling methods
 (:meth:`GraphModel.handle_click` is what a click on the SVG does: the front end sends the
 clicked box's ``group-<key>``).
 
-Grouping is :mod:`deepcompile.report.graph_layout`'s (``node_groups``: the module-collapsed
+Grouping is :mod:`deepcompile.report.graph_groups`'s (``node_groups``: the module-collapsed
 picture of the HTML report). This module adds:
 
 * **expansion**: an expanded group splits by its next module-scope level, down to single nodes
   (``blocks.3`` -> ``blocks.3.attn``, ``blocks.3.mlp`` -> ``blocks.3.attn/addmm_4``); with
-  graphviz the open module stays as a frame around its boxes (``graph_layout.nested_svg``: one
+  graphviz the open module stays as a frame around its boxes (``level_layout.nested_svg``: one
   small graphviz layout per open module, cached by the structural signature of that module's
   level, so identical decoder layers are laid out once; a level too big for graphviz gets the
   order-based layout); without graphviz (or ``use_dot=False``) the open module's boxes replace it
-  in the order-based column (``graph_layout.simple_svg``);
+  in the order-based column (``level_layout.simple_svg``);
 * **diff**: the union of two versions (removed nodes kept at their old place, so positions stay
   stable), groups marked ``dc-added`` / ``dc-removed`` / ``dc-moved`` with counts in their label;
   "moved" = a node in both versions that is off the longest common order (prefetch hoisting);
