@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from deepcompile.record.reader import read_run
+from deepcompile.vocab.memory import fmt_bytes
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -319,7 +320,7 @@ def test_graph_view_colour_legend_min_max():
     mem = {k: sum(E.node_bytes(n) for n in v) for k, v in boxes.items()}
     lg = g.legend()
     assert lg["unit"] == "bytes" and (lg["min"], lg["max"]) == (min(mem.values()), max(mem.values()))
-    assert lg["max_label"] == E.fmt_bytes(max(mem.values()))
+    assert lg["max_label"] == fmt_bytes(max(mem.values()))
 
 
 def test_graph_canvas_front_end_fits_zooms_and_draws_moves(tmp_path):

@@ -16,6 +16,7 @@ from collections import Counter
 
 from deepcompile.plan import estimate as E
 from deepcompile.report import graph_groups as L
+from deepcompile.vocab.memory import fmt_bytes
 
 from .graph_groups import effective_scope, key_chains
 from .graph_render import DIFF_COLORS, DIFF_SYMBOLS, RAMP_STOPS, _ramp, fmt_us
@@ -104,7 +105,7 @@ class GraphDetailMixin:
         vs = self.versions()
         return {"name": name, "op": n["op"], "target": n["target"], "version": vs[self.version].after,
                 "status": status.get(name), "shape": n.get("shape"), "dtype": n.get("dtype"),
-                "bytes": b, "bytes_label": E.fmt_bytes(b),
+                "bytes": b, "bytes_label": fmt_bytes(b),
                 "latency_us": t, "latency_label": fmt_us(t) if t is not None else "—",
                 "latency_source": source if t is not None else None,
                 "scope": effective_scope(n, self.pscopes), "box": chains[idx][-1], "source": n.get("source"),
@@ -161,7 +162,7 @@ class GraphDetailMixin:
         if self.color_by in ("latency", "memory"):
             tot = self._box_totals(nodes, chains)
             lo, hi = (min(tot.values()), max(tot.values())) if tot else (0.0, 0.0)
-            fmt = fmt_us if self.color_by == "latency" else E.fmt_bytes
+            fmt = fmt_us if self.color_by == "latency" else fmt_bytes
             lg = {"mode": self.color_by, "unit": "µs" if self.color_by == "latency" else "bytes",
                   "title": "latency per box" if self.color_by == "latency" else "output bytes per box",
                   "min": lo, "max": hi, "min_label": fmt(lo), "max_label": fmt(hi),

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from deepcompile.plan import estimate as E
 from deepcompile.report import graph_groups as G
 from deepcompile.report import level_layout as LL
+from deepcompile.vocab.memory import fmt_bytes
 
 from .graph_groups import collapse_keys, key_chains
 
@@ -224,7 +225,7 @@ class GraphRenderMixin:
             return (lambda idx: sum(per.get(nodes[i]["name"], 0.0) for i in idx)), fmt_us
         if self.color_by == "memory":
             return (lambda idx: float(sum(E.node_bytes(nodes[i]) for i in idx
-                                          if nodes[i]["op"] not in ("placeholder", "get_attr", "output")))), E.fmt_bytes
+                                          if nodes[i]["op"] not in ("placeholder", "get_attr", "output")))), fmt_bytes
         return None, None
 
     @staticmethod

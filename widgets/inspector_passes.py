@@ -206,7 +206,7 @@ class PassesTabMixin:
     def whatif_html(self, w, took: float | None = None) -> str:
         """Measured (this run) beside predicted (the edited values): step time and the peak, both
         labelled, memory by category, and the seconds the prediction took."""
-        from deepcompile.report.style import fmt_bytes as fb
+        from deepcompile.vocab.memory import fmt_bytes as fb
 
         m = self.model
         summ = m.summary_of(m.run_dir)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import html
 
 from deepcompile.plan import estimate as E
+from deepcompile.vocab.memory import fmt_bytes
 
 from .canvas import have_anywidget
 from .timeline_view import bar_node, peak_label, view_figure
@@ -176,8 +177,8 @@ class TimelineTabsMixin:
             gp = m.memory.peak()
             if gp:
                 self.m_peak.value = (f"<div style='font-size:12px'>graph-level estimate (this graph's own tensors, "
-                                     f"not the step's peak): high point {E.fmt_bytes(gp['value'])} at node "
+                                     f"not the step's peak): high point {fmt_bytes(gp['value'])} at node "
                                      f"{gp['index']} ({esc(gp['node'])}, {esc(gp['series'])}); largest tensors live "
-                                     "there: " + ", ".join(f"{esc(n)} {E.fmt_bytes(b)}" for n, b in gp["holders"])
+                                     "there: " + ", ".join(f"{esc(n)} {fmt_bytes(b)}" for n, b in gp["holders"])
                                      + "</div>")
             self.m_table.value = m.memory.table_html()

@@ -22,6 +22,7 @@ from typing import Any
 from deepcompile.plan import estimate as E
 from deepcompile.record import schema as S
 from deepcompile.record.reader import RecordError, load_json, read_run
+from deepcompile.vocab.memory import fmt_bytes
 
 STREAM_ORDER = ["compute", "allgather", "reduce", "copy"]
 STREAM_COLORS = {"compute": "#4e79a7", "allgather": "#f28e2b", "reduce": "#9c6ade", "copy": "#59a14f"}
@@ -229,7 +230,7 @@ def peak_label(pk: dict | None) -> str:
     if not pk:
         return "–"
     where = f", at {pk['where']}" if pk.get("where") else ""
-    return f"{E.fmt_bytes(pk['bytes'])} ({pk['source']}{where})"
+    return f"{fmt_bytes(pk['bytes'])} ({pk['source']}{where})"
 
 
 def figure_view(view: dict) -> dict:
@@ -417,7 +418,7 @@ class MemoryModel:
                 if c == "latency_us":
                     s = "" if v is None else f"{v:.1f}" + ("" if r["source"] == "measured" else "*")
                 elif c in ("out_bytes", "mem_after_bytes"):
-                    s = "" if v is None else E.fmt_bytes(v)
+                    s = "" if v is None else fmt_bytes(v)
                 else:
                     s = str(v)
                 cells.append(f"<td>{html.escape(s)}</td>")
@@ -444,7 +445,7 @@ class MemoryModel:
         if pk:
             fig.add_trace(go.Scatter(x=[pk["index"]], y=[pk["value"]], mode="markers+text", name="peak",
                                      marker=dict(symbol="star", size=14, color="#e15759"),
-                                     text=[f"graph high point {E.fmt_bytes(pk['value'])} at {pk['node']}"],
+                                     text=[f"graph high point {fmt_bytes(pk['value'])} at {pk['node']}"],
                                      textposition="top center"))
         # not the run's peak (that is memory_view's, by category): this graph's own tensors only
         title = ("graph-level liveness estimate" if not self.key else

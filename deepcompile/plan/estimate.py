@@ -34,7 +34,6 @@ MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution"
 
 
 from deepcompile.profile.host import HOST_US
-from deepcompile.vocab.memory import fmt_bytes  # noqa: F401
 
 
 

@@ -41,7 +41,8 @@ from deepcompile.report.memory_fig import _peaks, memory_figure, memory_samples
 from deepcompile.report.plotly_embed import NO_PLOTLY, PLOT_JS, _Figures, plotly_js
 from deepcompile.report.schedule_fig import device_kind, idle_word, schedule_figure, step_numbers
 from deepcompile.report.steps_fig import steps_figure
-from deepcompile.report.style import fmt_bytes, fmt_ms, fmt_us
+from deepcompile.report.style import fmt_ms, fmt_us
+from deepcompile.vocab.memory import fmt_bytes
 
 esc = html.escape
 

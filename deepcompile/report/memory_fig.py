@@ -8,7 +8,8 @@ from __future__ import annotations
 from typing import Any
 
 from deepcompile.report.schedule_fig import _exec_order, _graph_key, _src_index
-from deepcompile.report.style import _EXTRA_COLORS, CATEGORY_COLORS, _fin, byte_unit, fmt_bytes
+from deepcompile.report.style import _EXTRA_COLORS, CATEGORY_COLORS, _fin, byte_unit
+from deepcompile.vocab.memory import fmt_bytes
 
 
 def _sample_total(s: dict) -> float:

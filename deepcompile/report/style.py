@@ -1,6 +1,6 @@
 """How the report's figures write numbers and colour memory, shared by the figure modules and the
 widgets: a duration in µs, ms or s and a size in B to TiB as a person reads them (never
-scientific notation, :func:`fmt_us`, :func:`fmt_ms`, :func:`fmt_bytes`), the unit of a byte axis
+scientific notation, :func:`fmt_us`, :func:`fmt_ms`; bytes: ``vocab.memory.fmt_bytes``), the unit of a byte axis
 (:func:`byte_unit`), the JSON a figure is embedded as (:func:`figure_json`), and the colour of each
 memory category (:data:`CATEGORY_COLORS`).
 """
@@ -35,16 +35,6 @@ def fmt_ms(ms: float | None) -> str:
     return fmt_us(None if ms is None else ms * 1e3)
 
 
-_BIN = ("B", "KiB", "MiB", "GiB", "TiB")
-
-
-def fmt_bytes(n: float | None) -> str:
-    if n is None or not isinstance(n, (int, float)) or not math.isfinite(n):
-        return "–"
-    if abs(n) < 1024:
-        return f"{int(n)} B"
-    k = min(int(math.log(abs(n), 1024)), 4)
-    return f"{n / 1024 ** k:.1f} {_BIN[k]}"
 
 
 def byte_unit(max_bytes: float) -> tuple[str, float]:

@@ -42,8 +42,11 @@ def categories_at_peak(m: dict) -> tuple[dict[str, int], str]:
     return {k: out[k] for k in MEMORY_CATEGORIES}, where
 
 
-def fmt_bytes(n: float) -> str:
-    if not n:
-        return "0 B"
+def fmt_bytes(n: float | None) -> str:
+    """Bytes for a person: ``1.5 GiB``, ``512 B``; "–" for a missing or non-finite value."""
+    if n is None or not isinstance(n, (int, float)) or not math.isfinite(n):
+        return "–"
+    if abs(n) < 1024:
+        return f"{int(n)} B"
     k = min(int(math.log(abs(n), 1024)), 4)
-    return f"{n / 1024 ** k:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][k]}" if k else f"{int(n)} B"
+    return f"{n / 1024 ** k:.1f} {('B', 'KiB', 'MiB', 'GiB', 'TiB')[k]}"
