@@ -1,18 +1,15 @@
-"""torch.distributed shims: the rendezvous store, the all-gather's name, FSDP and DTensor checks
-(torch 2.11 on the GPU machines, 2.13 here; each function names what it relies on)."""
+"""torch.distributed shims: the rendezvous store, the all-gather's name, FSDP and DTensor checks.
+Checked against torch 2.11 (GPU machines) and 2.13 (CI) unless a function says otherwise.
+Distributed classes are imported lazily: a torch build without distributed has none."""
 from __future__ import annotations
 
 import torch
 
 
 def default_store():
-    """The c10d store of the default process group (the rendezvous store), or None.
-
-    The collective sequence check (``runtime/seqcheck.py``) posts one count per rank per step
-    there: a channel of its own, so it cannot be matched against the model's collectives.
-    ``torch.distributed.distributed_c10d._get_default_store`` is private; it exists, with this
-    name and no arguments, in 2.11 and 2.13 (checked), and has since 1.x.
-    """
+    """The default process group's c10d (rendezvous) store, or None: the collective sequence check
+    (``runtime/seqcheck.py``) posts its per-rank counts there, a channel apart from the model's
+    collectives. ``distributed_c10d._get_default_store()`` is private."""
     import torch.distributed as dist
 
     try:
@@ -22,8 +19,8 @@ def default_store():
 
 
 def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    """``dist.all_gather_single`` where torch has it (2.13: ``all_gather_into_tensor`` warns that it
-    is deprecated at every call), ``all_gather_into_tensor`` before (2.11 has only that name)."""
+    """``dist.all_gather_single`` where torch has it (2.13's ``all_gather_into_tensor`` warns at
+    every call that it is deprecated), else ``all_gather_into_tensor`` (2.11's only name)."""
     import torch.distributed as dist
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -31,11 +28,8 @@ def all_gather_single(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 
 def fsdp_wrapper_kind(m) -> str | None:
-    """'FSDP1 (FullyShardedDataParallel)' / 'FSDP2 (fully_shard)' if ``m`` is such a wrapper.
-
-    Public classes in 2.11 and 2.13 (``torch.distributed.fsdp.FSDPModule`` is FSDP2's mixin);
-    looked up lazily since a torch build without distributed has neither.
-    """
+    """'FSDP1 (FullyShardedDataParallel)' / 'FSDP2 (fully_shard)' if ``m`` is such a wrapper, which
+    ``initialize`` refuses (public classes; ``torch.distributed.fsdp.FSDPModule`` is FSDP2's mixin)."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:
@@ -49,8 +43,7 @@ def fsdp_wrapper_kind(m) -> str | None:
 
 
 def is_dtensor(t) -> bool:
-    """Whether ``t`` is a DTensor (``torch.distributed.tensor.DTensor``, public in 2.11 and 2.13),
-    looked up lazily since a torch build without distributed has none."""
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (public), which ``initialize`` refuses."""
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:

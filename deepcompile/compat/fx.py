@@ -1,5 +1,5 @@
-"""torch.fx shims: node and graph internals, storage identity, size hints (torch 2.11 on the GPU
-machines, 2.13 here; each function names what it relies on)."""
+"""torch.fx shims: node and graph internals, storage identity, size hints. Checked against torch
+2.11 (GPU machines) and 2.13 (CI) unless a function says otherwise."""
 from __future__ import annotations
 
 import torch
@@ -7,36 +7,30 @@ import torch.fx as fx
 
 
 def mark_side_effect(op) -> None:
-    """Keep a side-effect-only op through FX dead-code elimination.
-
-    Our side-effect ops also declare a mutated argument in their schema, which is what Inductor
-    (2.11 and 2.13) checks; ``torch.fx.node.has_side_effect`` covers FX's own DCE and, in 2.13,
-    Inductor's ``is_impure`` too.
-    """
+    """Keep a side-effect-only op through dead-code elimination: ``torch.fx.node.has_side_effect`` for
+    FX's (and 2.13 Inductor's ``is_impure``); Inductor checks the mutated argument in its schema."""
     fn = getattr(torch.fx.node, "has_side_effect", None)
     if fn is not None:
         fn(op)
 
 
 def rename_node(n: fx.Node, name: str) -> None:
-    """Give ``n`` the name ``name`` if its graph has not used it (``Node._rename``, 2.11 and 2.13:
-    the namespace's next free name for the candidate, so a used name gets a suffix instead)."""
+    """Give ``n`` the name ``name``, or ``name`` with a suffix if its graph has used it
+    (``Node._rename``: the namespace's next free name for the candidate)."""
     n._rename(name)
 
 
 def op_schema(target):
-    """The schema of an aten/custom op overload (``torch._ops.OpOverload._schema``, 2.11 and
-    2.13), or None for anything else (``operator.getitem``, Python callables)."""
+    """The schema of an aten/custom op overload (``torch._ops.OpOverload._schema``), or None for
+    anything else (``operator.getitem``, Python callables)."""
     if not isinstance(target, torch._ops.OpOverload):
         return None
     return target._schema
 
 
 def storage_key(t: torch.Tensor) -> int | None:
-    """An identity for ``t``'s storage, equal for every tensor over the same storage (fake
-    tensors included: a fake view shares its base's fake storage, ``_unsafe_view`` too).
-    ``UntypedStorage._cdata`` is the StorageImpl's address, what torch's own ``StorageWeakRef``
-    keys on (torch.multiprocessing.reductions, 2.11 and 2.13). None for tensors without one."""
+    """An identity for ``t``'s storage (fake views share their base's) or None: the StorageImpl's
+    address ``UntypedStorage._cdata``, which torch's own ``StorageWeakRef`` keys on."""
     try:
         return int(t.untyped_storage()._cdata)
     except (RuntimeError, NotImplementedError, AttributeError, TypeError):
@@ -44,10 +38,9 @@ def storage_key(t: torch.Tensor) -> int | None:
 
 
 def size_hint(x, fallback: int = 0) -> int:
-    """A concrete int for a size that may be symbolic (dynamic shapes): the example value it was
-    traced with, without adding a guard. For budgets and costs only, never for control flow
-    that must hold for every size. ``optimization_hint`` is 2.13's name; 2.11 has
-    ``hint_int``; both read ``SymNode.hint`` (``_hint``) first."""
+    """A concrete int for a possibly symbolic size: its traced example value, without adding a
+    guard; for budgets and costs, never for control flow that must hold for every size.
+    ``optimization_hint`` in 2.13, ``hint_int`` in 2.11; both read ``SymNode.hint`` first."""
     if isinstance(x, int):
         return int(x)
     if isinstance(x, torch.SymInt):
@@ -76,17 +69,10 @@ def tensor_nbytes(t: torch.Tensor) -> int:
 
 
 def lazy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """``gm`` as a ``_LazyGraphModule`` over the same graph: its Python code is generated when it
-    is first run or its ``code`` read, not at every ``recompile()``.
-
-    AOTAutograd hands the compiler eager GraphModules, so every pass's ``recompile()``, the
-    flatten of block regions and each deep copy of a kept graph generated the whole graph's
-    code, most of it never run (seconds of a 32-layer CPU compile). Inductor uses the same class
-    for its own graphs. The wrapper takes the graph (``owning_module`` moves to it, so get_attr
-    targets resolve against it); the caller uses the
-    returned module from then on. ``meta`` and ``shape_env`` are carried over (``__init__``
-    resets them). Checked on 2.13 and in 2.11's source: ``_LazyGraphModule(root, graph)`` and
-    its deepcopy (``_deepcopy_init``) are the same."""
+    """``gm`` as a ``_LazyGraphModule`` (Inductor's class) over the same graph, generating code when
+    run, not at each ``recompile()`` of the eager GraphModules AOTAutograd hands us (seconds of a
+    32-layer CPU compile). It becomes the graph's ``owning_module``: the caller uses it from then on.
+    ``meta`` and ``shape_env``, which ``__init__`` resets, are carried over. 2.11 checked by source."""
     from torch.fx._lazy_graph_module import _LazyGraphModule
 
     if isinstance(gm, _LazyGraphModule):
@@ -99,8 +85,7 @@ def lazy_graph(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    """A deep copy of a partitioned graph (its nodes' meta, fake values included), lazy: its code
-    is generated only if the copy is run (``lazy_graph``)."""
+    """A lazy (``lazy_graph``) deep copy of a partitioned graph, nodes' meta and fake values included."""
     import copy
 
     src = lazy_graph(gm)
@@ -112,15 +97,10 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def fast_graph_copy(src: fx.Graph) -> fx.Graph:
-    """A copy of ``src`` (nodes, names, meta shallow-copied) for the what-if's re-plans
-    (``plan.whatif``), which copy a record's rebuilt graphs once per candidate plan.
-
-    ``Graph.graph_copy`` goes through ``create_node``, which since torch 2.13 walks every
-    argument with pytree to warn about raw SymInts: two thirds of a copy's time, for graphs
-    rebuilt from JSON that hold none. This builds each ``Node`` and does what ``create_node``
-    does after its checks (name, ``_insert``, the ``find_nodes`` table, ``_len``), checked on
-    torch 2.13 (the same steps are in 2.11's ``create_node``). Any other layout of those
-    internals falls back to ``graph_copy``."""
+    """A copy of ``src`` (meta shallow-copied) for the what-if's re-plans, one per candidate plan.
+    2.13's ``create_node`` pytree-walks every argument for raw SymInts: two thirds of a
+    ``graph_copy``. This does what ``create_node`` does after that (name, ``_insert``, the
+    ``find_nodes`` table, ``_len``; as in 2.11), or ``graph_copy`` for another layout."""
     try:
         out = fx.Graph()
         ns, table = out._graph_namespace, out._find_nodes_lookup_table

@@ -1,19 +1,17 @@
 """Inductor shims: lowerings that keep the runtime's buffers out of Inductor's memory reuse, and
-the ``del`` Inductor omits for them (torch 2.11 on the GPU machines, 2.13 here; each function
-names what it relies on)."""
+the ``del`` Inductor omits for them. Checked against torch 2.11 (GPU machines) and 2.13 (CI)."""
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 
 
 def never_reuse_output(op) -> None:
-    """Inductor must never write into the tensor ``op`` returns (a gathered parameter the runtime
-    keeps for later micro-batches): after its last use Inductor would otherwise hand its memory
-    to a later buffer of the same size. The lowering is the default fallback plus the output's
-    name in ``V.graph.never_reuse_buffers``, which ``wrapper.can_reuse`` consults (2.11, 2.13).
-    """
+    """Keep Inductor from reusing ``op``'s output (a gathered parameter the runtime keeps for later
+    micro-batches) after its last use: the fallback lowering plus the output's name in
+    ``V.graph.never_reuse_buffers``, which ``wrapper.can_reuse`` consults."""
     try:
         from torch._inductor import ir
         from torch._inductor.lowering import fallback_handler, register_lowering
@@ -32,21 +30,12 @@ def never_reuse_output(op) -> None:
 
 
 def never_reuse_inputs(op, on_failure: Callable[[], None] | None = None) -> bool:
-    """Inductor must never reuse the memory of the tensors passed to ``op`` (``dc.reduce_grad``:
-    the runtime's bucket holds the gradient itself, not a copy, until its asynchronous
-    reduce-scatter has read it). After the op, the gradient is dead to the graph, and Inductor
-    would hand its buffer to a later one of the same size (a ``ReuseLine``) or let a kernel write
-    its output in place into it. The lowering is the default fallback plus the names of the
-    buffers the fallback kernel reads in ``V.graph.never_reuse_buffers``, which
-    ``wrapper.can_reuse`` consults for both (codegen_free / FreeIfNotReusedLine and the
-    scheduler's in-place decision: 2.11, 2.13). The names are taken from the kernel's own
-    inputs, after the fallback realized them, so a copy Inductor made of a view is the buffer
-    kept; a buffer that only aliases another (NonOwningLayout, e.g. a slice of a cat) keeps
-    the one it aliases too. Returns False where Inductor's internals are not as expected (the
-    caller then copies every gradient); True also where there is no Inductor at all. If a
-    lowering later finds no fallback kernel to read the buffers from, it calls ``on_failure``
-    (at compile time, before the graph ever runs) and warns.
-    """
+    """Keep Inductor from reusing ``op``'s inputs (``dc.reduce_grad``: the runtime's bucket holds the
+    gradient, dead to the graph, until its asynchronous reduce-scatter has read it): the fallback
+    lowering plus the fallback kernel's realized inputs (and what a NonOwningLayout aliases) in
+    ``V.graph.never_reuse_buffers``, which ``wrapper.can_reuse`` consults for ``ReuseLine``s and
+    in-place writes. False if Inductor is not as expected (the caller then copies every gradient).
+    A lowering finding no fallback kernel warns and calls ``on_failure`` (at compile time)."""
     try:
         from torch._inductor import ir
         from torch._inductor.lowering import fallback_handler, register_lowering
@@ -85,8 +74,6 @@ def never_reuse_inputs(op, on_failure: Callable[[], None] | None = None) -> bool
         kernels = [o for o in V.graph.operations[n0:]
                    if isinstance(o, ir.ExternKernel) and getattr(o, "op_overload", None) is op]
         if not kernels:
-            import warnings
-
             warnings.warn(f"deepcompile: the lowering of {op} found no fallback kernel in this torch "
                           f"({torch.__version__}); its inputs are copied instead of held "
                           "(deepcompile.compat.inductor.never_reuse_inputs needs updating)", stacklevel=2)
@@ -102,16 +89,11 @@ def never_reuse_inputs(op, on_failure: Callable[[], None] | None = None) -> bool
 
 
 def free_never_reused() -> bool:
-    """Inductor's wrapper emits no ``del`` at all for a buffer in ``never_reuse_buffers``
-    (``PythonWrapperCodegen.codegen_free`` returns early when ``can_reuse`` is False: 2.11,
-    2.13), so every gradient handed to ``dc.reduce_grad(s)`` stayed referenced by the compiled
-    backward until it returned: on 2 H200s (953M Llama, 16 layers) the step's forward/backward
-    peak was 11.06 GiB where the profiled graph, which drops them, predicted 10.2. For the
-    buffers ``never_reuse_inputs`` marks (``V.graph.dc_free_not_reuse``) the patched method
-    writes the plain ``del`` Inductor writes for graph inputs ("can be freed but not reused")
-    and records the name as freed, so it is neither reused nor freed twice. ``del`` only drops
-    the graph's reference: the runtime's bucket keeps the memory until its reduce-scatter has
-    read it. Returns False where the wrapper is not as expected (then nothing changes)."""
+    """``PythonWrapperCodegen.codegen_free`` writes no ``del`` for ``never_reuse_buffers``, so the
+    compiled backward would hold each gradient given to ``dc.reduce_grad(s)`` to its end (953M
+    Llama on 2 H200s: 11.06 GiB peak, 10.2 profiled). For ``V.graph.dc_free_not_reuse`` the patch
+    writes the ``del`` Inductor writes for graph inputs and marks the name freed (never freed twice;
+    the bucket keeps the memory). False (nothing changed) where the wrapper is not as expected."""
     try:
         from torch._inductor.codegen import wrapper as W
         from torch._inductor.virtualized import V

@@ -14,15 +14,13 @@ lists, tuples and dicts: ``model(**batch)``). At the optimizer steps right befor
 step and before each scheduled re-compile (the same step on every rank, so a collective is safe
 there), ranks exchange what they saw; a dimension that took two sizes on any rank, or differs
 between ranks, is dynamic for everyone from then on, and every later call marks it on its
-inputs (``dynamo_compat.mark_dynamic``) before Dynamo sees them. All ranks then compile the same
+inputs (``torch._dynamo.maybe_mark_dynamic``) before Dynamo sees them. All ranks then compile the same
 symbolic graph at the same step, and new lengths reuse it.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-
-from deepcompile.compat import dynamo as dynamo_compat
 
 
 def _tensors(args, kwargs):
@@ -60,7 +58,10 @@ class DynamicDims:
                     sizes[d].add(int(s))
             dims = self.dynamic.get(k)
             if dims:
-                dynamo_compat.mark_dynamic(t, sorted(dims))
+                # ``torch._dynamo.maybe_mark_dynamic`` (public API; torch 2.11 and 2.13): trace these
+                # dims symbolically on the next compile instead of specialising on the first size and
+                # recompiling at the second, yet still specialise where the model's code needs a size.
+                torch._dynamo.maybe_mark_dynamic(t, sorted(dims))
 
     def agree(self, group=None) -> dict:
         """Union every rank's observations (collective on ``group``); a dimension that took

@@ -12,7 +12,7 @@ How
 ---
 1. **wrap** (``initialize``): a block is an entry of an ``nn.ModuleList`` of two or more modules
    of one class (the unit ``blocks.py`` cuts along). Each block's class is swapped for a
-   subclass whose ``forward`` is ``dynamo_compat.nested_region(cls.forward)``, one subclass per class:
+   subclass whose ``forward`` is ``torch.compiler.nested_compile_region(cls.forward)``, one subclass per class:
    Dynamo keys its reuse on the function object, so every layer must call the same one. The
    user's class is not modified; ``isinstance``, the class name and the module scopes read as
    before.
@@ -47,7 +47,6 @@ import torch.fx as fx
 from torch import nn
 
 from deepcompile.compat import aot as aot_compat
-from deepcompile.compat import dynamo as dynamo_compat
 from deepcompile.compat import fx as fx_compat
 
 _SUBCLASSES: dict[type, type] = {}
@@ -219,8 +218,12 @@ def block_lists(model: nn.Module) -> list[nn.ModuleList]:
 def _subclass(cls: type) -> type:
     sub = _SUBCLASSES.get(cls)
     if sub is None:
+        # ``torch.compiler.nested_compile_region`` (public; torch 2.11 and 2.13): Dynamo traces each
+        # call as an ``invoke_subgraph`` higher-order op and installs one body for every call whose
+        # traced graph and inputs' metadata are the same, keyed by the function object (so one
+        # wrapper per class); AOTAutograd traces and partitions each distinct body once.
         sub = type(cls.__name__, (cls,), {
-            "forward": dynamo_compat.nested_region(cls.forward),
+            "forward": torch.compiler.nested_compile_region(cls.forward),
             "__module__": cls.__module__, "__qualname__": cls.__qualname__, "_dc_nested_of": cls})
         _SUBCLASSES[cls] = sub
     return sub
