@@ -15,18 +15,15 @@ from typing import Any, Callable
 import torch.fx as fx
 
 from deepcompile.compat import aot as aot_compat
-from deepcompile.compat import dynamo as dynamo_compat
 from deepcompile.compat import fx as fx_compat
 from deepcompile.compile import aot_seed, boxed_graph, inductor_pool, kernel_wait, nested, pipeline, trace_once
+from deepcompile.compile.gc_pause import paused_gc
+from deepcompile.compile.kept_graphs import Kept, Mismatch, Slot, signature
 from deepcompile.passes import PASSES, PassContext, make_params
 from deepcompile.passes import causal_mask
 from deepcompile.profile.profiler import profiled_callable
 from deepcompile.record.graph import serialize
 from deepcompile.runtime import seqcheck
-
-# Passes that only rewrite the graph (they set no runtime state while compiling), so a compile
-# made of them alone can come from AOTAutograd's cache, which does not run them (_aot_cache_salt).
-_GRAPH_ONLY_PASSES = frozenset({"zero3", "zero12", "prefetch", "selective_unshard"})
 
 
 @dataclass
@@ -40,119 +37,12 @@ class GraphVersion:
     step: int = 0    # the optimizer step whose pass list produced this version
 
 
-class _Slot:
-    """The callable AOTAutograd's runtime wrapper holds for one compiled graph: an indirection the
-    trace-once re-compile re-points at the final compiled code (compile/trace_once.py),
-    so that neither Dynamo's guarded code nor AOTAutograd's wrappers need to be built again."""
-
-    # ``fn`` lives in a slot, not in __dict__: torch._dynamo.disable's functools.wraps copies the
-    # instance's __dict__ onto its wrapper, and a copied ``fn`` would keep the warm-up graph (and
-    # everything it closes over) alive after the re-point
-    __slots__ = ("fn", "__dict__", "__weakref__")
-
-    def __init__(self, fn: Callable):
-        self.fn = fn
-        # AOTAutograd calls compiled graphs with one list of arguments. An instance attribute:
-        # AOTAutograd wraps the backward in torch._dynamo.disable, whose functools.wraps copies
-        # the instance's __dict__, not its class's attributes
-        self._boxed_call = True
-
-    def __call__(self, args):
-        return self.fn(args)
-
-
-class paused_gc:
-    """Python's cyclic garbage collector off while we compile (re-entrant; a collector the user
-    turned off stays off): ``with paused_gc()`` around one compile, or ``pause`` / ``resume``
-    across a compiling step (``api``).
-
-    A compile allocates millions of long-lived objects (FX nodes, fake tensors, sympy
-    expressions, the planner's graph copies), and every time the heap grows by a quarter a full
-    collection walks all of it again: on the CPU compile benchmark (32 layers,
-    ``benchmarks/compile_cpu.py``) those took 4.1 s of a 30 s compile. Paused in the forwards
-    of the compiling steps (``api``) and frozen between them, the heap is walked once, by one
-    collection at the end of the last compiling step, which also frees the compile's garbage
-    (10 unreachable objects of 1.07 million at 32 layers) before training starts. Between the
-    steps (a notebook that stops after one) the collector runs as usual on everything newer."""
-
-    depth = 0
-    resumed = False
-    dynamo_gc = None  # Dynamo's own collection after each frame, off while paused
-    frozen = False    # objects frozen between two compiling steps (resume's freeze)
-    theirs = False    # the user had frozen objects before our first freeze
-
-    def __enter__(self):
-        paused_gc.pause()
-        return self
-
-    def __exit__(self, *exc):
-        paused_gc.resume()
-        return False
-
-    @staticmethod
-    def pause() -> None:
-        import gc
-
-        if paused_gc.depth == 0:
-            paused_gc.resumed = gc.isenabled()
-            gc.disable()
-            paused_gc.dynamo_gc = dynamo_compat.dynamo_gc_after_compile(False)
-        paused_gc.depth += 1
-
-    @staticmethod
-    def resume(collect: bool = False, freeze: bool = False) -> None:
-        """End one pause. The outermost: ``freeze`` moves every object alive now out of the
-        collector's reach first (``gc.freeze``: between two compiling steps the collector runs,
-        but only over what the user's loop makes, not the compile's heap); ``collect`` takes
-        frozen objects back (``gc.unfreeze``) and runs the one full collection."""
-        import gc
-
-        paused_gc.depth -= 1
-        if paused_gc.depth > 0:
-            return
-        dynamo_compat.dynamo_gc_after_compile(paused_gc.dynamo_gc)
-        if not paused_gc.resumed:
-            return  # the user's own gc.disable() stays
-        if freeze and not collect:
-            if not paused_gc.frozen:
-                # objects the user froze (e.g. before forking workers) must stay frozen: then the
-                # compile's heap stays frozen with them rather than unfreezing theirs at the end
-                paused_gc.theirs = gc.get_freeze_count() > 0
-            gc.freeze()
-            paused_gc.frozen = True
-        gc.enable()
-        if collect:
-            if paused_gc.frozen and not paused_gc.theirs:
-                gc.unfreeze()
-            paused_gc.frozen = False
-            gc.collect()
-
 
 def _no_recompile() -> None:
     """GraphModule.recompile while passes run (Backend.run_passes generates the code once, after them)."""
 
 
-@dataclass
-class _Kept:
-    """A partitioned graph kept from the warm-up compile for trace-once (before our passes)."""
-    graph_id: int
-    kind: str
-    traced: Any                  # trace_once.TracedGraph
-    slot: _Slot
-    signature: tuple             # (placeholders, outputs that are None) after the warm-up passes
-    dynamo_nodes: list           # the Dynamo graph's serialized nodes (re-recorded at the re-compile)
-
-
 PHASES = ("dynamo", "causal_mask", "aot_autograd", "flatten", "passes", "inductor", "profiling", "planner", "reuse")
-
-
-def _signature(gm: fx.GraphModule) -> tuple:
-    """What AOTAutograd's runtime wrapper relies on: the number of inputs and, per output, whether
-    it is a value or None (zero3 turns gradient outputs into None; the wrapper was built for that)."""
-    n_in = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
-    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    out = out if isinstance(out, (list, tuple)) else [out]
-    return n_in, tuple(o is None for o in out)
 
 
 class Backend:
@@ -180,7 +70,7 @@ class Backend:
         # trace once: the scheduled re-compile reuses the warm-up's partitioned graphs instead of
         # tracing again; config trace_once: false turns it off (every compile traces)
         self.trace_once = bool(getattr(config, "trace_once", True))
-        self.kept: list[_Kept] = []
+        self.kept: list[Kept] = []
         self.trace_once_log: list[dict] = []   # one entry per scheduled re-compile: reused or why not
         self.plan_cache = None          # deepcompile.plan.cache.PlanCache (initialize sets it), or None: off
         self.graph_check = None         # runtime.graphcheck.GraphCheck (initialize sets it), or None: off
@@ -304,8 +194,9 @@ class Backend:
         return bool(getattr(self.config, "aot_cache", True))
 
     def _stateful_passes(self) -> list[str]:
-        """The passes in force that set runtime state while they compile (a cache hit skips them)."""
-        return sorted({e.name for e in self.passes} - _GRAPH_ONLY_PASSES)
+        """The passes in force that set runtime state while they compile (a cache hit skips them):
+        those not declared ``graph_only`` at their registration."""
+        return sorted({e.name for e in self.passes if not PASSES[e.name].graph_only})
 
     def _seed_salt(self) -> str | None:
         """The salt a re-run hitting this run's plan will give AOTAutograd's cache, where this
@@ -494,8 +385,8 @@ class Backend:
                 run._boxed_call = True
                 if not keep:
                     return run
-                slot = _Slot(run)
-                self.kept.append(_Kept(graph_id, kind, traced, slot, _signature(g), dynamo_nodes))
+                slot = Slot(run)
+                self.kept.append(Kept(graph_id, kind, traced, slot, signature(g), dynamo_nodes))
                 return slot
             return compile_one
 
@@ -546,7 +437,7 @@ class Backend:
         buffered: list[GraphVersion] = []
         observers, self.observers = self.observers, [buffered.append]
         versions_before = len(self.versions)
-        new: list[tuple[_Kept, Callable]] = []
+        new: list[tuple[Kept, Callable]] = []
         fw_strides: dict[int, tuple] = {}  # graph_id -> (forward graph before passes, its output strides)
         restrided = 0
         try:
@@ -568,15 +459,15 @@ class Backend:
                             f"trace once: the step-{old[1]} trace reused (no Dynamo, no AOTAutograd)"], step=step))
                     with trace_once.trace_once_context(tg):
                         g = self.run_passes(g, k.graph_id, k.kind)
-                        sig = _signature(g)
+                        sig = signature(g)
                         if sig != k.signature:
-                            raise _Mismatch(f"graph {k.graph_id} {k.kind}: the passes {[e.name for e in passes]} "
+                            raise Mismatch(f"graph {k.graph_id} {k.kind}: the passes {[e.name for e in passes]} "
                                             f"give it {sig[0]} inputs / {len(sig[1])} outputs (None at "
                                             f"{[i for i, z in enumerate(sig[1]) if z]}), the traced runtime expects "
                                             f"{k.signature[0]} / {len(k.signature[1])} (None at "
                                             f"{[i for i, z in enumerate(k.signature[1]) if z]})")
                         if compiler == "inductor" and not tg.kw:
-                            raise _Mismatch("the warm-up graphs were not traced for Inductor")
+                            raise Mismatch("the warm-up graphs were not traced for Inductor")
                         if compiler == "inductor":
                             fn = self._final_inductor(k, g, inputs, fw_strides)
                         elif compiler == "eager":
@@ -587,7 +478,7 @@ class Backend:
             if defer:  # the wait is Inductor's (each graph's own compile was timed without it)
                 self.add_phase("inductor", waits.wait_s, step)
         except Exception as e:  # noqa: BLE001 - anything unexpected: re-trace, never run half-swapped
-            if isinstance(e, _Mismatch):
+            if isinstance(e, Mismatch):
                 why = str(e)
             else:
                 import traceback
@@ -613,7 +504,7 @@ class Backend:
             **({"aot_seeded": seeded} if seeded else {})})
         return None
 
-    def _final_inductor(self, k: _Kept, g: fx.GraphModule, inputs: list, fw_strides: dict):
+    def _final_inductor(self, k: Kept, g: fx.GraphModule, inputs: list, fw_strides: dict):
         """Inductor for one trace-once graph; a forward's compiled output strides go into
         ``fw_strides`` for its backward (see _restride)."""
         if k.kind != "forward":
@@ -623,11 +514,11 @@ class Backend:
         fw_strides[k.graph_id] = (k.traced.gm, list(strides or []), k.traced.renamed)
         return fn
 
-    def _restride(self, k: _Kept, fw_strides: dict, g: fx.GraphModule, inputs: list) -> tuple[list, int]:
+    def _restride(self, k: Kept, fw_strides: dict, g: fx.GraphModule, inputs: list) -> tuple[list, int]:
         fw_pre, strides, renamed = fw_strides[k.graph_id]
         inputs, n, unmatched = trace_once.restride_saved(fw_pre, strides, g, inputs, renamed)
         if unmatched:
-            raise _Mismatch(f"graph {k.graph_id} backward: placeholders {unmatched[:5]} name no "
+            raise Mismatch(f"graph {k.graph_id} backward: placeholders {unmatched[:5]} name no "
                             "forward output, so the forward's real strides cannot be carried over")
         return inputs, n
 
@@ -649,7 +540,3 @@ class Backend:
             return (f"graphs {lonely}: the backward never ran in the warm-up steps, so it was never "
                     "compiled and cannot be re-compiled without AOTAutograd")
         return None
-
-
-class _Mismatch(Exception):
-    """The kept graphs cannot take the new pass list (retarget falls back to a re-trace)."""

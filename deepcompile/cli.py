@@ -52,7 +52,9 @@ def build_config(compiler: str, passes: str | None, pass_params: list[str], prof
         names = [e["name"] for e in cfg["schedule"][-1]["passes"]]
         _apply_pass_params(cfg["schedule"][-1]["passes"], names, pass_params)
         return cfg
-    names = [p.strip() for p in (passes or "zero3").split(",") if p.strip()]
+    from deepcompile.passes import zero3
+
+    names = [p.strip() for p in (passes or zero3.NAME).split(",") if p.strip()]
     entries = [{"name": n, "params": {}} for n in names]
     _apply_pass_params(entries, names, pass_params)
     cfg = {"compiler": compiler, "passes": entries}

@@ -13,7 +13,11 @@ from typing import Any
 import torch
 
 from deepcompile.params import ConfigError, build, spec
-from deepcompile.passes.registry import DEFAULT_REDUCE_BUCKET
+from deepcompile.passes import prefetch, selective_unshard, zero3
+from deepcompile.passes.registry import DEFAULT_REDUCE_BUCKET, list_problems, lowering
+
+# the default ZeRO-3 plan's pass list after the profiling step (apply_default_schedule)
+DEFAULT_PLAN = (zero3.NAME, prefetch.NAME, selective_unshard.NAME)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # keys of features deepcompile does not have: unknown keys, with a hint instead of a near-miss
@@ -83,7 +87,7 @@ class Mesh:
 class ScheduleEntry:
     step: int = spec(help="optimizer step from which these passes are used (re-compiles once there)", min=1,
                      max=1 << 30)
-    passes: list[Any] = spec(default_factory=lambda: ["zero3"], help="pass list, like `passes`")
+    passes: list[Any] = spec(default_factory=lambda: [zero3.NAME], help="pass list, like `passes`")
 
 
 @dataclass
@@ -92,7 +96,7 @@ class Config:
                            help="ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also parameters")
     compiler: str = spec("inductor", choices=("inductor", "aot_eager", "eager"),
                          help="inner compiler for the rewritten graphs; eager interprets node by node")
-    passes: list[Any] = spec(default_factory=lambda: ["zero3"],
+    passes: list[Any] = spec(default_factory=lambda: [zero3.NAME],
                              help="passes run on every captured graph, in order: a name or {name, params}")
     schedule: list[ScheduleEntry] = spec(default_factory=list,
                                          help="later pass lists: [{step, passes}]; `passes` runs from step 0")
@@ -184,9 +188,9 @@ class Config:
             raise ConfigError(f"{path}.blocks: expected true, false or 'auto', got {self.blocks!r}")
         if not (isinstance(self.plan_cache, bool) or (isinstance(self.plan_cache, str) and self.plan_cache.strip())):
             raise ConfigError(f"{path}.plan_cache: expected true, false or a directory path, got {self.plan_cache!r}")
-        first = "zero3" if self.zero_stage == 3 else "zero12"
-        if self.zero_stage != 3 and [p if isinstance(p, str) else getattr(p, "name", p) for p in self.passes] == ["zero3"]:
-            self.passes = ["zero12"]  # the default pass list names stage 3's lowering
+        first = lowering(self.zero_stage)   # the pass that declares it inserts this stage's communication
+        if self.zero_stage != 3 and [p if isinstance(p, str) else getattr(p, "name", p) for p in self.passes] == [lowering(3)]:
+            self.passes = [first]  # the default pass list names stage 3's lowering
         self.passes = self._check_passes(self.passes, f"{path}.passes", first, self.zero_stage)
         last = 0
         for i, e in enumerate(self.schedule):
@@ -211,7 +215,7 @@ class Config:
         return _check_scalar(path, v, float, f)
 
     @staticmethod
-    def _check_passes(entries: list, path: str, first: str = "zero3", stage: int = 3) -> list:
+    def _check_passes(entries: list, path: str, first: str = zero3.NAME, stage: int = 3) -> list:
         from deepcompile.passes import PASSES, normalize_entry
 
         entries = [normalize_entry(e, f"{path}[{i}]") for i, e in enumerate(entries)]
@@ -222,6 +226,9 @@ class Config:
         for i, e in enumerate(entries):
             if e.name not in PASSES:
                 raise ConfigError(f"{path}[{i}].name: unknown pass {e.name!r}; known: {sorted(PASSES)}")
+        problems = list_problems(names)   # each pass's declared requirements and conflicts
+        if problems:
+            raise ConfigError(f"{path}: {'; '.join(problems)} (got {names})")
         return entries
 
     def compiler_at(self, step: int) -> str:
@@ -269,7 +276,7 @@ class Config:
         self.profile_step = 1
         if self.plan is None:  # the default plan's budgets come from the planner (deepcompile.plan)
             self.plan = True
-        self.schedule = [build(ScheduleEntry, {"step": 2, "passes": ["zero3", "prefetch", "selective_unshard"]},
+        self.schedule = [build(ScheduleEntry, {"step": 2, "passes": list(DEFAULT_PLAN)},
                                "config.schedule[0]")]
         self.validate()
 

@@ -5,7 +5,7 @@ Instead of dropping everything and tracing again (Dynamo + AOTAutograd: about a 
 whole compile at 16 layers), the backend keeps each partitioned forward/backward graph
 of the warm-up compile as it was before our passes, with what compiling it later needs (below),
 re-runs only the passes and Inductor on a copy, and re-points the callable that AOTAutograd's
-runtime wrapper already holds (backend._Slot). Checked in torch 2.13 (CPU, here) and read in
+runtime wrapper already holds (compile/kept_graphs.Slot). Checked in torch 2.13 (CPU, here) and read in
 2.11's source: compile_fx's inner_compile hook, TracingContext.report_output_strides and the
 backward stride fix-up in _aot_autograd (2.11: jit_compile_runtime_wrappers.py, 2.13:
 graph_compile.py::_aot_stage2b_bw_compile) have the same shape in both.

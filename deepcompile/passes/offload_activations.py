@@ -32,10 +32,11 @@ import torch.fx as fx
 from deepcompile.compat import aot as aot_compat
 from deepcompile.compat import fx as fx_compat
 from deepcompile.params import spec
-from deepcompile.passes.registry import PassContext, register_pass
+from deepcompile.passes.registry import OFFLINE_RERUN, PassContext, register_pass
 from deepcompile.passes.alias import alias_closure, is_view, storage_keys
 
 DC = torch.ops.dc
+NAME = "offload_activations"
 MIB = 2 ** 20
 
 # graph id -> {forward node name: activation id}, written by the forward pass, read by backward
@@ -265,7 +266,7 @@ def reload_backward(gm: fx.GraphModule, ctx: PassContext) -> None:
                      f"({'profile-guided' if ctx.profile is not None else f'{ctx.params.lookahead_nodes} nodes ahead'})")
 
 
-@register_pass("offload_activations", OffloadActivationsParams)
+@register_pass(NAME, OffloadActivationsParams, graph_only=False, offline=OFFLINE_RERUN)
 def offload_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Offload large saved activations to host memory between their forward and backward uses."""
     if ctx.kind == "forward":

@@ -32,11 +32,12 @@ import torch.fx as fx
 
 from deepcompile.params import spec
 from deepcompile.passes.alias import is_view
-from deepcompile.passes.registry import PassContext, register_pass
+from deepcompile.passes.registry import OFFLINE_MEMORY, PassContext, register_pass
 from deepcompile.runtime import optimizer_state
 from deepcompile.runtime.offload import OffloadError, pinned_supported
 
 DC = torch.ops.dc
+NAME = "offload_optimizer"
 MIB = 2 ** 20
 
 
@@ -212,7 +213,12 @@ def _place(gm: fx.GraphModule, positions: list[tuple[fx.Node, int]], op) -> list
     return placed
 
 
-@register_pass("offload_optimizer", OffloadOptimizerParams)
+@register_pass(NAME, OffloadOptimizerParams,
+               graph_only=False,                # it plans the runtime's offload (optimizer_state.MANAGER)
+               offline=OFFLINE_MEMORY,          # its run-time decisions read the allocator, which a record lacks
+               planned=("limit_mb", "plan_extra_mb", "final_reload"),
+               planner_adds=True,               # added by the planner only when nothing fits without it
+               plan_cacheable=False)            # sized from the optimizer state, which step 0 does not have yet
 def offload_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Offload the optimizer state that exceeds the memory limit; reload it during backward."""
     device = _device()

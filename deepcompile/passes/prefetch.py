@@ -26,11 +26,13 @@ import torch
 import torch.fx as fx
 
 from deepcompile.params import spec
-from deepcompile.passes.registry import PassContext, register_pass
+from deepcompile.passes import zero3
+from deepcompile.passes.registry import OFFLINE_RERUN, PassContext, register_pass
 from deepcompile.passes.zero3 import is_op
 from deepcompile.vocab.links import default_model
 
 DC = torch.ops.dc
+NAME = "prefetch"
 
 
 @dataclass
@@ -319,7 +321,9 @@ def _group_note(info: dict, ctx: PassContext) -> str:
 MAX_GROUP_NOTES = 64   # a 32-layer graph has hundreds of gathers: the notes name the first ones
 
 
-@register_pass("prefetch", PrefetchParams)
+@register_pass(NAME, PrefetchParams, graph_only=True, offline=OFFLINE_RERUN,
+               planned=("budget_mb", "fuse_mb"), absent={"budget_mb": 0.0, "fuse_mb": 0.0},
+               requires=(zero3.NAME,))   # it moves and fuses the gathers zero3 inserts
 def prefetch(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Move allgathers earlier within a memory budget and fuse small ones."""
     g = gm.graph

@@ -2,8 +2,9 @@
 registered with its declared parameters (a dataclass built with ``deepcompile.params.spec``)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch.fx as fx
 
@@ -25,24 +26,102 @@ class NoParams:
     pass
 
 
-@dataclass
+# How the what-if (``plan.whatif``) treats a pass on a record's graphs (``PassDef.offline``).
+OFFLINE_BASE = "base"      # the record keeps this pass's output graphs: the passes after it run on them
+OFFLINE_RERUN = "rerun"    # re-run on copies of the rebuilt graphs, priced by the cost model
+OFFLINE_MEMORY = "memory"  # priced by the memory model (its decisions read the live allocator)
+OFFLINE_NONE = "none"      # not predicted offline (no graph rewrite to price)
+OFFLINE = (OFFLINE_BASE, OFFLINE_RERUN, OFFLINE_MEMORY, OFFLINE_NONE)
+
+
+@dataclass(frozen=True)
 class PassDef:
+    """A registered pass and what the rest of deepcompile needs to know about it, declared once
+    at its registration (``register_pass``) in the pass's own file."""
     name: str
     fn: Callable[[fx.GraphModule, "PassContext"], fx.GraphModule]
     params_cls: type
     help: str
+    # it only rewrites the graph: no runtime state is set while it compiles, so a compile made of
+    # such passes alone can come from AOTAutograd's cache, which does not run them
+    graph_only: bool
+    offline: str                           # one of OFFLINE: how the what-if treats it
+    lowers: tuple[int, ...] = ()           # ZeRO stages whose communication it inserts (first in their lists)
+    planned: tuple[str, ...] = ()          # parameters the planner decides where not set by hand
+    # values of ``planned`` at which the pass changes nothing: the planner holds them there when
+    # the pass list lacks the pass
+    absent: Mapping[str, Any] = field(default_factory=dict)
+    # the planner appends it to the list when no plan fits without it; its planned parameters
+    # are then the plan's, never "auto" by default
+    planner_adds: bool = False
+    plan_cacheable: bool = True            # a plan that runs it may be stored for later runs (plan.cache)
+    requires: tuple[str, ...] = ()         # passes that must come earlier in the same list
+    conflicts: tuple[str, ...] = ()        # passes that must not be in the same list (either way round)
 
 
 PASSES: dict[str, PassDef] = {}
 
 
-def register_pass(name: str, params_cls: type = NoParams, help: str = ""):
+def register_pass(name: str, params_cls: type = NoParams, help: str = "", *, graph_only: bool, offline: str,
+                  lowers: tuple[int, ...] = (), planned: tuple[str, ...] = (), absent: Mapping[str, Any] | None = None,
+                  planner_adds: bool = False, plan_cacheable: bool = True, requires: tuple[str, ...] = (),
+                  conflicts: tuple[str, ...] = ()):
+    """Register ``fn`` as the pass ``name`` with its declarations (see :class:`PassDef`)."""
+    fields = {f.name for f in dataclasses.fields(params_cls)}
+    bad = [k for k in (*planned, *(absent or {})) if k not in fields]
+    if bad:
+        raise ValueError(f"pass {name!r}: {bad} are not parameters of {params_cls.__name__}")
+    if set(absent or {}) - set(planned):
+        raise ValueError(f"pass {name!r}: absent values {sorted(absent)} must be planned parameters {list(planned)}")
+    if offline not in OFFLINE:
+        raise ValueError(f"pass {name!r}: offline {offline!r} is not one of {OFFLINE}")
+
     def deco(fn):
         if name in PASSES:
             raise ValueError(f"pass {name!r} registered twice")
-        PASSES[name] = PassDef(name, fn, params_cls, help or (fn.__doc__ or "").strip().split("\n")[0])
+        PASSES[name] = PassDef(name, fn, params_cls, help or (fn.__doc__ or "").strip().split("\n")[0],
+                               graph_only=bool(graph_only), offline=offline, lowers=tuple(lowers),
+                               planned=tuple(planned), absent=dict(absent or {}), planner_adds=bool(planner_adds),
+                               plan_cacheable=bool(plan_cacheable), requires=tuple(requires),
+                               conflicts=tuple(conflicts))
         return fn
     return deco
+
+
+def lowering(stage: int) -> str:
+    """The pass that inserts ZeRO stage ``stage``'s communication (the first of its pass lists)."""
+    found = [n for n, p in PASSES.items() if stage in p.lowers]
+    if len(found) != 1:
+        raise KeyError(f"ZeRO stage {stage}: {len(found)} passes declare that they lower it ({found})")
+    return found[0]
+
+
+def planned_params() -> dict[str, tuple[str, ...]]:
+    """{pass: parameters the planner decides} of every pass that has any."""
+    return {n: p.planned for n, p in PASSES.items() if p.planned}
+
+
+def absent_params(names) -> dict[str, dict]:
+    """{pass: its ``absent`` values} for every planned pass not in ``names``: what the planner
+    holds fixed for a pass the list lacks (a pass it may add itself is left to it)."""
+    names = set(names)
+    return {n: dict(p.absent) for n, p in PASSES.items() if p.absent and n not in names}
+
+
+def list_problems(names: list[str]) -> list[str]:
+    """What is wrong with a pass list by the declared requirements and conflicts (empty: nothing)."""
+    out = []
+    for i, n in enumerate(names):
+        p = PASSES.get(n)
+        if p is None:
+            continue
+        for r in p.requires:
+            if r not in names[:i]:
+                out.append(f"{n!r} needs {r!r} earlier in the list")
+        for c in p.conflicts:
+            if c in names:
+                out.append(f"{n!r} and {c!r} cannot be in one list")
+    return out
 
 
 @dataclass

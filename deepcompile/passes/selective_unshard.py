@@ -36,11 +36,13 @@ import torch
 import torch.fx as fx
 
 from deepcompile.params import spec
-from deepcompile.passes.registry import PassContext, register_pass
+from deepcompile.passes import zero3
+from deepcompile.passes.registry import OFFLINE_RERUN, PassContext, register_pass
 from deepcompile.passes.zero3 import _fake_like, is_op
 from deepcompile.vocab.links import default_model
 
 DC = torch.ops.dc
+NAME = "selective_unshard"
 
 
 # The default group: about one decoder layer of the 953M Llama in bf16 (its layers gather ~112
@@ -82,7 +84,9 @@ def choose(ctx: PassContext) -> list[int]:
     return sorted(kept)
 
 
-@register_pass("selective_unshard", SelectiveUnshardParams)
+@register_pass(NAME, SelectiveUnshardParams, graph_only=True, offline=OFFLINE_RERUN,
+               planned=("budget_mb",), absent={"budget_mb": 0.0},
+               requires=(zero3.NAME,))   # it keeps the gathers zero3 inserts
 def selective_unshard(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Keep cheap-to-hold, costly-to-gather parameters gathered across micro-batches."""
     import operator

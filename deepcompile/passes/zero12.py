@@ -13,10 +13,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from deepcompile.passes.registry import PassContext, register_pass
+from deepcompile.passes import zero3
+from deepcompile.passes.registry import OFFLINE_NONE, PassContext, register_pass
 from deepcompile.passes.zero3 import is_op, lower_grad_reduce
 
 DC = torch.ops.dc
+NAME = "zero12"
 
 
 def keep_all_gathered(gm: fx.GraphModule) -> int:
@@ -39,7 +41,9 @@ def keep_all_gathered(gm: fx.GraphModule) -> int:
     return n
 
 
-@register_pass("zero12", help="ZeRO-1/2: whole parameters kept per step, gradients reduce-scattered into the optimizer's shard")
+@register_pass(NAME, help="ZeRO-1/2: whole parameters kept per step, gradients reduce-scattered into the optimizer's shard",
+               lowers=(1, 2), graph_only=True, offline=OFFLINE_NONE,
+               conflicts=(zero3.NAME,))   # one lowering per list: each inserts its own stage's communication
 def zero12(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     kept = keep_all_gathered(gm)
     n_red = lower_grad_reduce(gm, ctx) if ctx.kind == "backward" else 0

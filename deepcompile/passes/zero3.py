@@ -20,9 +20,10 @@ import torch.fx as fx
 
 from deepcompile.compat import aot as aot_compat
 from deepcompile.passes.alias import alias_closure  # storage-based; see alias.py
-from deepcompile.passes.registry import PassContext, register_pass
+from deepcompile.passes.registry import OFFLINE_BASE, PassContext, register_pass
 
 DC = torch.ops.dc
+NAME = "zero3"
 
 
 def is_op(node: fx.Node, op) -> bool:
@@ -241,7 +242,10 @@ def lower_grad_reduce(gm: fx.GraphModule, ctx: PassContext) -> int:
     return len(sgs)
 
 
-@register_pass("zero3", help="insert allgather/release before and after parameter uses, reduce-scatter gradients")
+@register_pass(NAME, help="insert allgather/release before and after parameter uses, reduce-scatter gradients",
+               lowers=(3,), graph_only=True,
+               # the record keeps its output graphs; the what-if re-runs the passes after it on them
+               offline=OFFLINE_BASE)
 def zero3(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     waits = lower_gathers(gm, ctx)
     n_red = lower_grad_reduce(gm, ctx) if ctx.kind == "backward" else 0

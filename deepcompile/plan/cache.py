@@ -224,7 +224,7 @@ class PlanCache:
         import torch.distributed as dist
 
         from deepcompile.version import __version__
-        from deepcompile.plan.planner import local_memory
+        from deepcompile.plan.device_memory import local_memory
 
         model = self._model()
         cfg = model.dc_config.to_dict()
@@ -319,7 +319,8 @@ class PlanCache:
     def _fits(self, model, plan: dict) -> str:
         """'' when the stored plan still fits the memory limit computed now, else why not."""
         from deepcompile.plan.memory import GIB
-        from deepcompile.plan.planner import ALLOCATOR_SLACK, DEFAULT_LIMIT_FRACTION, local_memory
+        from deepcompile.plan.device_memory import DEFAULT_LIMIT_FRACTION, local_memory
+        from deepcompile.plan.planner import ALLOCATOR_SLACK
 
         cfg = model.dc_config
         cap, avail = local_memory(model._dc_device(), cfg.device_memory_gib)
@@ -337,9 +338,8 @@ class PlanCache:
 
     def _load(self, path: str) -> tuple[dict | None, str]:
         """(entry, '') or (None, why not); a file that is there but unreadable warns."""
-        from deepcompile.passes.registry import PassEntry
-        from deepcompile.passes import PASSES
-        from deepcompile.passes.registry import make_params
+        from deepcompile.passes import PASSES, zero3
+        from deepcompile.passes.registry import PassEntry, make_params
         from deepcompile.profile.profiler import Profile
 
         if not os.path.exists(path):
@@ -356,8 +356,8 @@ class PlanCache:
                 if p.name not in PASSES:
                     raise ValueError(f"unknown pass {p.name!r}")
                 make_params(p)   # validated now, not half-way through the compile
-            if not planned or planned[0].name != "zero3":
-                raise ValueError("the planned pass list does not start with zero3")
+            if not planned or planned[0].name != zero3.NAME:
+                raise ValueError(f"the planned pass list does not start with {zero3.NAME}")
             prof = Profile.from_records(e["profile"])
             prof.step = int(e.get("profile_step", -1))
             prof.memory = e.get("memory")
@@ -400,6 +400,8 @@ class PlanCache:
     # ------------------------------------------------------------------ after a miss
     def store(self, model, planned: list, dynamic_changed: bool = False) -> None:
         """Write this rank's entry after the planner ran (the planned compile is the last one)."""
+        from deepcompile.passes import PASSES
+
         plan = model.dc_plan
         b = model.dc_backend
         why = None
@@ -409,8 +411,8 @@ class PlanCache:
             why = "not the last scheduled compile"
         elif dynamic_changed:
             why = "dims became dynamic before the planned compile"
-        elif any(e.name == "offload_optimizer" for e in planned):
-            why = "the plan offloads optimizer state (sized from the state, which step 0 does not have)"
+        elif uncached := [e.name for e in planned if not PASSES[e.name].plan_cacheable]:
+            why = f"the plan runs {', '.join(uncached)}, whose parameters a later run's step 0 cannot reuse"
         elif b.profile is None or not self.graphs:
             why = "no profile or no graph"
         if why is not None:

@@ -93,9 +93,11 @@ class PlanMemory:
         return categories_at_peak(asdict(self))
 
     def summary(self) -> str:
+        from deepcompile.passes import prefetch
+
         parts = [("shards", self.parameter_shards), ("optimizer state", self.optimizer_state),
                  ("gradients", self.gradients), ("kept gathered", self.gathered_kept),
-                 ("prefetch", self.gathered_prefetch), ("activations", self.activations)]
+                 (prefetch.NAME, self.gathered_prefetch), ("activations", self.activations)]
         s = ", ".join(f"{k} {v / GIB:.2f}" for k, v in parts if v)
         if self.offloaded:
             s += f"; offloaded {self.offloaded / GIB:.2f}"

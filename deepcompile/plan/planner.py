@@ -22,23 +22,29 @@ every rank's capacity, free memory and limit (:func:`agree_memory`); the rest is
 The ranks share the candidates' pricing out (:class:`SplitTimer`) and gather the prices, so each
 rank decides from the very same numbers in a fraction of the time.
 Hand-set pass parameters (given in the config's pass entries) are kept as they are and the
-planner plans around them.
+planner plans around them. Which parameters are the planner's, and what a pass the list lacks
+stands for, each pass declares at its registration (``PassDef.planned``, ``PassDef.absent``).
+
+The device's memory is :mod:`deepcompile.plan.device_memory`, the candidates' pricing
+:mod:`deepcompile.plan.pricing`; both are importable from here too (``planner.agree_memory``,
+``planner.SplitTimer``, ``planner.PlanError``).
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from deepcompile.passes import PASSES, offload_optimizer, prefetch, zero3
+from deepcompile.passes import selective_unshard as su
+from deepcompile.passes.registry import OFFLINE_RERUN, PassEntry, absent_params, planned_params
+from deepcompile.plan.device_memory import DEFAULT_LIMIT_FRACTION, DeviceMemory, agree_memory, local_memory  # noqa: F401
 from deepcompile.plan.estimate import offload_ms
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory, prefetch_bytes
-from deepcompile.profile.host import resident_bytes
+from deepcompile.plan.pricing import REFINE_WITHIN, PlanError, SplitTimer, no_gc, price  # noqa: F401
 from deepcompile.vocab.memory import fmt_bytes
 
-DEFAULT_LIMIT_FRACTION = 0.9
 PREFETCH_LEVELS_MB = (2048.0, 512.0, 64.0, 0.0)  # how far ahead gathers may run
 KEEP_FRACTIONS = (1.0, 0.5, 0.25, 0.0)           # of all parameters' gathered bytes
 KEEP_SMALL_MB = 64.0  # and the constant the default plan kept before the planner (its small parameters)
@@ -52,78 +58,8 @@ FUSE_MB = 128.0                                  # coalesced group size, never a
 # optimizer.step takes 8-11 ms of host, so chunks only where the whole-group step does not fit.
 CHUNK_FRACTIONS = (1 / 2, 1 / 4, 1 / 8, 1 / 16, 1 / 32, 1 / 64)   # of the largest param group
 CHUNK_HOST_MS = 0.1
-PLANNED = {"selective_unshard": ("budget_mb",), "prefetch": ("budget_mb", "fuse_mb"),
-           "offload_optimizer": ("limit_mb", "plan_extra_mb", "final_reload")}
-
-
-class PlanError(RuntimeError):
-    """No plan fits the memory limit."""
-
-
-# ----------------------------------------------------------------------------------------- memory
-@dataclass
-class DeviceMemory:
-    """The memory the plan must fit in, identical on every rank (bytes)."""
-    capacity: int        # the device's total memory (smallest over ranks)
-    available: int       # free memory plus this process's own allocator cache (smallest over ranks)
-    limit: int           # what the plan must fit in: min(user limit or 90% of capacity, available)
-    source: str          # where the limit came from
-
-
-def _meminfo(key: str) -> int | None:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def local_memory(device, device_memory_gib: float | None = None) -> tuple[int, int]:
-    """(capacity, available) bytes of this rank's device. CUDA: total memory and free memory
-    plus what this process's caching allocator already holds (reusable by the step). CPU (gloo):
-    ``device_memory_gib`` if configured, else MemTotal; available: MemAvailable plus this
-    process's resident set."""
-    import torch
-
-    if getattr(device, "type", "cpu") == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        cap = int(device_memory_gib * GIB) if device_memory_gib else int(total)
-        return cap, min(cap, int(free) + int(torch.cuda.memory_reserved(device)))
-    total = _meminfo("MemTotal") or 0
-    cap = int(device_memory_gib * GIB) if device_memory_gib else total
-    avail = _meminfo("MemAvailable")
-    if avail is None:
-        return cap, cap
-    return cap, min(cap, avail + resident_bytes())
-
-
-def agree_memory(local: tuple[int, int], limit_gib: float | None, group=None, device=None) -> DeviceMemory:
-    """One all-reduce MIN over every rank's (capacity, available, limit): the plan is decided
-    from the same figures everywhere (free memory jitters between ranks; a rank that planned
-    from its own would compile other collectives and hang the job)."""
-    import torch
-    import torch.distributed as dist
-
-    cap, avail = int(local[0]), int(local[1])
-    lim = float(limit_gib) * GIB if limit_gib else DEFAULT_LIMIT_FRACTION * cap
-    vals = [float(cap), float(avail), float(lim)]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-        if device is None:
-            dev = "cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu"
-            device = torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
-        t = torch.tensor(vals, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        vals = t.cpu().tolist()
-    cap, avail, lim = int(vals[0]), int(vals[1]), int(vals[2])
-    source = (f"memory_limit_gib {float(limit_gib):g}" if limit_gib
-              else f"{DEFAULT_LIMIT_FRACTION:.0%} of the device's {cap / GIB:.1f} GiB")
-    if avail < lim:
-        source += f", lowered to the {avail / GIB:.2f} GiB free on the fullest rank"
-        lim = avail
-    return DeviceMemory(capacity=cap, available=avail, limit=lim, source=source)
+# {pass: the parameters the planner decides}, as each pass declares them (``PassDef.planned``)
+PLANNED = planned_params()
 
 
 # ----------------------------------------------------------------------------------------- candidates
@@ -141,10 +77,10 @@ class Candidate:
     chunk_mb: float | None = None    # optimizer.step() chunk size (0: whole groups; None: as profiled)
 
     def params(self) -> dict[str, dict]:
-        out = {"selective_unshard": {"budget_mb": self.keep_mb},
-               "prefetch": {"budget_mb": self.prefetch_mb, "fuse_mb": self.fuse_mb}}
+        out = {su.NAME: {"budget_mb": self.keep_mb},
+               prefetch.NAME: {"budget_mb": self.prefetch_mb, "fuse_mb": self.fuse_mb}}
         if self.offload_limit_mb is not None:
-            out["offload_optimizer"] = {"limit_mb": self.offload_limit_mb,
+            out[offload_optimizer.NAME] = {"limit_mb": self.offload_limit_mb,
                                         "plan_extra_mb": round((self.kept + self.prefetch) / MIB, 3),
                                         "final_reload": "fit"}  # the limit holds at the end of backward too
         return out
@@ -184,8 +120,8 @@ class Plan:
     def summary_line(self) -> str:
         c = self.chosen
         p = c.params()
-        s = (f"plan: keep {fmt_bytes(c.kept)} gathered (selective_unshard.budget_mb {p['selective_unshard']['budget_mb']:g}), "
-             f"prefetch.budget_mb {p['prefetch']['budget_mb']:g}, fuse_mb {p['prefetch']['fuse_mb']:g}")
+        s = (f"plan: keep {fmt_bytes(c.kept)} gathered ({su.NAME}.budget_mb {p[su.NAME]['budget_mb']:g}), "
+             f"{prefetch.NAME}.budget_mb {p[prefetch.NAME]['budget_mb']:g}, fuse_mb {p[prefetch.NAME]['fuse_mb']:g}")
         if c.offload_limit_mb is not None:
             s += f", offload {fmt_bytes(c.offloaded)} of optimizer state (limit_mb {c.offload_limit_mb:g})"
         if c.chunk_mb:
@@ -218,8 +154,8 @@ def keep_levels(facts: MemoryFacts) -> list[float]:
 
 def candidates(facts: MemoryFacts, kept_bytes: Callable[[float], int], hand: dict) -> list[Candidate]:
     """Every keep x prefetch combination, hand-set values held fixed."""
-    hk = hand.get("selective_unshard", {})
-    hp = hand.get("prefetch", {})
+    hk = hand.get(su.NAME, {})
+    hp = hand.get(prefetch.NAME, {})
     keeps = [hk["budget_mb"]] if "budget_mb" in hk else keep_levels(facts)
     out, seen = [], set()
     for keep_mb in keeps:
@@ -290,13 +226,13 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
     offloading = False
     if not fit and allow_offload:
         # what each would need offloaded: the forward/backward peak down to limit - headroom
-        headroom = hand.get("offload_optimizer", {}).get("headroom_mb", offload_headroom_mb) * MIB
+        headroom = hand.get(offload_optimizer.NAME, {}).get("headroom_mb", offload_headroom_mb) * MIB
         room = mem.limit - headroom
         for c in cands:
             need = c.memory.fb_peak - room
             if 0 < need <= facts.state_bytes and c.memory.optimizer_peak <= mem.limit + ALLOCATOR_SLACK:
                 c.offloaded = int(need)
-                c.offload_limit_mb = hand.get("offload_optimizer", {}).get("limit_mb", round(mem.limit / MIB, 3))
+                c.offload_limit_mb = hand.get(offload_optimizer.NAME, {}).get("limit_mb", round(mem.limit / MIB, 3))
                 c.memory = plan_memory(facts, c.kept, c.prefetch, c.offloaded, chunk_mb=c.chunk_mb)
                 fit.append(c)
         offloading = True
@@ -341,103 +277,6 @@ def _with_chunks(step_ms: Callable[[Candidate], float], facts: MemoryFacts) -> C
     if many is not None:
         timed.many = lambda cs: [float(ms) + chunk_ms(facts, c.chunk_mb) for ms, c in zip(many(cs), cs)]
     return timed
-
-
-def _price_all(cands: list[Candidate], step_ms: Callable[[Candidate], float]) -> None:
-    """Set ``step_ms`` of each of ``cands``: in one batch where the timer prices batches
-    (``many``: :class:`SplitTimer`, the ranks sharing the work), else one by one."""
-    many = getattr(step_ms, "many", None)
-    times = many(cands) if many is not None else [step_ms(c) for c in cands]
-    for c, ms in zip(cands, times):
-        c.step_ms = float(ms)
-
-
-class SplitTimer:
-    """A candidate timer whose batches are shared out among the ranks of ``group``: rank r prices
-    candidates r, r + world, ... of each batch and one ``all_gather_object`` gives every rank every
-    price. Pricing runs the passes and the cost model on full-depth graph copies (0.2 s a candidate
-    at 32 layers on the 2-H200 host, 12-17 candidates), the same deterministic work on every rank
-    (the profile and the memory are agreed): shared out, the planner's time is divided by the
-    world size, and every rank still decides from the very same numbers. A rank whose pricing
-    raises still joins the gather (else the others wait there forever) and every rank raises
-    :class:`PlanError` naming it."""
-
-    def __init__(self, step_ms: Callable[[Candidate], float], group, world: int, rank: int):
-        self.step_ms, self.group, self.world, self.rank = step_ms, group, world, rank
-        self.coarse_to_fine = getattr(step_ms, "coarse_to_fine", False)
-
-    def __call__(self, c: Candidate) -> float:
-        return float(self.step_ms(c))
-
-    def many(self, cands: list[Candidate]) -> list[float]:
-        import torch.distributed as dist
-
-        mine: dict = {}
-        try:
-            for i in range(self.rank, len(cands), self.world):
-                mine[i] = float(self.step_ms(cands[i]))
-        except Exception as ex:  # noqa: BLE001 - reach the gather below, or the other ranks hang
-            mine = {"error": f"{type(ex).__name__}: {ex}"}
-        every: list = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
-        bad = [(r, d["error"]) for r, d in enumerate(every) if "error" in d]
-        if bad:
-            raise PlanError("pricing the plan candidates failed on "
-                            + "; ".join(f"rank {r}: {why}" for r, why in bad))
-        out: dict = {}
-        for d in every:
-            out.update(d)
-        if sorted(out) != list(range(len(cands))):
-            raise PlanError(f"pricing the plan candidates: the ranks priced {sorted(out)} of {len(cands)} "
-                            "(they planned from different candidate lists)")
-        return [out[i] for i in range(len(cands))]
-
-
-REFINE_WITHIN = 0.10  # coarse-to-fine: a group's middle prefetch budgets are priced within this of the best
-
-
-def price(fit: list[Candidate], step_ms: Callable[[Candidate], float]) -> int:
-    """Set ``step_ms`` of the candidates in ``fit`` that can win; returns how many were priced.
-
-    A timer that prices by running the passes (``plan.runner.GraphRunner``, ``coarse_to_fine``
-    set) costs ~80 ms a candidate on the 953M record; it is searched coarse to fine: in each group
-    of candidates alike but for their prefetch budget, the smallest and the largest budget first,
-    and the budgets between them only where the better of those two is within ``REFINE_WITHIN``
-    of the fastest end (so ties within ``HOST_TIE`` are always all priced). Two batches, all the
-    ends then the middles worth pricing, so that a :class:`SplitTimer` shares each out. What this
-    assumes: the predicted step does not dip between a group's two ends by more than
-    ``REFINE_WITHIN - HOST_TIE`` below both (on the 953M record's 4 settings (NVLink, 40 GB/s,
-    each at a 125.8 and a 9.07 GiB limit) the middle budgets were within 3% of the better end,
-    and every decision and runner-up came out the same with 11-17 of 17 priced). The unpriced
-    keep ``step_ms = inf`` and rank last, so the runner-up is exact where it is within
-    ``REFINE_WITHIN`` of the choice, else the best one priced. Any other timer (the analytic
-    model) prices everything."""
-    if not getattr(step_ms, "coarse_to_fine", False):
-        _price_all(fit, step_ms)
-        return len(fit)
-    groups: dict = {}
-    for c in fit:
-        p = c.params()
-        p.pop("prefetch", None)
-        groups.setdefault(repr(sorted((k, sorted(v.items())) for k, v in p.items())), []).append(c)
-    ends, later = [], []
-    for g in groups.values():
-        g.sort(key=lambda c: (c.prefetch_mb, c.fuse_mb))
-        ends += [g[0], g[-1]] if len(g) > 2 else g
-    _price_all(ends, step_ms)   # every group's ends in one batch
-    n = len(ends)
-    for g in groups.values():
-        if len(g) > 2:
-            later.append((min(g[0].step_ms, g[-1].step_ms), g[1:-1]))
-    # The middles worth pricing, as the one-by-one search would pick them (each group in order of
-    # its better end, against the best price of the ends), in one batch. Where a priced middle
-    # would have lowered the bar for a later group, that group is priced anyway: a candidate more,
-    # never one fewer, so the choice is the one-by-one search's or a faster plan.
-    best = min(c.step_ms for c in fit)
-    middles = [c for lo, middle in sorted(later, key=lambda x: x[0]) if lo <= best * (1 + REFINE_WITHIN)
-               for c in middle]
-    _price_all(middles, step_ms)
-    return n + len(middles)
 
 
 def _nothing_fits(facts: MemoryFacts, mem: DeviceMemory, cands: list[Candidate], headroom_mb: float) -> str:
@@ -514,10 +353,9 @@ def hand_set(entries: list) -> dict:
 
 
 def apply(entries: list, plan: Plan) -> list:
-    """The pass list with the plan's values for every parameter not set by hand, and
-    ``offload_optimizer`` appended when the plan offloads and the list lacks it."""
-    from deepcompile.passes.registry import PassEntry
-
+    """The pass list with the plan's values for every parameter not set by hand, and the passes
+    the planner may add (``PassDef.planner_adds``: ``offload_optimizer`` when the plan offloads)
+    appended where the plan uses them and the list lacks them."""
     params = plan.chosen.params()
     out = []
     for e in entries:
@@ -525,25 +363,11 @@ def apply(entries: list, plan: Plan) -> list:
         for k, v in params.get(e.name, {}).items():
             p.setdefault(k, v)
         out.append(PassEntry(name=e.name, params=p))
-    if "offload_optimizer" in params and not any(e.name == "offload_optimizer" for e in entries):
-        out.append(PassEntry(name="offload_optimizer", params=dict(params["offload_optimizer"])))
+    listed = {e.name for e in entries}
+    for name, ps in params.items():
+        if PASSES[name].planner_adds and name not in listed:
+            out.append(PassEntry(name=name, params=dict(ps)))
     return out
-
-
-@contextlib.contextmanager
-def no_gc():
-    """Python's cyclic GC off for the duration. Pricing a candidate copies graphs into many small
-    objects, which triggers collections that walk the whole heap (a training process: the model,
-    Dynamo's caches, the compiled graphs): on the 953M record a prefetch candidate took 0.32 s with
-    it and 0.13 s without, the same prediction. Nothing priced here makes cycles that must be freed
-    before the call returns."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def plan_model(model, entries: list) -> list:
@@ -551,14 +375,14 @@ def plan_model(model, entries: list) -> list:
     profile has been agreed; sets ``model.dc_plan`` (a dict) and returns the planned list."""
     import torch
 
-    from deepcompile.passes import PASSES, PassContext
+    from deepcompile.passes import PassContext
     from deepcompile.passes.registry import make_params
     from deepcompile.plan.memory import facts_from_profile
     from deepcompile.runtime import optimizer_state
 
     t0 = time.perf_counter()
     b, cfg = model.dc_backend, model.dc_config
-    if not any(e.name == "zero3" for e in entries):
+    if not any(e.name == zero3.NAME for e in entries):
         return entries  # ZeRO-1/2: parameters are whole between steps; nothing of this plan applies
     prof = b.profile
     device = model._dc_device()
@@ -589,15 +413,15 @@ def plan_model(model, entries: list) -> list:
         return PassContext(graph_id=gid, kind=kind, params=build(PASSES[name].params_cls, params, f"plan.{name}"),
                            param_meta=b.param_meta, world_size=b.world_size, rank=b.rank, profile=prof)
 
-    from deepcompile.passes import selective_unshard as su
-
     def kept_bytes(budget_mb: float) -> int:
-        chosen = su.choose(ctx(0, "forward", "selective_unshard", {"budget_mb": budget_mb}))
+        chosen = su.choose(ctx(0, "forward", su.NAME, {"budget_mb": budget_mb}))
         return sum(facts.gathered[p] for p in chosen)
 
     profiled = [e.name for e in (b.passes or [])]
     names = [e.name for e in entries]
-    extra = [n for n in names[len(profiled):] if n in ("prefetch", "selective_unshard")]
+    # priced per candidate: the passes after the profiled ones whose parameters the candidates
+    # differ in and that re-run on graph copies (PassDef.planned, PassDef.offline)
+    extra = [n for n in names[len(profiled):] if PASSES[n].planned and PASSES[n].offline == OFFLINE_RERUN]
     accumulation = cfg.gradient_accumulation_steps
     if b.compiled and names[:len(profiled)] == profiled:
         # the what-if's runner (plan.runner): passes on fast copies of the profiled graphs, the
@@ -624,13 +448,10 @@ def plan_model(model, entries: list) -> list:
         comm = prof.comm or default_model("gloo")
         timer = lambda c: analytic_step_ms(c, facts, comm, compute, prof.optimizer_ms, accumulation)  # noqa: E731
         time_model = "analytic (no profiled graphs at hand)"
-    headroom = make_params(_entry("offload_optimizer", hand.get("offload_optimizer", {}))).headroom_mb
-    # a pass the list lacks keeps nothing / prefetches nothing: its parameters are fixed at that
-    fixed = dict(hand)
-    if "selective_unshard" not in names:
-        fixed["selective_unshard"] = {"budget_mb": 0.0}
-    if "prefetch" not in names:
-        fixed["prefetch"] = {"budget_mb": 0.0, "fuse_mb": 0.0}
+    headroom = make_params(_entry(offload_optimizer.NAME, hand.get(offload_optimizer.NAME, {}))).headroom_mb
+    # a pass the list lacks changes nothing: its planned parameters are fixed where it would not
+    # (PassDef.absent: selective_unshard keeps nothing, prefetch prefetches nothing)
+    fixed = {**hand, **absent_params(names)}
     with no_gc():
         plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom)
     plan.hand_set = hand
@@ -648,7 +469,5 @@ def plan_model(model, entries: list) -> list:
 
 
 def _entry(name: str, params: dict):
-    from deepcompile.passes.registry import PassEntry
-
     return PassEntry(name=name, params=dict(params))
 

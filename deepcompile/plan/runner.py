@@ -9,7 +9,7 @@ into the cost model's node dicts once per value and target (:func:`model_nodes`)
 per-graph costs that no pass after zero3 changes (matched latencies, the memory-bound rate,
 Inductor's fused costs: ``estimate.static_costs``) are computed once per base.
 
-A *source* is anything with the fields :class:`Source` declares (``plan.whatif._Base`` is one,
+A *source* is anything with the fields :class:`Source` declares (``plan.record_base.RecordBase`` is one,
 built from a record; :func:`live_source` builds one from a Backend's compiled graphs).
 """
 from __future__ import annotations
@@ -40,7 +40,7 @@ class GraphOnly:
 @dataclass
 class Source:
     """What a runner prices on: base graphs (never mutated), their record-style version dicts,
-    the profile and the facts. ``plan.whatif._Base`` has these fields too."""
+    the profile and the facts. ``plan.record_base.RecordBase`` has these fields too."""
     graphs: dict                    # (gid, kind) -> fx.Graph the passes start from
     base: dict                      # (gid, kind) -> its version dict (graph_id, kind, after, seq, nodes, notes)
     profiled: dict                  # (gid, kind) -> the version the profile measured (or None)
@@ -249,7 +249,7 @@ class GraphRunner:
         """(bytes, parameter ids) selective_unshard keeps under ``budget_mb``."""
         from deepcompile.passes import selective_unshard as su
 
-        ids = su.choose(self.ctx(0, "forward", "selective_unshard", {"budget_mb": budget_mb}))
+        ids = su.choose(self.ctx(0, "forward", su.NAME, {"budget_mb": budget_mb}))
         return sum(self.b.facts.gathered.get(p, 0) for p in ids), ids
 
 

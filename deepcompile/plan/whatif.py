@@ -8,7 +8,10 @@ stand-in of the same name, which the cost model matches by name; every value a m
 its recorded shape), runs the requested passes on copies of them, and prices the result with
 the cost model (:func:`deepcompile.plan.cost_model.predict`) and the memory model
 (:func:`deepcompile.plan.memory.plan_memory`). No Dynamo, no torch.compile, no device: the
-rebuilt graphs are cached per record, so an edit costs one pass run and one estimate.
+rebuilt graphs are cached per record, so an edit costs one pass run and one estimate
+(:mod:`deepcompile.plan.rebuild` rebuilds the graphs, :mod:`deepcompile.plan.record_base` reads
+and caches a record's base; how each pass is treated offline it declares itself,
+``PassDef.offline``).
 
 Parameters the planner fills (``prefetch.budget_mb``/``fuse_mb``, ``selective_unshard.budget_mb``)
 may be given as ``"auto"``: the planner (:func:`deepcompile.plan.planner.choose`) decides them on
@@ -35,41 +38,33 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import math
-import operator
-import os
-import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
-
-import torch
-import torch.fx as fx
 
 from deepcompile.params import ConfigError
-from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, plan_memory, prefetch_bytes
-from deepcompile.plan.planner import no_gc
+from deepcompile.passes import PASSES, offload_optimizer, prefetch
+from deepcompile.passes import selective_unshard as su
+from deepcompile.passes.registry import OFFLINE_MEMORY, OFFLINE_RERUN, absent_params
+from deepcompile.plan.memory import GIB, MIB, PlanMemory, plan_memory, prefetch_bytes
+from deepcompile.plan.pricing import no_gc
+from deepcompile.plan.rebuild import WhatIfError, param_meta, rebuild
+from deepcompile.plan.record_base import BASE_PASS, RecordBase, _measured, clear_cache, load_base
 from deepcompile.plan.runner import GraphRunner
 
-__all__ = ["WhatIf", "WhatIfError", "predict_run", "headline", "own_passes", "prediction", "predict_base", "variant", "plan_record", "rebuild", "param_meta", "load_base", "clear_cache",
-           "MEMORY_CATEGORIES"]
+__all__ = ["WhatIf", "WhatIfError", "predict_run", "headline", "own_passes", "prediction", "predict_base", "variant",
+           "plan_record", "rebuild", "param_meta", "load_base", "clear_cache", "MEMORY_CATEGORIES", "_measured"]
 
 # the vocabulary of record/schema.py's MEMORY_CATEGORIES (one for measured and predicted memory)
 MEMORY_CATEGORIES = ("parameter_shards", "gathered", "gradients", "optimizer_state", "activations", "offloaded")
 AUTO = "auto"
-# passes whose graph rewrite the what-if runs on the rebuilt graphs; offload_optimizer is priced
-# by the memory model (its run-time decisions read the allocator, which an offline graph lacks)
-GRAPH_PASSES = ("prefetch", "selective_unshard", "offload_activations")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "int64": torch.int64,
-          "bool": torch.bool, "int32": torch.int32, "float64": torch.float64, "uint8": torch.uint8,
-          "int8": torch.int8, "int16": torch.int16, "complex64": torch.complex64}
-# device capacity by name where the record predates plan.json (what torch.cuda reports, GiB)
-CAPACITY_GIB = {"H200": 139.8, "H100": 79.1, "A100-SXM4-80GB": 79.1, "A100-SXM4-40GB": 39.4}
-
-
-class WhatIfError(ValueError):
-    """The record cannot answer the what-if (no zero3 graphs, no profile) or a parameter is bad."""
+# passes whose graph rewrite the what-if runs on the rebuilt graphs (PassDef.offline); those
+# declared OFFLINE_MEMORY (offload_optimizer) are priced by the memory model instead
+GRAPH_PASSES = tuple(n for n, p in PASSES.items() if p.offline == OFFLINE_RERUN)
+# planned passes the planner decides whenever they are listed (not only adds when nothing fits)
+ALWAYS_PLANNED = tuple(n for n, p in PASSES.items() if p.planned and not p.planner_adds)
+PLANNER_ADDS = tuple(n for n, p in PASSES.items() if p.planner_adds)   # ... and those it adds when nothing fits
+# the passes the offline planner prices, in the default plan's order (after zero3)
+PLAN_PASSES = (prefetch.NAME, su.NAME)
 
 
 @dataclass
@@ -154,308 +149,6 @@ def prediction(run_dir, rank: int = 0, passes=None) -> tuple[WhatIf | None, str]
                f"{describe_passes(ps)}{cal}")
 
 
-# ------------------------------------------------------------------------------------ rebuilding graphs
-_STANDINS: dict[str, Any] = {}
-
-
-def _standin(name: str):
-    """A callable whose ``__name__`` is the recorded target (``record.graph.target_name`` gives it back)."""
-    f = _STANDINS.get(name)
-    if f is None:
-        def f(*a, **k):
-            raise RuntimeError(f"{name}: a stand-in for planning, not runnable")
-        f.__name__ = f.__qualname__ = name
-        _STANDINS[name] = f
-    return f
-
-
-def _target(t: str):
-    if t in ("getitem", "_operator.getitem", "operator.getitem"):
-        return operator.getitem
-    parts = t.split(".")
-    if parts[0] == "dc":
-        return getattr(torch.ops.dc, parts[1]).default
-    return _standin(t)
-
-
-def _val(shape, dtype):
-    if not isinstance(shape, list):
-        return None
-    if shape and all(isinstance(s, list) for s in shape):
-        if all(isinstance(x, int) for s in shape for x in s):
-            return [torch.empty(s, device="meta") for s in shape]
-        return None
-    if all(isinstance(s, int) for s in shape):
-        return torch.empty(shape, dtype=DTYPES.get(dtype or "", torch.float32), device="meta")
-    return None
-
-
-def rebuild(nodes: list[dict]) -> fx.Graph:
-    """An FX graph of a record's serialized nodes (see the module doc)."""
-    g = fx.Graph()
-    env: dict[str, fx.Node] = {}
-
-    def arg(a):
-        if isinstance(a, dict):
-            if len(a) == 1 and "node" in a:
-                return env[a["node"]]
-            return {k: arg(v) for k, v in a.items()}
-        if isinstance(a, list):
-            return [arg(x) for x in a]
-        return a
-
-    for n in nodes:
-        if n["op"] == "placeholder":
-            node = g.placeholder(n["name"])
-        elif n["op"] == "output":
-            g.output(arg(n["args"][0]))
-            continue
-        else:
-            node = g.create_node(n["op"], _target(n["target"]), tuple(arg(n["args"])), arg(n.get("kwargs") or {}),
-                                 name=n["name"])
-        if node.name != n["name"]:
-            raise WhatIfError(f"node {n['name']!r} came back as {node.name!r}")
-        env[n["name"]] = node
-        v = _val(n.get("shape"), n.get("dtype"))
-        if v is not None:
-            node.meta["val"] = v
-        if "param" in n:
-            node.meta["dc_param"] = n["param"]
-    return g
-
-
-def param_meta(forward: list[dict], backward: list[dict] | None, world: int) -> dict:
-    """runtime.ops.ParamMeta per parameter id, from the forward's gathers: the shard is the
-    gather's input placeholder, the gathered value the wait's output; a parameter without a
-    ``reduce_grad`` (or place in a ``reduce_grads``) in the backward is frozen."""
-    from deepcompile.runtime.ops import ParamMeta
-
-    by = {n["name"]: n for n in forward}
-    reduced = None
-    if backward:
-        reduced = {int(p) for n in backward if n.get("target") in ("dc.reduce_grad", "dc.reduce_grads")
-                   for p in (n.get("params") or ([n["param"]] if "param" in n else []))}
-    out = {}
-    for n in forward:
-        if n.get("target") != "dc.wait_allgather" or len(n.get("args") or []) < 2:
-            continue
-        issue = by.get((n["args"][0] or {}).get("node") if isinstance(n["args"][0], dict) else None)
-        pid = int(n["args"][1])
-        if pid in out or issue is None or issue.get("target") != "dc.allgather_param":
-            continue
-        shard = by.get(issue["args"][0]["node"]) if isinstance(issue["args"][0], dict) else None
-        if shard is None or not isinstance(shard.get("shape"), list) or not isinstance(n.get("shape"), list):
-            continue
-        chunk = math.prod(shard["shape"])
-        shape = tuple(int(s) for s in n["shape"])
-        out[pid] = ParamMeta(id=pid, name=n.get("scope") or f"param{pid}", shape=shape, numel=math.prod(shape),
-                             chunk=chunk, dtype=DTYPES.get(shard.get("dtype") or "", torch.float32),
-                             gather_dtype=DTYPES.get(n.get("dtype") or "", torch.float32),
-                             requires_grad=reduced is None or pid in reduced,
-                             shard_shape=tuple(shard["shape"]) if len(shard["shape"]) > 1 else None)
-    return out
-
-
-def _world(rec, meta: dict) -> int:
-    """The run's world size: the manifest's, or (a record written by one rank of a larger run)
-    what the gathers say: a gathered parameter has about ``world`` times its shard's elements."""
-    w = int(rec.manifest.get("world_size") or 1)
-    if meta:
-        big = max(meta.values(), key=lambda m: m.numel)
-        inferred = max(1, math.ceil(big.numel / max(big.chunk, 1)))
-        if inferred != w:
-            return inferred
-    return w
-
-
-# ------------------------------------------------------------------------------------ the cached base
-@dataclass
-class _Base:
-    """Everything of a record a what-if reuses: built once per record (and its files' mtimes)."""
-    path: str
-    rank: int
-    config: dict
-    profile: Any                    # deepcompile.profile.profiler.Profile
-    graphs: dict                    # (gid, kind) -> fx.Graph (never mutated: passes run on copies)
-    base: dict                      # (gid, kind) -> the record's version dict the passes start from
-    profiled: dict                  # (gid, kind) -> the record's version the profile measured
-    scope: dict                     # (gid, kind) -> {node name: scope}
-    meta: dict                      # pid -> ParamMeta
-    world: int
-    facts: MemoryFacts
-    plan: dict | None
-    capacity: int | None
-    fused: bool
-    accumulation: int
-    host_ms: float | None
-    measured: dict
-    seconds: float
-    prefix: list                    # the record's pass names up to zero3 (the base's)
-    static: dict = field(default_factory=dict)   # (gid, kind) -> estimate.static_costs of the base
-    times: dict = field(default_factory=dict)    # run key -> priced scalars (planner candidates, re-used)
-    full: dict = field(default_factory=dict)     # run key -> (model versions, shown versions, prediction)
-    shapes: dict = field(default_factory=dict)   # model_nodes' cache (values' shapes, targets' names)
-    calibration: Any = False                     # _calibration's answer, once worked out (False: not yet)
-
-
-_CACHE: dict = {}
-_LOCK = threading.Lock()
-
-
-def clear_cache() -> None:
-    with _LOCK:
-        _CACHE.clear()
-
-
-def _signature(root: Path, rank: int) -> tuple:
-    from deepcompile.record import schema as S
-
-    rdir = root / S.rank_dir_name(rank)
-    out = []
-    for p in (root / S.MANIFEST, rdir / S.GRAPHS_DIR / S.GRAPH_INDEX, rdir / S.PROFILE, rdir / S.PLAN, rdir / S.STEPS):
-        try:
-            st = os.stat(p)
-            out.append((st.st_mtime_ns, st.st_size))
-        except OSError:
-            out.append(None)
-    return tuple(out)
-
-
-def load_base(run_dir, rank: int = 0) -> _Base:
-    """The record's rebuilt graphs, profile and memory facts (cached; rebuilt when a file changed)."""
-    root = Path(run_dir).resolve()
-    key = (str(root), int(rank))
-    sig = _signature(root, rank)
-    with _LOCK:
-        hit = _CACHE.get(key)
-        if hit is not None and hit[0] == sig:
-            return hit[1]
-    base = _build_base(root, rank)
-    with _LOCK:
-        _CACHE[key] = (sig, base)
-    return base
-
-
-def _build_base(root: Path, rank: int) -> _Base:
-    from deepcompile.plan.estimate import profiled_version, static_costs
-    from deepcompile.plan.memory import facts_from_profile
-    from deepcompile.profile.profiler import Profile, drop_stalls
-    from deepcompile.record import schema as S
-    from deepcompile.record.reader import load_json, read_run
-    from deepcompile.runtime import ops
-
-    t0 = time.perf_counter()
-    ops.ensure_registered()
-    # the graphs' files are most of a record; only the zero3 versions are needed (the base and
-    # the profiled one), so the index is read first and those files alone after it
-    rec = read_run(root, rank, load_graphs=False)
-    if not rec.profile or not rec.profile.get("graphs"):
-        raise WhatIfError(f"{root}: the record has no profile (profile.json.gz); a what-if prices the passes with "
-                          "the profiled latencies and memory: run with profile_step set (the default ZeRO-3 plan "
-                          "profiles step 1), e.g. `python -m deepcompile demo --profile-step 1`")
-    prof = Profile.from_records(rec.profile)
-    # records written by a profiler that kept stalls still carry them: a wait or
-    # node charged with the other rank's profiler spin would price every plan ~4x too slow
-    drop_stalls(prof)
-    graphs, base, profiled, scope = {}, {}, {}, {}
-    by_key: dict = {}
-    gdir = root / S.rank_dir_name(rank) / S.GRAPHS_DIR
-    for v in rec.graphs:
-        if v.kind != "dynamo" and v.after == "zero3":
-            path = gdir / v.file
-            g = S.check_graph(str(path), load_json(path, root=root))
-            if (g["graph_id"], g["kind"], g["after"]) != (v.graph_id, v.kind, v.after):
-                raise WhatIfError(f"{path}: holds graph {g['graph_id']}/{g['kind']}/{g['after']} but the index "
-                                  f"says {v.graph_id}/{v.kind}/{v.after}")
-            v.nodes = g["nodes"]
-            by_key.setdefault((v.graph_id, v.kind), []).append(v)
-    for key in sorted(prof.graphs):
-        vs = by_key.get(key, [])
-        z = [v for v in vs if v.after == "zero3"]
-        if not z:
-            raise WhatIfError(f"{root}: graph {key[0]} {key[1]} has no zero3 version: a what-if re-runs the passes "
-                              "after zero3 on the ZeRO-3 graphs, and this record has none (a ZeRO-1/2 run? or a re-run that "
-                              "took its graphs from AOTAutograd's cache: config aot_cache false keeps them)")
-        last = z[-1]  # the last compile's (the one the passes after zero3 ran on)
-        d = {"graph_id": last.graph_id, "kind": last.kind, "after": last.after, "seq": last.seq,
-             "nodes": last.nodes, "notes": list(last.notes), "seconds": last.seconds}
-        base[key] = d
-        graphs[key] = rebuild(last.nodes)
-        dicts = [{"graph_id": v.graph_id, "kind": v.kind, "after": v.after, "nodes": v.nodes} for v in vs]
-        profiled[key] = profiled_version(prof.graphs[key], dicts)
-        scope[key] = {n["name"]: n.get("scope", "") for n in last.nodes}
-    fwd = next((base[k]["nodes"] for k in sorted(base) if k[1] == "forward"), [])
-    bwd = next((base[k]["nodes"] for k in sorted(base) if k[1] == "backward"), None)
-    meta: dict = {}
-    for k in sorted(base):
-        if k[1] == "forward":
-            b = base.get((k[0], "backward"))
-            for pid, m in param_meta(base[k]["nodes"], b["nodes"] if b else None, 1).items():
-                meta.setdefault(pid, m)
-    if not meta and fwd:
-        meta = param_meta(fwd, bwd, 1)
-    world = _world(rec, meta)
-    cfg = rec.config or {}
-    plan = load_json(root / S.rank_dir_name(rank) / S.PLAN, optional=True, root=root)
-    pf = (plan or {}).get("facts") or {}
-    state = int(pf.get("state_bytes") or sum(2 * m.chunk * m.dtype.itemsize for m in meta.values() if m.requires_grad))
-    facts = facts_from_profile(prof, meta, world, state, reduce_bytes=int(pf.get("reduce_bytes") or 0))
-    for k in ("fb_peak", "optimizer_peak", "shard_bytes", "grad_bytes"):
-        if pf.get(k):  # the run's own figures (its optimizer's real state, its reduce buckets)
-            setattr(facts, k, int(pf[k]))
-    capacity = int(plan["capacity_bytes"]) if plan and plan.get("capacity_bytes") else _capacity(rec.environment)
-    host, measured = _measured(rec)
-    names = [str(e.get("name") if isinstance(e, dict) else e) for e in (cfg.get("passes") or [])]
-    prefix = names[:names.index("zero3") + 1] if "zero3" in names else ["zero3"]
-    fused = cfg.get("compiler", "inductor") == "inductor"
-    static = {}
-    for key, d in base.items():
-        vs = [x for x in (profiled[key], d) if x is not None]
-        static[key] = static_costs(prof, vs, d, fused)
-    return _Base(str(root), rank, cfg, prof, graphs, base, profiled, scope, meta, world, facts, plan, capacity,
-                 fused, int(cfg.get("gradient_accumulation_steps") or 1),
-                 host, measured, time.perf_counter() - t0, prefix, static)
-
-
-def _capacity(env: dict) -> int | None:
-    devs = [str(d) for d in (env or {}).get("devices") or []]
-    for d in devs:
-        for k, gib in CAPACITY_GIB.items():
-            if k in d:
-                return int(gib * GIB)
-    return None
-
-
-def _measured(rec) -> tuple[float | None, dict]:
-    """(host ms per step, {step_ms, peak_bytes}) of the record's steady steps: every step but the
-    compile, the profiled step and the re-compiles (``record.steps.special_steps``, the steps
-    every view leaves out of its median), else the last half."""
-    import statistics
-
-    from deepcompile.record.steps import special_steps
-
-    st = [s for s in rec.steps if isinstance(s.get("time_s"), (int, float))]
-    if not st:
-        return None, {}
-    special = special_steps(st, rec.config or {})
-    tail = [s for s in st if s.get("step") not in special]
-    steady = bool(tail)
-    if not tail:
-        tail = st[len(st) // 2:] if len(st) > 2 else st[-1:]
-
-    def med(xs):
-        return statistics.median(xs) if xs else None
-    out = {"step_ms": med([s["time_s"] * 1e3 for s in tail]), "steps": len(tail), "steady": steady,
-           "source": "measured"}
-    peaks = [int((s.get("mem") or {}).get("peak") or 0) for s in tail]
-    if any(peaks):
-        out["peak_bytes"] = max(peaks)
-    host = med([float(s["host_s"]) * 1e3 for s in tail if isinstance(s.get("host_s"), (int, float))])
-    if host is None:
-        host = med([float(s["host_ms"]) for s in tail if isinstance(s.get("host_ms"), (int, float))])
-    return host, out
-
-
 # ------------------------------------------------------------------------------------ parameters
 def _entries(passes) -> list[tuple[str, dict]]:
     """[(name, params)] of a pass list (names, {"name", "params"} dicts or PassEntry); unknown
@@ -490,31 +183,29 @@ def _entries(passes) -> list[tuple[str, dict]]:
 def _resolve(entries, planning: bool) -> tuple[dict, dict, dict]:
     """(explicit params per pass, validated; auto keys per pass; hand-set planned params)."""
     from deepcompile.params import build
-    from deepcompile.passes import PASSES
-    from deepcompile.plan.planner import PLANNED
 
     explicit, auto, hand = {}, {}, {}
     for i, (name, params) in enumerate(entries):
         path = f"passes[{i}].params"
-        fields = {f.name for f in dataclasses.fields(PASSES[name].params_cls)}
+        pdef = PASSES[name]
+        fields = {f.name for f in dataclasses.fields(pdef.params_cls)}
         a = []
         for k, v in list(params.items()):
             if isinstance(v, str) and v.strip().lower() == AUTO:
-                if k not in PLANNED.get(name, ()) or k not in fields:
+                if k not in pdef.planned or k not in fields:
                     # not the planner's: "auto" is then an ordinary value of the parameter (e.g.
                     # prefetch.backend's own default), accepted or refused by its declared spec
                     continue
                 a.append(k)
                 params.pop(k)
-        if planning:
-            a += [k for k in PLANNED.get(name, ()) if k not in params and k not in a and k in fields
-                  and name != "offload_optimizer"]
-        build(PASSES[name].params_cls, params, path)  # validates every explicit value, naming its path
+        if planning and not pdef.planner_adds:   # a pass the planner only adds is planned only then
+            a += [k for k in pdef.planned if k not in params and k not in a and k in fields]
+        build(pdef.params_cls, params, path)  # validates every explicit value, naming its path
         explicit[name] = params
         if a:
             auto[name] = a
-        if name in PLANNED and params:
-            hand[name] = {k: v for k, v in params.items() if k in PLANNED[name]}
+        if pdef.planned and params:
+            hand[name] = {k: v for k, v in params.items() if k in pdef.planned}
     return explicit, auto, hand
 
 
@@ -558,13 +249,13 @@ def predict_run(run_dir, passes, *, rank: int = 0, memory_limit_gib: float | Non
         return _predict_run(run_dir, passes, rank, memory_limit_gib)
 
 
-def predict_base(base: _Base, passes, *, memory_limit_gib: float | None = None) -> WhatIf:
+def predict_base(base: RecordBase, passes, *, memory_limit_gib: float | None = None) -> WhatIf:
     """:func:`predict_run` on a base already at hand (``load_base``, or a :func:`variant` of one)."""
     with no_gc():
         return _predict_run(base.path, passes, base.rank, memory_limit_gib, base)
 
 
-def _own_passes(b: _Base) -> list | None:
+def _own_passes(b: RecordBase) -> list | None:
     """The pass list the record's last compile used: the plan's (plan.json), else the config's
     last scheduled list, else its passes."""
     if b.plan and b.plan.get("passes"):
@@ -573,7 +264,7 @@ def _own_passes(b: _Base) -> list | None:
     return sched[-1]["passes"] if sched else (b.config.get("passes") or None)
 
 
-def _calibration(b: _Base) -> float | None:
+def _calibration(b: RecordBase) -> float | None:
     """On a CPU record: the record's measured steady step over the model's prediction of the
     record's own plan. The CPU profile times each node alone under the profiler, which costs
     several times the node itself on a small model (the 2-rank tiny-GPT demo: 3.1 s predicted
@@ -595,7 +286,7 @@ def _calibration(b: _Base) -> float | None:
     return b.calibration
 
 
-def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, base: _Base | None = None,
+def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, base: RecordBase | None = None,
                  calibrate: bool = True, replan: bool = True) -> WhatIf:
     from deepcompile.plan import planner as P
 
@@ -605,28 +296,23 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         raise ConfigError(f"memory_limit_gib: expected a positive number of GiB, got {memory_limit_gib!r}")
     entries = _entries(passes)
     names = [n for n, _ in entries]
-    if "zero3" not in names:
-        raise WhatIfError(f"passes: {names} has no 'zero3'; a what-if re-plans the ZeRO-3 graphs the record traced "
-                          "(the passes after zero3 run on them), so the list needs zero3")
+    if BASE_PASS not in names:
+        raise WhatIfError(f"passes: {names} has no '{BASE_PASS}'; a what-if re-plans the ZeRO-3 graphs the record "
+                          f"traced (the passes after {BASE_PASS} run on them), so the list needs {BASE_PASS}")
     b = base if base is not None else load_base(run_dir, rank)
     cfg_plan = b.config.get("plan")
     planning = bool(cfg_plan) if cfg_plan is not None else bool(b.plan)
     explicit, auto, hand = _resolve(entries, planning)
     notes: list[str] = []
-    after = names[names.index("zero3") + 1:]
-    before = names[:names.index("zero3") + 1]
+    after = names[names.index(BASE_PASS) + 1:]
+    before = names[:names.index(BASE_PASS) + 1]
     if before != b.prefix and b.config.get("passes"):
-        notes.append(f"the passes up to zero3 {before} differ from the record's {b.prefix}: the graphs are the "
-                     "record's (a change before zero3 needs a new trace: use Run)")
+        notes.append(f"the passes up to {BASE_PASS} {before} differ from the record's {b.prefix}: the graphs are the "
+                     f"record's (a change before {BASE_PASS} needs a new trace: use Run)")
     graph_names = [n for n in after if n in GRAPH_PASSES]
-    skipped = [n for n in after if n not in GRAPH_PASSES and n != "offload_optimizer"]
+    skipped = [n for n in after if PASSES[n].offline not in (OFFLINE_RERUN, OFFLINE_MEMORY)]
     if skipped:
         notes.append(f"{', '.join(skipped)}: not re-run offline (no graph rewrite to price); its effect is not predicted")
-    fixed = dict(explicit)
-    if "selective_unshard" not in names:
-        fixed["selective_unshard"] = {"budget_mb": 0.0}
-    if "prefetch" not in names:
-        fixed["prefetch"] = {"budget_mb": 0.0, "fuse_mb": 0.0}
     runner = GraphRunner(b, graph_names, explicit)
     facts = b.facts
     # the memory limit: the caller's, the config's, the run's plan's, or 90% of the device
@@ -645,9 +331,9 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     params = {k: dict(v) for k, v in explicit.items()}
     recorded = (b.plan or {}).get("chosen", {}).get("params") or {}
     same = (auto and recorded and not hand and b.plan.get("limit_bytes") == limit
-            and all(set(auto.get(n, ())) == {k for k in P.PLANNED[n] if k in recorded.get(n, {})}
-                    for n in ("prefetch", "selective_unshard") if n in names)
-            and all(n in names for n in ("prefetch", "selective_unshard") if n in recorded))
+            and all(set(auto.get(n, ())) == {k for k in PASSES[n].planned if k in recorded.get(n, {})}
+                    for n in ALWAYS_PLANNED if n in names)
+            and all(n in names for n in ALWAYS_PLANNED if n in recorded))
     if same:
         # every planned value is "auto" under the run's own limit: the run's planner already
         # chose, from the same profile (plan.json); its choice is what the run would do again
@@ -656,18 +342,17 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
             for k in keys:
                 if k in recorded.get(name, {}):
                     params.setdefault(name, {})[k] = recorded[name][k]
-        if "offload_optimizer" in recorded and "offload_optimizer" not in names:
-            params["offload_optimizer"] = dict(recorded["offload_optimizer"])
+        for n in PLANNER_ADDS:
+            if n in recorded and n not in names:
+                params[n] = dict(recorded[n])
         notes.append("planner: the run's own choice (plan.json, same limit and hand-set values): "
                      + ", ".join(f"{n}.{k} = {params[n][k]:g}" for n, ks in auto.items() for k in ks
                                  if k in params.get(n, {})))
     elif auto:
         cap = b.capacity or limit
         mem = P.DeviceMemory(cap, cap, limit, limit_src)
-        planned_hand = {k: v for k, v in hand.items()}
-        for k, v in fixed.items():
-            if k not in names:
-                planned_hand[k] = v
+        # a pass the list lacks changes nothing: its planned parameters are held where it would not
+        planned_hand = {**hand, **absent_params(names)}
         plan = P.choose(facts, mem, lambda mb: runner.kept(mb)[0], runner.step_ms, planned_hand,
                         "cost model on the record's graphs (what-if)")
         plan_d = plan.to_dict()
@@ -676,24 +361,24 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
             for k in keys:
                 if k in chosen.get(name, {}):
                     params.setdefault(name, {})[k] = chosen[name][k]
-        if "offload_optimizer" in chosen and "offload_optimizer" not in names:
-            notes.append(f"the planner offloads optimizer state to fit {limit / GIB:.2f} GiB ({limit_src}): "
-                         "the run would add offload_optimizer")
-            params["offload_optimizer"] = dict(chosen["offload_optimizer"])
+        for n in PLANNER_ADDS:
+            if n in chosen and n not in names:
+                notes.append(f"the planner adds {n} to fit {limit / GIB:.2f} GiB ({limit_src}), as the run would")
+                params[n] = dict(chosen[n])
         notes.append(f"planner ({limit_src}): " + ", ".join(f"{n}.{k} = {params[n][k]:g}" for n, ks in auto.items()
                                                               for k in ks if k in params.get(n, {})))
     # the resolved plan: what it keeps, prefetches and offloads, and its memory
-    from deepcompile.passes.registry import PASSES
     from deepcompile.params import build
 
     full = {n: dataclasses.asdict(build(PASSES[n].params_cls, params.get(n, {}), f"passes.{n}.params")) for n in names}
-    su_mb = full["selective_unshard"]["budget_mb"] if "selective_unshard" in names else 0.0
+    su_mb = full[su.NAME]["budget_mb"] if su.NAME in names else 0.0
     kept, kept_ids = runner.kept(su_mb) if su_mb > 0 else (0, [])
-    pf = full.get("prefetch")
+    pf = full.get(prefetch.NAME)
     ahead = prefetch_bytes(facts, kept, pf["budget_mb"], pf["fuse_mb"]) if pf else 0
     offloaded = 0
-    if "offload_optimizer" in full or "offload_optimizer" in params:
-        o = full.get("offload_optimizer") or params["offload_optimizer"]
+    oo = offload_optimizer.NAME   # priced by the memory model (OFFLINE_MEMORY)
+    if oo in full or oo in params:
+        o = full.get(oo) or params[oo]
         lim = int(o.get("limit_mb", 0) * MIB) or (b.capacity or limit)
         room = lim - int(o.get("headroom_mb", 1024.0) * MIB)
         need = facts.fb_peak + kept + ahead - room
@@ -737,7 +422,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
                 f"{fmt_bytes(int(pm.peak))} of these values")
         if replan and hand:
             # the hand-set planned values do not fit: the planner chooses them under the limit
-            again = [{"name": n, "params": dict({kk: v for kk, v in ps.items() if kk not in P.PLANNED.get(n, ())},
+            again = [{"name": n, "params": dict({kk: v for kk, v in ps.items() if kk not in PASSES[n].planned},
                                                 **{kk: AUTO for kk in hand.get(n, ())})}
                      for n, ps in _entries(passes)]
             try:
@@ -764,10 +449,10 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
 
 
 # ------------------------------------------------------------------------------------ the planner offline
-def variant(b: _Base, *, world: int | None = None, gb_per_s: float | None = None, alpha_us: float | None = None,
+def variant(b: RecordBase, *, world: int | None = None, gb_per_s: float | None = None, alpha_us: float | None = None,
             optimizer_peak_gib: float | None = None, accumulation: int | None = None,
             compiler: str | None = None, capacity_gib: float | None = None,
-            optimizer_ms: float | None = None, facts: dict | None = None) -> _Base:
+            optimizer_ms: float | None = None, facts: dict | None = None) -> RecordBase:
     """A copy of a record's base with the hardware or the run changed (another link speed, the
     optimizer step's peak of an older record that did not measure it, another world size), and
     fresh caches (its prices differ)."""
@@ -815,7 +500,7 @@ def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **cha
     cap = b.capacity or int(141.0 * GIB)
     limit = int(limit_gib * GIB) if limit_gib else int(P.DEFAULT_LIMIT_FRACTION * cap)
     mem = P.DeviceMemory(cap, cap, limit, f"limit {limit_gib:g} GiB" if limit_gib else "90% of the capacity")
-    runner = GraphRunner(b, ["prefetch", "selective_unshard"], {})
+    runner = GraphRunner(b, list(PLAN_PASSES), {})
     seen = []
 
     def timed(c):

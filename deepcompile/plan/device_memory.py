@@ -1,0 +1,79 @@
+"""The memory a plan must fit in: the device's capacity and free memory, agreed by every rank.
+
+Every rank must plan from the same figures, or ranks compile different collectives and the job
+hangs: :func:`agree_memory` takes one all-reduce MIN of every rank's capacity, free memory and
+limit (:func:`local_memory` measures this rank's).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepcompile.plan.memory import GIB
+from deepcompile.profile.host import resident_bytes
+
+DEFAULT_LIMIT_FRACTION = 0.9
+
+
+@dataclass
+class DeviceMemory:
+    """The memory the plan must fit in, identical on every rank (bytes)."""
+    capacity: int        # the device's total memory (smallest over ranks)
+    available: int       # free memory plus this process's own allocator cache (smallest over ranks)
+    limit: int           # what the plan must fit in: min(user limit or 90% of capacity, available)
+    source: str          # where the limit came from
+
+
+def _meminfo(key: str) -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def local_memory(device, device_memory_gib: float | None = None) -> tuple[int, int]:
+    """(capacity, available) bytes of this rank's device. CUDA: total memory and free memory
+    plus what this process's caching allocator already holds (reusable by the step). CPU (gloo):
+    ``device_memory_gib`` if configured, else MemTotal; available: MemAvailable plus this
+    process's resident set."""
+    import torch
+
+    if getattr(device, "type", "cpu") == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        cap = int(device_memory_gib * GIB) if device_memory_gib else int(total)
+        return cap, min(cap, int(free) + int(torch.cuda.memory_reserved(device)))
+    total = _meminfo("MemTotal") or 0
+    cap = int(device_memory_gib * GIB) if device_memory_gib else total
+    avail = _meminfo("MemAvailable")
+    if avail is None:
+        return cap, cap
+    return cap, min(cap, avail + resident_bytes())
+
+
+def agree_memory(local: tuple[int, int], limit_gib: float | None, group=None, device=None) -> DeviceMemory:
+    """One all-reduce MIN over every rank's (capacity, available, limit): the plan is decided
+    from the same figures everywhere (free memory jitters between ranks; a rank that planned
+    from its own would compile other collectives and hang the job)."""
+    import torch
+    import torch.distributed as dist
+
+    cap, avail = int(local[0]), int(local[1])
+    lim = float(limit_gib) * GIB if limit_gib else DEFAULT_LIMIT_FRACTION * cap
+    vals = [float(cap), float(avail), float(lim)]
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        if device is None:
+            dev = "cuda" if "nccl" in str(dist.get_backend(group)).lower() else "cpu"
+            device = torch.device(dev, torch.cuda.current_device()) if dev == "cuda" else torch.device("cpu")
+        t = torch.tensor(vals, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        vals = t.cpu().tolist()
+    cap, avail, lim = int(vals[0]), int(vals[1]), int(vals[2])
+    source = (f"memory_limit_gib {float(limit_gib):g}" if limit_gib
+              else f"{DEFAULT_LIMIT_FRACTION:.0%} of the device's {cap / GIB:.1f} GiB")
+    if avail < lim:
+        source += f", lowered to the {avail / GIB:.2f} GiB free on the fullest rank"
+        lim = avail
+    return DeviceMemory(capacity=cap, available=avail, limit=lim, source=source)
