@@ -491,7 +491,13 @@ def summarize(run_dir: str | os.PathLike, rank: int = 0, passes: list | None = N
     if rec.profile:   # the one prediction engine's numbers (the report and the inspector show the same)
         from deepcompile.plan.whatif import prediction
 
-        lines.append(prediction(run_dir, rank, passes)[1])
+        w, line = prediction(run_dir, rank, passes)
+        lines.append(line)
+        if w is not None:
+            from deepcompile.plan.bought import pass_table, table_lines
+
+            lines.append("what each pass bought (predicted; each row adds one pass):")
+            lines += table_lines(pass_table(run_dir, passes, rank=rank))
     from deepcompile.record.reader import run_command
 
     cmd = run_command(rec)

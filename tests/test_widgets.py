@@ -845,6 +845,40 @@ def test_one_prediction_in_every_view(planned_run, tmp_path):
     assert own.headline() in render_report(planned_run, tmp_path / "r0.html").read_text()
 
 
+def test_what_each_pass_bought_in_every_view(planned_run, tmp_path):
+    """The per-pass table: a row per pass from zero3 on, each the what-if of the list up to that
+    pass with the whole list's resolved values; its last row is the whole list's prediction. The
+    Passes tab, the report and `deepcompile inspect` show the same rows."""
+    pytest.importorskip("ipywidgets")
+    from deepcompile.cli import summarize
+    from deepcompile.plan.bought import pass_table
+    from deepcompile.plan.whatif import predict_run
+    from deepcompile.report.html import render_report
+    from deepcompile.widgets import Inspector
+
+    insp = Inspector(planned_run, follow=False)
+    pm = insp.model.passes
+    pm.set_value("selective_unshard", "budget_mb", 1000.0)   # keep every parameter gathered
+    w = insp.whatif_now()
+    assert w is not None, insp.whatif_error
+    rows = insp.last_pass_rows
+    assert [r.after for r in rows] == ["zero3", "prefetch", "selective_unshard"], rows
+    assert rows[-1].step_ms == w.step_ms and rows[-1].peak_bytes == w.peak_bytes
+    # a row is the what-if of its prefix, with the whole list's values
+    first = predict_run(planned_run, [{"name": "zero3"}])
+    assert rows[0].step_ms == first.step_ms and rows[0].peak_bytes == first.peak_bytes
+    # keeping every parameter gathered costs memory and removes the gathers' exposed time
+    assert rows[2].peak_bytes > rows[1].peak_bytes
+    assert rows[2].exposed_comm_ms < rows[1].exposed_comm_ms, rows
+    assert "dc-pass-table" in insp.p_whatif.value and "what each pass bought" in insp.p_whatif.value
+    edited = pm.whatif_passes()
+    assert [r.to_dict() for r in pass_table(planned_run, edited)] == [r.to_dict() for r in rows]
+    text = summarize(planned_run, passes=edited)
+    assert "what each pass bought" in text and f"{rows[0].step_ms:>8.1f} ms" in text, text
+    report = render_report(planned_run, tmp_path / "r.html", passes=edited).read_text()
+    assert "dc-pass-table" in report and f"{rows[1].step_ms:.1f} ms" in report
+
+
 def test_reset_clears_the_whatif_and_a_low_limit_warns(planned_run):
     """Controls back to the recorded values: no edited prediction left in the table, no what-if
     lane left in the Schedule tab. A memory limit below the predicted peak re-plans or says, in

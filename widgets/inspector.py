@@ -74,6 +74,7 @@ class Inspector(GraphTabMixin, TimelineTabsMixin, LiveStepsMixin, PassesTabMixin
         self._whatif_timer: threading.Timer | None = None
         self._whatif_gen = 0
         self.last_whatif = None
+        self.last_pass_rows: list = []          # plan.bought rows of last_whatif's values
         self._whatif_of: tuple | None = None    # the values and limit last_whatif predicted
         self.whatif_error: str | None = None   # why the last what-if gave no numbers
         # one what-if at a time: an edit's timer and a direct call (Predict, a notebook cell) would

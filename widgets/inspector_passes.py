@@ -75,6 +75,7 @@ class PassesTabMixin:
         """No what-if shown: the table, its warning and the Schedule tab's what-if lane cleared
         (the controls changed since, e.g. back to the recorded values)."""
         self.last_whatif = None
+        self.last_pass_rows = []
         self._whatif_of = None
         self.p_whatif.value = ""
         self.p_wstatus.value = ""
@@ -175,6 +176,7 @@ class PassesTabMixin:
                 t0 = time.perf_counter()
                 key = self._whatif_key()
                 w = m.passes.whatif(m.run_dir, rank=m.rank, memory_limit_gib=limit)
+                rows = self._pass_rows(limit)
         except Exception as e:  # ConfigError / WhatIfError name the value and the reason
             self.whatif_error = f"{type(e).__name__}: {e}"
             if gen is not None and gen != self._whatif_gen:
@@ -187,7 +189,8 @@ class PassesTabMixin:
         if gen is not None and gen != self._whatif_gen:   # a newer edit is on its way
             return None
         with self._lock:
-            self.p_whatif.value = self.whatif_html(w, took)
+            self.p_whatif.value = self.whatif_html(w, took, rows)
+            self.last_pass_rows = rows
             if m.schedule is not None:
                 # the lane carries the WhatIf itself: its step and peak are the table's, and it
                 # names the edit it predicts
@@ -203,9 +206,20 @@ class PassesTabMixin:
             self.p_wstatus.value = ""
         return w
 
-    def whatif_html(self, w, took: float | None = None) -> str:
+    def _pass_rows(self, limit: float | None) -> list:
+        """What each pass of the edited values bought (``plan.bought.pass_table``); [] where the
+        record cannot say (the what-if above already showed why)."""
+        from deepcompile.plan.bought import pass_table
+
+        m = self.model
+        try:
+            return pass_table(m.run_dir, m.passes.whatif_passes(), rank=m.rank, memory_limit_gib=limit)
+        except Exception:   # the what-if of the whole list is the one that reports errors
+            return []
+
+    def whatif_html(self, w, took: float | None = None, pass_rows: list | None = None) -> str:
         """Measured (this run) beside predicted (the edited values): step time and the peak, both
-        labelled, memory by category, and the seconds the prediction took."""
+        labelled, memory by category, the seconds the prediction took, and what each pass bought."""
         from deepcompile.vocab.memory import fmt_bytes as fb
 
         m = self.model
@@ -234,8 +248,25 @@ class PassesTabMixin:
                 "these numbers for these values)<br>passes and planner re-run on the recorded graphs, "
                 f"no re-compile, took <span class='dc-whatif-seconds'>{secs:.2f} s</span>"
                 f"<table class='dc-whatif-table' style='font-size:12px'><tr><th></th><th>this run</th>"
-                f"<th>edited values</th></tr>{body}</table><ul style='margin:2px 0'>{notes}{more}</ul>"
-                "Run measures it.</div>")
+                f"<th>edited values</th></tr>{body}</table>{self._pass_rows_html(pass_rows or [])}"
+                f"<ul style='margin:2px 0'>{notes}{more}</ul>Run measures it.</div>")
+
+    @staticmethod
+    def _pass_rows_html(rows: list) -> str:
+        """The per-pass table: the prediction after each pass, each row one pass more."""
+        from deepcompile.vocab.memory import fmt_bytes as fb
+
+        if not rows:
+            return ""
+        body, prev = [], None
+        for r in rows:
+            ds = "" if prev is None else f"{r.step_ms - prev.step_ms:+.1f} ms"
+            body.append(f"<tr><td>{esc(r.after)}</td><td>{r.step_ms:.1f} ms</td><td>{r.exposed_comm_ms:.1f} ms</td>"
+                        f"<td>{fb(r.peak_bytes)}</td><td>{ds}</td></tr>")
+            prev = r
+        return ("<b>what each pass bought</b> (predicted, each row one pass more)"
+                "<table class='dc-pass-table' style='font-size:12px'><tr><th>after</th><th>step</th>"
+                "<th>exposed comm</th><th>peak</th><th>step change</th></tr>" + "".join(body) + "</table>")
 
     def _predict(self) -> None:
         """The Predict button: the what-if of the shown values, now."""

@@ -225,8 +225,30 @@ def _section_prediction(run_dir, rank: int, passes: list | None) -> str:
     w, line = prediction(run_dir, rank, passes)
     warn = "".join(f"<p class='note warning'>{esc(x)}</p>" for x in (w.warnings if w else []))
     return (f"<section id='prediction'><h2>Prediction</h2><p class='dc-prediction'>{esc(line)}</p>{warn}"
+            + (_pass_table_html(run_dir, rank, passes) if w is not None else "") +
             "<p class='note'>One prediction engine behind every view: the inspector's Passes tab, its Schedule "
             "what-if lane and <code>deepcompile inspect</code> give these numbers for the same passes.</p></section>")
+
+
+def _pass_table_html(run_dir, rank: int, passes: list | None) -> str:
+    """What each pass bought (``plan.bought.pass_table``): the prediction after each pass, and
+    what it changed against the row above."""
+    from deepcompile.plan.bought import pass_table
+
+    rows = pass_table(run_dir, passes, rank=rank)
+    out = ["<table class='dc-pass-table'><tr><th>after</th><th>step</th><th>exposed communication</th><th>peak</th>"
+           "<th>step change</th><th>peak change</th></tr>"]
+    prev = None
+    for r in rows:
+        ds = "" if prev is None else f"{r.step_ms - prev.step_ms:+.1f} ms"
+        dp = "" if prev is None else ("+" if r.peak_bytes >= prev.peak_bytes else "-") + fmt_bytes(abs(r.peak_bytes - prev.peak_bytes))
+        out.append(f"<tr><td>{esc(r.after)}</td><td class=num>{r.step_ms:.1f} ms</td><td class=num>{r.exposed_comm_ms:.1f} ms</td>"
+                   f"<td class=num>{fmt_bytes(r.peak_bytes)}</td><td class=num>{ds}</td><td class=num>{dp}</td></tr>")
+        prev = r
+    out.append("</table><p class='note'>What each pass bought: the prediction of the pass list up to each pass, with "
+               "the parameters the whole list resolved to; exposed communication is collective time the compute "
+               "stream waits for.</p>")
+    return "".join(out)
 
 
 def _section_schedule(rec: RunRecord, events: list[dict], source: str, figs: _Figures, notes: list[str]) -> str:
