@@ -50,12 +50,11 @@ from deepcompile.plan.pricing import no_gc
 from deepcompile.plan.rebuild import WhatIfError, param_meta, rebuild
 from deepcompile.plan.record_base import BASE_PASS, RecordBase, _measured, clear_cache, load_base
 from deepcompile.plan.runner import GraphRunner
+from deepcompile.vocab.memory import MEMORY_CATEGORIES
 
 __all__ = ["WhatIf", "WhatIfError", "predict_run", "headline", "own_passes", "prediction", "predict_base", "variant",
            "plan_record", "rebuild", "param_meta", "load_base", "clear_cache", "MEMORY_CATEGORIES", "_measured"]
 
-# the vocabulary of record/schema.py's MEMORY_CATEGORIES (one for measured and predicted memory)
-MEMORY_CATEGORIES = ("parameter_shards", "gathered", "gradients", "optimizer_state", "activations", "offloaded")
 AUTO = "auto"
 # passes whose graph rewrite the what-if runs on the rebuilt graphs (PassDef.offline); those
 # declared OFFLINE_MEMORY (offload_optimizer) are priced by the memory model instead
