@@ -125,15 +125,15 @@ def full_optimizer_state(model, opt) -> dict:
     the parameters (what a user must do today without DCP)."""
     from deepcompile.compat import c10d as c10d_compat
 
-    world = dist.get_world_size(model.dc_shard_group)
+    world = dist.get_world_size(model.dc_state.shard_group)
     out = {}
-    for sp in model.dc_sharded:
+    for sp in model.dc_state.sharded:
         st = opt.state.get(sp.shard, {})
         entry = {}
         for k, v in st.items():
             if isinstance(v, torch.Tensor) and v.shape == sp.shard.shape:
                 buf = torch.empty((world * v.shape[0], *v.shape[1:]), dtype=v.dtype, device=v.device)
-                c10d_compat.all_gather_single(buf, v.contiguous(), model.dc_shard_group)
+                c10d_compat.all_gather_single(buf, v.contiguous(), model.dc_state.shard_group)
                 full_rows = sp.meta.shape[0] if sp.meta.shape else 1
                 entry[k] = buf[:full_rows].reshape(sp.meta.shape).cpu()
             else:
@@ -289,7 +289,7 @@ def main(argv=None):
                                         {"zero_stage": 3, "passes": ["zero3"]})
     del base_model
     deepcompile.get_state_dict(model, opt)  # creates AdamW's state (zero step), outside the timings
-    own = {"params_gib": sum(sp.shard.numel() * sp.shard.element_size() for sp in model.dc_sharded) / GIB,
+    own = {"params_gib": sum(sp.shard.numel() * sp.shard.element_size() for sp in model.dc_state.sharded) / GIB,
            "optimizer_gib": sum(v.numel() * v.element_size() for st in opt.state.values()
                                 for v in st.values() if isinstance(v, torch.Tensor)) / GIB}
     own["total_gib"] = own["params_gib"] + own["optimizer_gib"]

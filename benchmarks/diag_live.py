@@ -18,7 +18,7 @@ def work(rank, world, compiler):
         loss = model(x[:2], y[:2])
         torch.cuda.synchronize()
         m1 = torch.cuda.memory_allocated()
-        live = [ops.PARAMS[i].name for i in ops.C.live_gathered()]
+        live = [model.dc_state.runtime.params[i].name for i in ops.C.live_gathered()]
         t0 = time.monotonic()
         while ops.C.live_gathered() and time.monotonic() - t0 < 3:
             time.sleep(0.005)

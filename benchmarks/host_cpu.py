@@ -55,10 +55,11 @@ def _rank(rank: int, world: int, a: dict):
         cfg["passes"] = a["passes"]
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=1e-3), cfg)
     if a["per_gradient"]:
-        ops.REDUCE_LAYOUT = dataclasses.replace(ops.REDUCE_LAYOUT, copies_each=True)
+        rt = model.dc_state.runtime
+        rt.reduce_layout = dataclasses.replace(rt.reduce_layout, copies_each=True)
     seq = {"s": 0.0, "cpu": 0.0}
-    if model.dc_seqcheck is not None:
-        inner = model.dc_seqcheck.check
+    if model.dc_state.seqcheck is not None:
+        inner = model.dc_state.seqcheck.check
 
         def timed_check():
             c0, t0 = time.thread_time(), time.perf_counter()
@@ -67,7 +68,7 @@ def _rank(rank: int, world: int, a: dict):
             finally:
                 seq["s"] += time.perf_counter() - t0
                 seq["cpu"] += time.thread_time() - c0
-        model.dc_seqcheck.check = timed_check
+        model.dc_state.seqcheck.check = timed_check
     g = torch.Generator().manual_seed(rank)
     x = torch.randint(0, 256, (a["batch"], a["seq"]), generator=g)
     y = (x * 7 + 3) % 256
@@ -121,8 +122,8 @@ def _ops_rank(rank: int, world: int, a: dict):
                                         {"compiler": "aot_eager", "reduce_bucket_size": a["bucket"],
                                          "mixed_precision": mp})
     C, D = ops.C, torch.ops.dc
-    lay = ops.REDUCE_LAYOUT
-    sps = list(model.dc_sharded)
+    lay = model.dc_state.runtime.reduce_layout
+    sps = list(model.dc_state.sharded)
     metas = [sp.meta for sp in sps]
     # the backward hands gradients over in reverse order, in the compute dtype
     order = list(reversed(range(len(sps))))

@@ -190,12 +190,11 @@ def after_train(model, opt, res) -> None:
     except Exception as e:  # noqa: BLE001
         res["dc_stats"] = {"unavailable": f"{type(e).__name__}: {e}"}
     try:
-        from deepcompile.runtime import optimizer_state
-        from deepcompile.runtime.offload import ENGINE
-        m = optimizer_state.MANAGER
+        rt = model.dc_state.runtime
+        m = rt.optimizer_state
         res["offload"] = {"state_total_bytes": int(m.total_bytes()), "offloaded_bytes": int(m.offloaded_bytes()),
                           "plan_target_bytes": m.target, "manager_stats": dict(m.stats),
-                          "engine_stats": dict(ENGINE.stats)}
+                          "engine_stats": dict(rt.offload.stats)}
     except Exception as e:  # noqa: BLE001
         res["offload"] = {"unavailable": f"{type(e).__name__}: {e}"}
     try:  # the pass's own account of its plan, per compile (the last few)

@@ -25,7 +25,8 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 from deepcompile.plan.cost_model import predict  # noqa: E402
-from deepcompile.profile.profiler import Profile, drop_stalls  # noqa: E402
+from deepcompile.profile.agree import drop_stalls  # noqa: E402
+from deepcompile.profile.profiler import Profile  # noqa: E402
 from deepcompile.plan.estimate import comm_kind, op_class  # noqa: E402
 from deepcompile.record.reader import read_run  # noqa: E402
 

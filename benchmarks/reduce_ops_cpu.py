@@ -9,7 +9,7 @@ import deepcompile
 from deepcompile.models import GPT, GPTConfig
 from deepcompile.runtime import ops
 m, opt = deepcompile.initialize(GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=8, n_head=2, n_embd=4)), lambda ps: torch.optim.AdamW(ps), {"compiler": "aot_eager"})
-metas = [mm for mm in ops.PARAMS.values() if mm.requires_grad]
+metas = [mm for mm in m.dc_state.runtime.params.values() if mm.requires_grad]
 grads = [torch.randn(mm.shape) for mm in metas]
 ids = [mm.id for mm in metas]
 R, RS, E = torch.ops.dc.reduce_grad.default, torch.ops.dc.reduce_grads.default, torch.ops.dc.end_backward.default
@@ -33,7 +33,7 @@ for _ in range(5):
     for _ in range(200): endonly()
 print("end_backward alone (no grads)", round((time.thread_time()-c0)/200*1e6,1))
 # the zero-gradient state each time: .grad dropped so apply_grads takes the fresh path
-shards = [sp.shard for sp in m.dc_sharded]
+shards = [sp.shard for sp in m.dc_state.sharded]
 def per_fresh():
     for s in shards: s.grad = None
     per()

@@ -533,8 +533,9 @@ def release_dc(model, opt) -> None:
     shard; without this each deepcompile system leaks its shards into the next system's memory.
     """
     try:  # optimizer-state offload (offload_optimizer pass): unhook it from this optimizer first
-        from deepcompile.runtime import optimizer_state
-        optimizer_state.MANAGER.detach()
+        from deepcompile.runtime import state
+        if state.active():
+            state.current().optimizer_state.detach()
     except Exception:  # noqa: BLE001  (not there in this version, or the state could not come back)
         pass
     if opt is not None:
@@ -551,12 +552,11 @@ def teardown_dc() -> None:
         from deepcompile.runtime import ops
         if ops.C is not None and ops.C.is_initialized():
             ops.C.cleanup()
-        ops.PARAMS.clear()
     except Exception:
         pass
-    try:  # pinned host buffers of the offload engine
-        from deepcompile.runtime.offload import ENGINE
-        ENGINE.release_buffers()
+    try:  # the runtime state: the registry, the offload engine's pinned host buffers
+        from deepcompile.runtime import state
+        state.drop()
     except Exception:
         pass
 

@@ -1,13 +1,14 @@
-"""The public API: initialize, full_state_dict, load_full_state_dict, destroy."""
+"""The public API: initialize, full_state_dict, load_full_state_dict, destroy, and the model
+wrapper they act on (:class:`DeepCompileModel`, its state in one :class:`ModelState`)."""
 from __future__ import annotations
 
 import os
 import sys
 import time
-import types
 import warnings
 import weakref
-from typing import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -20,8 +21,10 @@ from deepcompile.compat import dynamo as dynamo_compat
 from deepcompile.compile import blocks, nested
 from deepcompile.compile.dynamic import DynamicDims
 from deepcompile.config import Config
-from deepcompile.runtime import graphcheck, ops, optim_chunks, optimizer_state, seqcheck
-from deepcompile.runtime.offload import ENGINE
+from deepcompile.profile.profiler import StepTimer
+from deepcompile.runtime import graphcheck, groups, ops, optim_chunks, seqcheck, state
+from deepcompile.runtime.accumulation import wrap_for_accumulation
+from deepcompile.runtime.state import RuntimeState
 from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
 
 # a step that compiled for less than this prints nothing (config ``progress``)
@@ -34,82 +37,112 @@ def _rank0() -> bool:
     printed by rank 0 alone, once per run, not once per rank."""
     return not (dist.is_initialized() and dist.get_rank() != 0)
 
-_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+@dataclass
+class ModelState:
+    """What deepcompile keeps about one wrapped model (``model.dc_state``): built by
+    ``initialize``, read by the wrapper, the planner, the plan cache, clipping and checkpoints."""
+    sharded: list[ShardedParam]     # this rank's shards, in registration order
+    backend: Backend
+    config: Config
+    group: Any                      # the job's process group
+    shard_group: Any                # the group the shards are split over (== group unless mesh.shard: HSDP)
+    replicate_group: Any            # the replicas' group under mesh.shard, else None
+    state_keys: list[str]           # the user model's state_dict() keys, in order
+    runtime: RuntimeState           # the process's runtime state this model was initialised with
+    compiled: Callable | None       # the module compiled with the backend (None after destroy)
+    passes: list                    # the pass list the compiled graphs were built with
+    # the last step whose forward compiles: the last scheduled re-compile (a later one, e.g. for
+    # new input shapes, pauses the collector in the backend's own compile calls only)
+    last_compile_step: int
+    step: int = 0                   # optimizer steps taken
+    dynamic: DynamicDims = field(default_factory=DynamicDims)  # input dims that vary, agreed across ranks
+    plan: dict | None = None        # the planner's choice and why (deepcompile.plan.planner)
+    seqcheck: seqcheck.SequenceCheck | None = None  # per-step collective count check
+    optim_chunks: Any = None        # runtime.optim_chunks' chunked step (None: not chunked)
+    # whether the backward running next ends an accumulation window (runtime.accumulation)
+    next_is_boundary: Callable[[], bool] = lambda: True
+    gc_paused: bool = False         # the collector paused while compiling (forward)
+    forward_step: int = -1          # the step of the last forward
+    forwards_in_step: int = 0       # and how many forwards that step ran
+    profile_t0: float | None = None  # the profiling step's start (perf_counter), until it is agreed
+    opt_timer: StepTimer | None = None  # the profiling step's optimizer.step() timer
+    blocks_seen: int = 0            # block-region compiles already reported (compile.blocks.STATS)
+    ckpt_mesh: Any = None           # the device mesh checkpoints wrap shards on (deepcompile.checkpoint)
 
 
 class DeepCompileModel(nn.Module):
     """The user's module, sharded, with its forward compiled by the deepcompile backend.
 
-    ``parameters()`` yields this rank's shards, exactly the tensors the optimizer updates.
+    ``parameters()`` yields this rank's shards, exactly the tensors the optimizer updates. Its
+    state is one :class:`ModelState`, ``dc_state``. ``dc_backend``, ``dc_config`` and ``dc_plan``
+    stay read-only properties over it because the README, the notebooks and the architecture
+    notes tell users to read them (``RunRecorder(..., model.dc_config)``,
+    ``model.dc_backend.observers``, ``model.dc_plan["cache"]``).
     """
 
-    def __init__(self, module: nn.Module, sharded: list[ShardedParam], backend: Backend,
-                 config: Config, group, state_keys: list[str]):
+    def __init__(self, module: nn.Module, st: ModelState):
         super().__init__()
         self.module = module
-        object.__setattr__(self, "dc_sharded", sharded)
-        object.__setattr__(self, "dc_backend", backend)
-        object.__setattr__(self, "dc_config", config)
-        object.__setattr__(self, "dc_group", group)
-        object.__setattr__(self, "dc_state_keys", state_keys)
-        object.__setattr__(self, "_dc_compiled", torch.compile(module, backend=backend))
-        object.__setattr__(self, "dc_step", 0)
-        object.__setattr__(self, "_dc_passes", config.passes)
-        object.__setattr__(self, "dc_dynamic", DynamicDims())  # input dims that vary, agreed across ranks
-        object.__setattr__(self, "dc_plan", None)  # the planner's choice and why (deepcompile.plan.planner)
-        object.__setattr__(self, "dc_seqcheck", None)  # per-step collective count check (initialize sets it)
-        object.__setattr__(self, "_dc_gc_paused", False)  # the collector paused while compiling (forward)
-        object.__setattr__(self, "_dc_forward_step", -1)  # the step of the last forward
-        object.__setattr__(self, "_dc_forwards_in_step", 0)  # and how many forwards that step ran
-        # the last step whose forward compiles: the last scheduled re-compile (a later one, e.g.
-        # for new input shapes, pauses the collector in the backend's own compile calls only)
-        object.__setattr__(self, "_dc_last_compile_step",
-                           max([0, config.profile_step or 0] + [e.step for e in config.schedule]))
+        self.dc_state = st
+
+    @property
+    def dc_backend(self) -> Backend:
+        return self.dc_state.backend
+
+    @property
+    def dc_config(self) -> Config:
+        return self.dc_state.config
+
+    @property
+    def dc_plan(self) -> dict | None:
+        """The planner's choice and why (None before it ran)."""
+        return self.dc_state.plan
 
     def forward(self, *args, **kwargs):
         # The collector waits from a compiling step's first forward to its optimizer step
         # (backend.paused_gc says why; _dc_on_optimizer_step ends the pause), or to a forward
         # past the step's micro-batches that compiled nothing: a loop without optimizer steps
         # (evaluation) must not run with it off
-        step = self.dc_step
-        if step > self._dc_last_compile_step and not self._dc_gc_paused:
+        step = self.dc_state.step
+        if step > self.dc_state.last_compile_step and not self.dc_state.gc_paused:
             return self._dc_forward(*args, **kwargs)  # training at speed: nothing to decide
         frames = dynamo_compat.dynamo_frames_compiled()
-        seen = self._dc_forwards_in_step + 1 if step == self._dc_forward_step else 1
-        if seen == 1 and not self._dc_gc_paused:  # (a step's later forwards never pause again)
+        seen = self.dc_state.forwards_in_step + 1 if step == self.dc_state.forward_step else 1
+        if seen == 1 and not self.dc_state.gc_paused:  # (a step's later forwards never pause again)
             paused_gc.pause()
-            object.__setattr__(self, "_dc_gc_paused", True)
+            self.dc_state.gc_paused = True
         try:
             out = self._dc_forward(*args, **kwargs)
         except BaseException:
             self._dc_resume_gc(collect=False)
             raise
-        if self._dc_gc_paused and seen > self.dc_config.gradient_accumulation_steps \
+        if self.dc_state.gc_paused and seen > self.dc_config.gradient_accumulation_steps \
                 and dynamo_compat.dynamo_frames_compiled() == frames:
             self._dc_resume_gc(collect=True)
-        object.__setattr__(self, "_dc_forward_step", step)
-        object.__setattr__(self, "_dc_forwards_in_step", seen)
+        self.dc_state.forward_step = step
+        self.dc_state.forwards_in_step = seen
         return out
 
     def _dc_resume_gc(self, collect: bool, freeze: bool = False) -> None:
-        if self._dc_gc_paused:
-            object.__setattr__(self, "_dc_gc_paused", False)
+        if self.dc_state.gc_paused:
+            self.dc_state.gc_paused = False
             paused_gc.resume(collect, freeze)
 
     def _dc_forward(self, *args, **kwargs):
-        passes = self.dc_config.passes_at(self.dc_step)
-        profiling = self.dc_step == self.dc_config.profile_step
+        passes = self.dc_config.passes_at(self.dc_state.step)
+        profiling = self.dc_state.step == self.dc_config.profile_step
         if self.dc_backend.plan_cache is not None and self.dc_backend.plan_cache.hit:
-            passes, profiling = self._dc_passes, False  # the stored plan, compiled at step 0 (plan.cache)
-        if passes is not self._dc_passes or profiling != self.dc_backend.profiling:
+            passes, profiling = self.dc_state.passes, False  # the stored plan, compiled at step 0 (plan.cache)
+        if passes is not self.dc_state.passes or profiling != self.dc_backend.profiling:
             # dims that became dynamic: the graphs compiled so far may be static on some ranks and
             # symbolic on others; the profiling step must profile one graph every rank shares
-            fresh = self.dc_dynamic.take_changed()
-            if not (profiling and passes is self._dc_passes and not fresh and self.dc_backend.profile_in_place()):
+            fresh = self.dc_state.dynamic.take_changed()
+            if not (profiling and passes is self.dc_state.passes and not fresh and self.dc_backend.profile_in_place()):
                 self._recompile(passes, profiling, dynamic_changed=bool(fresh))
             if profiling:  # the profiling step's cost, end to end (until _finish_profile)
-                object.__setattr__(self, "_dc_profile_t0", time.perf_counter())
-        self.dc_dynamic.observe(args, kwargs)
+                self.dc_state.profile_t0 = time.perf_counter()
+        self.dc_state.dynamic.observe(args, kwargs)
         # the runtime names the graph node of a collective timeout by phase: forward while the
         # compiled forward runs, backward after it (two pybind calls per forward)
         ops.C.set_phase(0)
@@ -118,12 +151,12 @@ class DeepCompileModel(nn.Module):
         graphs = b.next_graph_id
         try:
             try:
-                return self._dc_compiled(*args, **kwargs)
+                return self.dc_state.compiled(*args, **kwargs)
             except Exception as e:
                 if not (dynamo_compat.is_dynamo_error(e) and b.next_graph_id == graphs and nested.is_wrapped(self.module)):
                     raise
                 self._dc_trace_flat(e)
-                return self._dc_compiled(*args, **kwargs)
+                return self.dc_state.compiled(*args, **kwargs)
         finally:
             ops.C.set_phase(1)
             dyn1 = dynamo_compat.dynamo_compile_seconds()
@@ -143,34 +176,34 @@ class DeepCompileModel(nn.Module):
         self.dc_backend.trace_blocks_failed = f"{type(e).__name__}: {first[:300]}"
         nested.unwrap(self.module)
         dynamo_compat.reset_dynamo(self.module)
-        object.__setattr__(self, "_dc_compiled", torch.compile(self.module, backend=self.dc_backend))
+        self.dc_state.compiled = torch.compile(self.module, backend=self.dc_backend)
 
     def _recompile(self, passes, profiling: bool = False, dynamic_changed: bool = False) -> None:
-        optimizer_state.MANAGER.plan(0)  # the new pass list decides again (nothing, without offload_optimizer)
+        self.dc_state.runtime.optimizer_state.plan(0)  # the new pass list decides again (nothing, without offload_optimizer)
         planned = passes
         if not profiling and self.dc_config.plan and self.dc_backend.profile is not None:
             from deepcompile.plan.planner import plan_model
 
             planned = plan_model(self, passes)  # budgets from the profile and the memory limit
-            self.dc_backend.add_phase("planner", (self.dc_plan or {}).get("seconds", 0.0), self.dc_step)
+            self.dc_backend.add_phase("planner", (self.dc_plan or {}).get("seconds", 0.0), self.dc_state.step)
             if self.dc_backend.plan_cache is not None:  # for the next run of this job (plan.cache)
                 self.dc_backend.plan_cache.store(self, planned, dynamic_changed)
         if not profiling:
             # trace once: the new passes and the final compiler on the warm-up's partitioned graphs,
             # swapped in under the guarded code Dynamo already has (backend.retarget)
-            why = self.dc_backend.retarget(planned, self.dc_step, dynamic_changed)
+            why = self.dc_backend.retarget(planned, self.dc_state.step, dynamic_changed)
             if why is None:
-                object.__setattr__(self, "_dc_passes", passes)
+                self.dc_state.passes = passes
                 return
             if self.dc_backend.trace_once and _rank0():
-                warnings.warn(f"deepcompile: step {self.dc_step} re-traces the model (Dynamo + AOTAutograd) "
+                warnings.warn(f"deepcompile: step {self.dc_state.step} re-traces the model (Dynamo + AOTAutograd) "
                               f"instead of reusing the warm-up trace: {why}", stacklevel=3)
         # Drop every compiled graph before compiling the new pass list: the old graphs (and
         # the memory their code objects pin) must not survive the switch.
         dynamo_compat.reset_dynamo(self.module)
-        self.dc_backend.use_passes(planned, self.dc_step, profiling)
-        object.__setattr__(self, "_dc_passes", passes)
-        object.__setattr__(self, "_dc_compiled", torch.compile(self.module, backend=self.dc_backend))
+        self.dc_backend.use_passes(planned, self.dc_state.step, profiling)
+        self.dc_state.passes = passes
+        self.dc_state.compiled = torch.compile(self.module, backend=self.dc_backend)
 
     @property
     def dc_profile(self):
@@ -179,8 +212,8 @@ class DeepCompileModel(nn.Module):
 
     def _dc_before_optimizer_step(self, *_args) -> None:
         # every rank issued the same collectives this step, or all stop here naming the rank behind
-        if self.dc_seqcheck is not None:
-            self.dc_seqcheck.check()
+        if self.dc_state.seqcheck is not None:
+            self.dc_state.seqcheck.check()
         # The step changes the shards, so kept gathered copies go stale; they are dropped before
         # the step, not after it: the step does not read them and would otherwise carry them at
         # its peak (the planner's memory model counts on this).
@@ -188,18 +221,18 @@ class DeepCompileModel(nn.Module):
         # the profiling step times optimizer.step() too (and its peak memory): the cost model
         # predicts whole steps
         if self.dc_backend.profiling and self.dc_backend.measured:
-            object.__setattr__(self, "_dc_opt_timer", _StepTimer(self._dc_device()))
+            self.dc_state.opt_timer = StepTimer(self._dc_device())
 
     def _dc_on_optimizer_step(self, *_args) -> None:
         if self.dc_backend.profiling and self.dc_backend.measured:
             self._finish_profile()
         self._dc_progress()
         self.dc_backend.end_step()
-        self.dc_dynamic.at_step_end(self.dc_config, self.dc_step, self.dc_group)  # collective before a re-compile
-        object.__setattr__(self, "dc_step", self.dc_step + 1)
+        self.dc_state.dynamic.at_step_end(self.dc_config, self.dc_state.step, self.dc_state.group)  # collective before a re-compile
+        self.dc_state.step = self.dc_state.step + 1
         # the compiling steps' collector: back on between them (the compile's heap frozen), and
         # one full collection after the last (backend.paused_gc)
-        if self.dc_step > self._dc_last_compile_step:
+        if self.dc_state.step > self.dc_state.last_compile_step:
             self._dc_resume_gc(collect=True)
         else:
             self._dc_resume_gc(collect=False, freeze=True)
@@ -210,16 +243,16 @@ class DeepCompileModel(nn.Module):
         tracing, profiling, planning and Inductor; the user sees which, how long, and when it ends."""
         if not self.dc_config.progress or (dist.is_initialized() and dist.get_rank() != 0):
             return
-        phases = self.dc_backend.phases.get(self.dc_step) or {}
+        phases = self.dc_backend.phases.get(self.dc_state.step) or {}
         total = sum(phases.values())
         # the graphs this step compiled as block regions (config blocks; blocks.STATS is this process's)
-        seen = self.__dict__.get("_dc_blocks_seen", 0)
+        seen = self.dc_state.blocks_seen
         cut = blocks.STATS[seen:]
-        object.__setattr__(self, "_dc_blocks_seen", len(blocks.STATS))
+        self.dc_state.blocks_seen = len(blocks.STATS)
         if total <= 0 or total < PROGRESS_MIN_S:   # (<= 0: nothing ran, even with a threshold of 0)
             return
         parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 0.05)
-        line = f"deepcompile: step {self.dc_step}: {total:.1f} s of one-time work ({parts})"
+        line = f"deepcompile: step {self.dc_state.step}: {total:.1f} s of one-time work ({parts})"
         if cut:
             line += (f"; Inductor compiled {sum(s['compiled'] for s in cut)} distinct regions for "
                      f"{sum(s['regions'] for s in cut)} block regions of {len(cut)} graphs (config blocks)")
@@ -230,54 +263,52 @@ class DeepCompileModel(nn.Module):
         hit = cache is not None and cache.hit   # the stored plan was compiled at step 0: no more compiles
         if hit and plan.get("summary"):
             line += f"; from the plan cache: {plan['summary']}"
-        elif plan.get("step") == self.dc_step and plan.get("summary"):
+        elif plan.get("step") == self.dc_state.step and plan.get("summary"):
             line += f"; {plan['summary']}"
         if hit and self.dc_backend.aot_cache_hits:
             line += "; graphs from AOTAutograd's cache (aot_cache: no trace, no passes)"
-        later = [] if hit else [e.step for e in self.dc_config.schedule if e.step > self.dc_step]
+        later = [] if hit else [e.step for e in self.dc_config.schedule if e.step > self.dc_state.step]
         line += (f"; compiles again at step {min(later)}" if later
                  else "; the final graphs run from the next step")
         print(line, file=sys.stderr, flush=True)
 
     def _finish_profile(self) -> None:
-        from deepcompile.profile.profiler import GraphProfile, Profile, agree, benchmark_comm
+        from deepcompile.profile.agree import agree
+        from deepcompile.profile.comm_bench import benchmark_allreduce, benchmark_comm
+        from deepcompile.profile.memory_split import take_memory_timeline
+        from deepcompile.profile.profiler import GraphProfile, Profile, take_host_ops
 
         b = self.dc_backend
         prof = Profile(graphs={k: GraphProfile(k[0], k[1], v) for k, v in sorted(b.measured.items())},
                        hardware=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                       step=self.dc_step)
-        timer = self.__dict__.pop("_dc_opt_timer", None)
+                       step=self.dc_state.step)
+        timer, self.dc_state.opt_timer = self.dc_state.opt_timer, None
         prof.optimizer_ms = timer.stop() if timer is not None else 0.0
         prof.optimizer_peak_bytes = timer.peak_bytes if timer is not None else 0
-        from deepcompile.profile.profiler import take_memory_timeline
-
         # this rank's memory timeline of the step, by category (the record's memory.json.gz)
-        prof.memory = take_memory_timeline(b.compiled, self.dc_step, prof.optimizer_ms, prof.optimizer_peak_bytes)
+        prof.memory = take_memory_timeline(b.compiled, self.dc_state.step, prof.optimizer_ms, prof.optimizer_peak_bytes)
         # the gathers the passes schedule run in the shard group (all ranks but under mesh.shard)
-        prof.comm = benchmark_comm(self.dc_shard_group, self._dc_device())
+        prof.comm = benchmark_comm(self.dc_state.shard_group, self._dc_device())
         if self._dc_device().type == "cuda":
             # the host's pace: the host model (plan.estimate.host_model) follows the machine
             from deepcompile.profile.host import host_benchmark
 
             prof.host = host_benchmark(self._dc_device())
-            from deepcompile.profile.profiler import take_host_ops
-
             prof.host["ops_us"] = take_host_ops()   # each dc op's own host time in the profiling step
-        rep = self.__dict__.get("dc_replicate_group")
+        rep = self.dc_state.replicate_group
         if rep is not None:  # HSDP: the gradient all-reduce across replicas has its own link
             from deepcompile.vocab.links import ReplicateLink
-            from deepcompile.profile.profiler import benchmark_allreduce
 
             prof.replicate = ReplicateLink(benchmark_allreduce(rep, self._dc_device()),
-                                           dist.get_world_size(self.dc_shard_group))
-        b.profile = agree(prof, self.dc_group)
+                                           dist.get_world_size(self.dc_state.shard_group))
+        b.profile = agree(prof, self.dc_state.group)
         b.measured = {}
-        t0 = self.__dict__.pop("_dc_profile_t0", None)
+        t0, self.dc_state.profile_t0 = self.dc_state.profile_t0, None
         if t0 is not None:
-            b.add_phase("profiling", time.perf_counter() - t0, self.dc_step)
+            b.add_phase("profiling", time.perf_counter() - t0, self.dc_state.step)
 
     def _dc_device(self) -> torch.device:
-        return next(iter(self.dc_sharded)).shard.device if self.dc_sharded else torch.device("cpu")
+        return next(iter(self.dc_state.sharded)).shard.device if self.dc_state.sharded else torch.device("cpu")
 
     @property
     def dc_graphs(self):
@@ -297,136 +328,6 @@ class DeepCompileModel(nn.Module):
         """One entry per scheduled re-compile: ``{"step", "reused": True, "graphs", ...}`` or
         ``{"step", "reused": False, "why"}`` (it re-traced)."""
         return list(self.dc_backend.trace_once_log)
-
-
-class _StepTimer:
-    """Milliseconds from construction to ``stop()``: CUDA events on the current stream (the
-    kernels' time, as the profiler's node latencies are), wall time on the CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self.peak_bytes = 0  # CUDA: the allocator's peak between construction and stop()
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-            self.start = torch.cuda.Event(enable_timing=True)
-            self.start.record()
-        else:
-            self.t0 = time.perf_counter()
-
-    def stop(self) -> float:
-        if not self.cuda:
-            return (time.perf_counter() - self.t0) * 1e3
-        end = torch.cuda.Event(enable_timing=True)
-        end.record()
-        end.synchronize()
-        self.peak_bytes = int(torch.cuda.max_memory_allocated())
-        return float(self.start.elapsed_time(end))
-
-
-def _resolve_group(group, timeout_s: float = 600.0):
-    if group is not None:
-        return group
-    if dist.is_available() and dist.is_initialized():
-        return dist.group.WORLD
-    missing = [v for v in _LAUNCHER_VARS if v not in os.environ]
-    if missing:
-        raise RuntimeError(
-            "deepcompile.initialize: no torch.distributed process group exists and the launcher "
-            f"environment is incomplete (missing {', '.join(missing)}). Launch with torchrun "
-            "(torchrun --nproc-per-node=2 train.py), or call torch.distributed.init_process_group(...) "
-            "before deepcompile.initialize, or pass group=..."
-        )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    import datetime
-
-    # collective_timeout_s bounds every collective of the group, not only the runtime's waits
-    # (NCCL's watchdog aborts on it; gloo fails the collective)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    return dist.group.WORLD
-
-
-def _hybrid_groups(group, shard: int | None, timeout_s: float):
-    """(shard group, replicate group or None) for ``mesh.shard`` (HSDP). Ranks ``[k*S, (k+1)*S)``
-    of ``group`` shard the model (a node, when torchrun numbers ranks node by node); ranks with the
-    same position in their shard group replicate each other. Every rank creates every group, in the
-    same order, as ``new_group`` requires."""
-    import datetime
-
-    world = dist.get_world_size(group)
-    if shard is None or shard == world:
-        return group, None
-    if world % shard:
-        raise ValueError(f"deepcompile.initialize: config mesh.shard = {shard} does not divide the world size "
-                         f"{world}; use a divisor of {world} (e.g. the GPUs per node) or leave it out")
-    ranks = dist.get_process_group_ranks(group)
-    me = dist.get_rank()
-    timeout = datetime.timedelta(seconds=timeout_s)
-    shard_group = replicate_group = None
-    for k in range(world // shard):
-        members = ranks[k * shard:(k + 1) * shard]
-        g = dist.new_group(members, timeout=timeout)
-        if me in members:
-            shard_group = g
-    for j in range(shard):
-        members = ranks[j::shard]
-        g = dist.new_group(members, timeout=timeout)
-        if me in members:
-            replicate_group = g
-    return shard_group, replicate_group
-
-
-def _device_for(group) -> torch.device:
-    backend = dist.get_backend(group)
-    if "nccl" in str(backend).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _wrap_optimizer(opt: torch.optim.Optimizer, accumulation: int, sync_only_at_boundary: bool = False
-                    ) -> torch.optim.Optimizer:
-    """Plain loop, accumulated: ``step()`` / ``zero_grad()`` only act every N-th micro-batch.
-
-    The user's optimizer object is kept (LR schedulers and isinstance checks still work);
-    only its bound ``step`` and ``zero_grad`` are wrapped on the instance.
-    """
-    if accumulation == 1:
-        opt.dc_next_is_boundary = lambda: True
-        return opt
-    inner_step, inner_zero = opt.step, opt.zero_grad
-    state = {"micro": 0, "stepped": False}
-
-    def next_is_boundary() -> bool:
-        """The backward running next ends an accumulation window (the next step() really steps)."""
-        return (state["micro"] + 1) % accumulation == 0
-
-    def set_sync():
-        # ZeRO-1: the next backward communicates only if it ends an accumulation window
-        if sync_only_at_boundary:
-            ops.C.set_grad_sync(next_is_boundary())
-
-    set_sync()
-
-    def step(_opt, *args, **kwargs):
-        state["micro"] += 1
-        set_sync()
-        if state["micro"] % accumulation == 0:
-            state["stepped"] = True
-            return inner_step(*args, **kwargs)
-        return None
-
-    def zero_grad(set_to_none: bool = True):
-        if state["stepped"]:
-            state["stepped"] = False
-            inner_zero(set_to_none=set_to_none)
-
-    # a bound method, as torch's own: LRScheduler re-wraps ``optimizer.step`` through its ``__func__``
-    # (torch/optim/lr_scheduler.py, 2.11 and 2.13); a plain function made every scheduler fail
-    opt.step, opt.zero_grad = types.MethodType(step, opt), zero_grad
-    opt.dc_micro_steps = lambda: state["micro"]
-    opt.dc_next_is_boundary = next_is_boundary
-    return opt
 
 
 def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
@@ -462,51 +363,54 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
         raise TypeError("deepcompile.initialize: make_optimizer must be a callable taking the "
                         "parameters and returning a torch.optim.Optimizer, e.g. "
                         "lambda ps: torch.optim.AdamW(ps, lr=1e-3)")
-    group = _resolve_group(group, cfg.collective_timeout_s)
-    device = _device_for(group)
+    group = groups.resolve_group(group, cfg.collective_timeout_s)
+    device = groups.device_for(group)
     by_block = blocks.resolve(cfg, device.type)  # the final graphs cut into block regions, or whole
     world = dist.get_world_size(group)
-    shard_group, replicate_group = _hybrid_groups(group, cfg.mesh.shard, cfg.collective_timeout_s)
+    shard_group, replicate_group = groups.hybrid_groups(group, cfg.mesh.shard, cfg.collective_timeout_s)
 
     C = ops.ensure_registered()
     if C.is_initialized():
         warnings.warn("deepcompile.initialize called again in this process: the previous model's "
                       "runtime state and compiled graphs are dropped", stacklevel=2)
         dynamo_compat.reset_dynamo()
-    ops.PARAMS.clear()
+    rt = state.install(RuntimeState())  # the previous model's runtime state (if any) is closed
     C.init(shard_group, cfg.reduce_bucket_size, cfg.max_inflight_reduces,
            max(1, int(cfg.collective_timeout_s * 1000)))
     C.set_reduce_pack(cfg.reduce_pack)
     C.set_cast_stream(cfg.cast_stream)
-    seqcheck.clear_nodes()
     try:
         state_keys = list(model.state_dict().keys())
         model.to(device)
         if replicate_group is not None:
             C.set_replicate_group(replicate_group)
         sharded = shard_module(model, group=shard_group, device=device,
-                               gather_dtype=cfg.mixed_precision.torch_param_dtype())
+                               gather_dtype=cfg.mixed_precision.torch_param_dtype(), registry=rt.params)
         if cfg.trace_blocks:
             nested.wrap(model)  # each distinct block traced once (nested.py)
         C.set_grad_scale(1.0 / (world * cfg.gradient_accumulation_steps))
         C.set_reduce_dtype(cfg.mixed_precision.torch_reduce_dtype())
         # the backward calls the runtime once per reduce bucket (passes/zero3.group_reduces)
-        ops.REDUCE_LAYOUT = ops.ReduceLayout(
+        rt.reduce_layout = state.ReduceLayout(
             cfg.reduce_bucket_size, cfg.mixed_precision.torch_reduce_dtype(),
             copies_each=cfg.zero_stage == 1 and cfg.gradient_accumulation_steps > 1,
             by_block=by_block is not None)
     except Exception:
         C.cleanup()
-        ops.PARAMS.clear()
+        state.drop()
         raise
     # the passes size gathers by the shard group (chunk x its ranks)
-    backend = Backend(cfg, dict(ops.PARAMS), dist.get_world_size(shard_group), dist.get_rank(shard_group),
+    backend = Backend(cfg, dict(rt.params), dist.get_world_size(shard_group), dist.get_rank(shard_group),
                       blocks=by_block)
-    wrapped = DeepCompileModel(model, sharded, backend, cfg, group, state_keys)
-    object.__setattr__(wrapped, "dc_shard_group", shard_group)  # == group unless mesh.shard (HSDP)
-    object.__setattr__(wrapped, "dc_replicate_group", replicate_group)  # None unless mesh.shard
-    object.__setattr__(wrapped, "dc_seqcheck", seqcheck.SequenceCheck.create(group, cfg.collective_timeout_s))
-    backend.graph_check = graphcheck.GraphCheck.create(wrapped.dc_seqcheck)  # compiled graphs agree across ranks
+    backend.runtime = rt  # handed to the passes in their context (PassContext.runtime)
+    st = ModelState(sharded=sharded, backend=backend, config=cfg, group=group, shard_group=shard_group,
+                    replicate_group=replicate_group, state_keys=state_keys, runtime=rt,
+                    compiled=torch.compile(model, backend=backend), passes=cfg.passes,
+                    last_compile_step=max([0, cfg.profile_step or 0] + [e.step for e in cfg.schedule]),
+                    seqcheck=seqcheck.SequenceCheck.create(group, cfg.collective_timeout_s))
+    wrapped = DeepCompileModel(model, st)
+    rt.model = weakref.ref(wrapped)
+    backend.graph_check = graphcheck.GraphCheck.create(st.seqcheck)  # compiled graphs agree across ranks
     from deepcompile.plan.cache import PlanCache
 
     backend.plan_cache = PlanCache.create(wrapped)  # a re-run of this job reuses its plan (config plan_cache)
@@ -523,20 +427,16 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     opt.register_step_post_hook(wrapped._dc_on_optimizer_step)  # real steps only (not accumulation)
     # the step's param groups in chunks (config optimizer_chunk_mb; 'auto': the planner sets it):
     # bounds the foreach optimizers' group-sized temporaries; user-visible groups unchanged
-    object.__setattr__(wrapped, "dc_optim_chunks", optim_chunks.install(opt, cfg.optimizer_chunk_mb))
-    opt = _wrap_optimizer(opt, cfg.gradient_accumulation_steps, cfg.zero_stage == 1)
-    optimizer_state.MANAGER.attach(opt, opt.dc_next_is_boundary)  # idle unless offload_optimizer plans
-    object.__setattr__(wrapped, "dc_next_is_boundary", opt.dc_next_is_boundary)
-    global _CURRENT
-    _CURRENT = weakref.ref(wrapped)
-    from deepcompile.profile.profiler import track_memory
+    st.optim_chunks = optim_chunks.install(opt, cfg.optimizer_chunk_mb)
+    opt = wrap_for_accumulation(opt, cfg.gradient_accumulation_steps, cfg.zero_stage == 1)
+    rt.optimizer_state.attach(opt, opt.dc_next_is_boundary)  # idle unless offload_optimizer plans
+    st.next_is_boundary = opt.dc_next_is_boundary
+    from deepcompile.profile.memory_split import track_memory
 
-    track_memory(wrapped)  # the profiling step splits its memory by category (held weakly)
+    track_memory(rt, wrapped)  # the profiling step splits its memory by category (held weakly)
     clip.route_clip_grad_norm()
     return wrapped, opt
 
-
-_CURRENT = None  # the model the runtime serves now (one per process)
 
 
 def _reject_wrapped(model: nn.Module) -> None:
@@ -565,7 +465,7 @@ def _reject_wrapped(model: nn.Module) -> None:
 
 def _params_by_name(model: DeepCompileModel) -> dict[str, ShardedParam]:
     """Each parameter's state-dict key -> its ShardedParam (tied parameters: every name)."""
-    return {n: sp for sp in model.dc_sharded for n in sp.names}
+    return {n: sp for sp in model.dc_state.sharded for n in sp.names}
 
 
 def _gather_full(sp: ShardedParam, group) -> torch.Tensor:
@@ -587,11 +487,11 @@ def full_state_dict(model: DeepCompileModel) -> dict[str, torch.Tensor]:
     gathered: dict[int, torch.Tensor] = {}
     out = {}
     with torch.no_grad():
-        for key in model.dc_state_keys:
+        for key in model.dc_state.state_keys:
             sp = by_name.get(key)
             if sp is not None:
                 if sp.meta.id not in gathered:
-                    gathered[sp.meta.id] = _gather_full(sp, model.dc_shard_group).cpu().clone()
+                    gathered[sp.meta.id] = _gather_full(sp, model.dc_state.shard_group).cpu().clone()
                 out[key] = gathered[sp.meta.id]
             else:
                 out[key] = model.module.get_buffer(key).detach().cpu().clone()
@@ -611,8 +511,8 @@ def load_full_state_dict(model: DeepCompileModel, state_dict: dict[str, torch.Te
     if bad:
         raise KeyError(f"deepcompile.load_full_state_dict: {bad}")
     by_name = _params_by_name(model)
-    world, rank = dist.get_world_size(model.dc_shard_group), dist.get_rank(model.dc_shard_group)
-    for key in model.dc_state_keys:  # check everything before writing anything
+    world, rank = dist.get_world_size(model.dc_state.shard_group), dist.get_rank(model.dc_state.shard_group)
+    for key in model.dc_state.state_keys:  # check everything before writing anything
         sp = by_name.get(key)
         if sp is not None:
             _check_loadable(key, state_dict[key], tuple(sp.meta.shape), sp.meta.dtype)
@@ -620,7 +520,7 @@ def load_full_state_dict(model: DeepCompileModel, state_dict: dict[str, torch.Te
             buf = model.module.get_buffer(key)
             _check_loadable(key, state_dict[key], tuple(buf.shape), buf.dtype)
     with torch.no_grad():
-        for key in model.dc_state_keys:
+        for key in model.dc_state.state_keys:
             sp = by_name.get(key)
             v = state_dict[key]
             if sp is not None:
@@ -642,7 +542,7 @@ def _dtype_kind(dt: torch.dtype) -> str:
 def _state_key_mismatch(model: DeepCompileModel, state_dict) -> str:
     """'' when ``state_dict`` has exactly the model's state keys, else what is missing and unexpected
     (the first five of each, with counts). load_full_state_dict and checkpoint.load_state_dict share it."""
-    keys = set(model.dc_state_keys)
+    keys = set(model.dc_state.state_keys)
     missing, unexpected = sorted(keys - set(state_dict)), sorted(set(state_dict) - keys)
     if not (missing or unexpected):
         return ""
@@ -676,25 +576,19 @@ def destroy(model: DeepCompileModel) -> None:
     parameters) alive until they are dropped explicitly."""
     if not isinstance(model, DeepCompileModel):
         raise TypeError("deepcompile.destroy expects the model returned by deepcompile.initialize")
-    global _CURRENT
-    current = _CURRENT() if _CURRENT is not None else None
-    if current is model or current is None:
+    st = model.dc_state
+    if not state.active() or state.current() is st.runtime:
         dynamo_compat.reset_dynamo(model.module)
-        optimizer_state.MANAGER.detach()
-        ENGINE.release_buffers()
-        C = ops.ensure_registered()
-        C.cleanup()
-        ops.PARAMS.clear()
-        _CURRENT = None
+        state.drop()  # the optimizer's hooks, offloaded state and pinned buffers, the registry
+        ops.ensure_registered().cleanup()
     # else: a model initialised before the current one. The runtime, the compiled graphs and
-    # the optimizer-state manager serve the current model now: free only this model's shards.
-    for sp in model.dc_sharded:
+    # its state serve the current model now: free only this model's shards.
+    for sp in st.sharded:
         sp.shard.grad = None
         sp.shard.data = torch.empty(0, dtype=sp.shard.dtype, device=sp.shard.device)
-    object.__setattr__(model, "_dc_compiled", None)
+    st.compiled = None
     # Drop the model's process groups: while it holds them, the user's destroy_process_group()
     # cannot destroy the groups, so gloo's worker threads live on into interpreter finalization,
     # where one freeing a finished collective's tensors (it needs the GIL) aborts the process
     # ("terminate called without an active exception", seen once in CI under torchrun).
-    for name in ("dc_group", "dc_shard_group", "dc_replicate_group", "dc_seqcheck"):
-        object.__setattr__(model, name, None)
+    st.group = st.shard_group = st.replicate_group = st.seqcheck = None

@@ -59,7 +59,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from deepcompile.api import DeepCompileModel, _params_by_name, _state_key_mismatch
-from deepcompile.runtime import ops, optimizer_state
+from deepcompile.runtime import ops
 from deepcompile.sharding import ShardedParam
 
 
@@ -71,7 +71,7 @@ def _shard_coords(model: DeepCompileModel) -> tuple[int, int]:
 
 
 def _shard_group(model: DeepCompileModel):
-    return getattr(model, "dc_shard_group", None) or model.dc_group
+    return model.dc_state.shard_group or model.dc_state.group
 
 
 def _rows(sp: ShardedParam, rank: int) -> tuple[int, int, int]:
@@ -94,11 +94,10 @@ def _local_rows(t: torch.Tensor, sp: ShardedParam, rank: int) -> torch.Tensor:
 
 
 def _mesh(model: DeepCompileModel) -> DeviceMesh:
-    mesh = model.__dict__.get("_dc_ckpt_mesh")
+    mesh = model.dc_state.ckpt_mesh
     if mesh is None:
         dev = model._dc_device()
-        mesh = DeviceMesh.from_group(_shard_group(model), dev.type)
-        object.__setattr__(model, "_dc_ckpt_mesh", mesh)
+        mesh = model.dc_state.ckpt_mesh = DeviceMesh.from_group(_shard_group(model), dev.type)
     return mesh
 
 
@@ -135,7 +134,7 @@ def _check_args(fn: str, model, optimizer) -> None:
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"deepcompile.{fn}: optimizer must be the torch.optim.Optimizer returned by "
                         f"deepcompile.initialize, got {type(optimizer).__name__}")
-    ours = {id(sp.shard) for sp in model.dc_sharded}
+    ours = {id(sp.shard) for sp in model.dc_state.sharded}
     for g in optimizer.param_groups:
         for p in g["params"]:
             if id(p) not in ours:
@@ -145,7 +144,7 @@ def _check_args(fn: str, model, optimizer) -> None:
 
 
 def _fqns(model: DeepCompileModel) -> dict[int, ShardedParam]:
-    return {id(sp.shard): sp for sp in model.dc_sharded}
+    return {id(sp.shard): sp for sp in model.dc_state.sharded}
 
 
 def _is_sharded_state(v: Any, sp: ShardedParam) -> bool:
@@ -153,10 +152,12 @@ def _is_sharded_state(v: Any, sp: ShardedParam) -> bool:
     return isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == sp.shard.shape
 
 
-def _bring_back(optimizer) -> None:
-    """Offloaded optimizer state (runtime.optimizer_state) must be resident to be read or written."""
-    if optimizer_state.MANAGER.opt is optimizer:
-        optimizer_state.MANAGER.bring_back()
+def _bring_back(model: DeepCompileModel, optimizer) -> None:
+    """Offloaded optimizer state (the model's runtime state's optimizer-state manager) must be
+    resident to be read or written."""
+    mgr = model.dc_state.runtime.optimizer_state
+    if mgr.opt is optimizer:
+        mgr.bring_back()
 
 
 def _init_optimizer_state(model: DeepCompileModel, optimizer) -> bool:
@@ -171,7 +172,7 @@ def _init_optimizer_state(model: DeepCompileModel, optimizer) -> bool:
         return False
     grads = [p.grad for p in params]
     lrs = [g.get("lr") for g in optimizer.param_groups]
-    dc_step = model.dc_step
+    dc_step = model.dc_state.step
     try:
         for p in params:
             p.grad = torch.zeros_like(p) if p.requires_grad else None
@@ -185,7 +186,7 @@ def _init_optimizer_state(model: DeepCompileModel, optimizer) -> bool:
                 g["lr"] = lr
         for p, gr in zip(params, grads):
             p.grad = gr
-        object.__setattr__(model, "dc_step", dc_step)
+        model.dc_state.step = dc_step
     return True
 
 
@@ -210,13 +211,13 @@ def get_state_dict(model: DeepCompileModel, optimizer: torch.optim.Optimizer | N
     rank, _ = _shard_coords(model)
     by_name = _params_by_name(model)
     msd: dict[str, Any] = {}
-    for key in model.dc_state_keys:
+    for key in model.dc_state.state_keys:
         sp = by_name.get(key)
         msd[key] = _as_dtensor(model, sp, sp.shard, rank) if sp is not None else model.module.get_buffer(key).detach()
     if optimizer is None:
         return msd, {}
     _init_optimizer_state(model, optimizer)
-    _bring_back(optimizer)
+    _bring_back(model, optimizer)
     sps = _fqns(model)
     state: dict[str, dict[str, Any]] = {}
     groups = []
@@ -298,7 +299,7 @@ def _validate_model(model: DeepCompileModel, sd: dict, rank: int, world: int) ->
     if bad:
         raise _Bad(f"model_state_dict: {bad}")
     by_name = _params_by_name(model)
-    for key in model.dc_state_keys:
+    for key in model.dc_state.state_keys:
         sp = by_name.get(key)
         if sp is not None:
             _check_value(f"model_state_dict['{key}']", sd[key], sp, rank, world, sp.shard)
@@ -383,7 +384,7 @@ def set_state_dict(model: DeepCompileModel, optimizer: torch.optim.Optimizer | N
         if model_state_dict is not None:
             _validate_model(model, model_state_dict, rank, world)
         if optim_state_dict is not None:
-            _bring_back(optimizer)
+            _bring_back(model, optimizer)
             # the live state says which entries are per-element; a fresh optimizer gets its layout
             # here, and loses it again below if anything is wrong
             created = _init_optimizer_state(model, optimizer)
@@ -401,7 +402,7 @@ def set_state_dict(model: DeepCompileModel, optimizer: torch.optim.Optimizer | N
     by_name = _params_by_name(model)
     with torch.no_grad():
         if model_state_dict is not None:
-            for key in model.dc_state_keys:
+            for key in model.dc_state.state_keys:
                 sp = by_name.get(key)
                 v = model_state_dict[key]
                 if sp is None:
@@ -528,7 +529,7 @@ def load_checkpoint(path: str, model: DeepCompileModel, optimizer: torch.optim.O
 
 
 def _gather_errors(model: DeepCompileModel, err: str | None) -> list[tuple[int, str]]:
-    group = model.dc_group
+    group = model.dc_state.group
     world = dist.get_world_size(group)
     if world == 1:
         return [(0, err)] if err else []

@@ -38,8 +38,8 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0,
     """
     # the model deepcompile.initialize returned (its sharded parameters' list), found by what it
     # holds: clip sits below the API and does not import it
-    if isinstance(model_or_params, torch.nn.Module) and hasattr(model_or_params, "dc_sharded"):
-        model, params = model_or_params, [sp.shard for sp in model_or_params.dc_sharded]
+    if isinstance(model_or_params, torch.nn.Module) and hasattr(model_or_params, "dc_state"):
+        model, params = model_or_params, [sp.shard for sp in model_or_params.dc_state.sharded]
     else:
         params = [model_or_params] if isinstance(model_or_params, torch.Tensor) else list(model_or_params)
         owners = {id(o): o for o in (_owner(p) for p in params) if o is not None}
@@ -53,15 +53,15 @@ def clip_grad_norm_(model_or_params, max_norm: float, norm_type: float = 2.0,
     norm_type = float(norm_type)
     if math.isnan(norm_type) or norm_type <= 0:
         raise ValueError(f"deepcompile.clip_grad_norm_: norm_type must be positive or inf, got {norm_type}")
-    if not model.dc_next_is_boundary():
+    if not model.dc_state.next_is_boundary():
         return None
     return _clip(model, params, float(max_norm), norm_type, error_if_nonfinite, foreach)
 
 
 def _clip(model, params: list[torch.Tensor], max_norm: float, norm_type: float,
           error_if_nonfinite: bool, foreach: bool | None) -> torch.Tensor:
-    group = model.dc_shard_group  # replicas (HSDP) hold the same shards: count each once
-    metas = {id(sp.shard): sp for sp in model.dc_sharded}
+    group = model.dc_state.shard_group  # replicas (HSDP) hold the same shards: count each once
+    metas = {id(sp.shard): sp for sp in model.dc_state.sharded}
     seen: set[int] = set()
     grads = []
     for p in params:

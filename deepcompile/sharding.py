@@ -70,17 +70,18 @@ from deepcompile.runtime import ops
 class Unshard(nn.Module):
     """Parametrization: shard (1-D, padded) -> full-shape parameter, via ``dc::unshard``."""
 
-    def __init__(self, pid: int):
+    def __init__(self, meta: ops.ParamMeta):
         super().__init__()
-        self.pid = pid
+        self.pid = meta.id
+        self.meta = meta
         # inside a block traced once (nested.wrap): the id as a 0-d CPU tensor, an input of the
         # traced body rather than a constant of it, and the full shape and dtype the int form
-        # reads from ops.PARAMS by id
+        # reads from the runtime's parameter registry by id
         self.pid_t: torch.Tensor | None = None
         self.full: tuple[list[int], torch.dtype] | None = None
 
     def use_tensor_id(self) -> None:
-        m = ops.PARAMS[self.pid]
+        m = self.meta
         self.pid_t = torch.tensor(self.pid, dtype=torch.int64)
         self.pid_t._dc_pid = self.pid  # read back from the Dynamo graph's inputs (nested.input_ids)
         self.full = (list(m.shape), m.gather_dtype)
@@ -165,8 +166,10 @@ def _check_same_on_all_ranks(table: list[tuple[str, tuple[int, ...], str]], grou
 
 
 def shard_module(module: nn.Module, *, group, device: torch.device,
-                 gather_dtype: torch.dtype | None, first_id: int = 0) -> list[ShardedParam]:
-    """Replace every parameter of ``module`` by this rank's shard, in place.
+                 gather_dtype: torch.dtype | None, registry: dict[int, ops.ParamMeta],
+                 first_id: int = 0) -> list[ShardedParam]:
+    """Replace every parameter of ``module`` by this rank's shard, in place, and enter each
+    parameter's metadata in ``registry`` (the runtime state's ``params``) and the C++ runtime.
 
     Returns the sharded parameters in a deterministic order (first appearance), which is the
     same on every rank, so parameter ids agree across ranks.
@@ -206,7 +209,7 @@ def shard_module(module: nn.Module, *, group, device: torch.device,
         [(sp.meta.name, sp.meta.shape, str(sp.meta.dtype)) for sp in order], group)
 
     for sp in order:
-        ops.PARAMS[sp.meta.id] = sp.meta
+        registry[sp.meta.id] = sp.meta
         C.register_param(sp.meta.id, sp.meta.name, sp.shard, list(sp.meta.shape),
                          sp.meta.gather_dtype)
     by_id = {sp.meta.id: sp for sp in order}
@@ -214,6 +217,6 @@ def shard_module(module: nn.Module, *, group, device: torch.device,
         if parametrize.is_parametrized(mod, attr):
             continue  # a module reached twice through named_modules(remove_duplicate=False)
         mod._parameters[attr] = by_id[pid].shard
-        parametrize.register_parametrization(mod, attr, Unshard(pid), unsafe=True)
+        parametrize.register_parametrization(mod, attr, Unshard(by_id[pid].meta), unsafe=True)
         nn_compat.direct_parametrization_getter(mod, attr)
     return order

@@ -91,17 +91,23 @@ def test_release_waits_for_an_unsafe_view_of_the_gathered_parameter():
     # the fake impl of unshard reads the parameter's registered metadata
     meta = ops.ParamMeta(id=7, name="w", shape=(16,), numel=16, chunk=16, dtype=torch.float32,
                          gather_dtype=torch.float32, requires_grad=True)
-    saved = ops.PARAMS.get(7)
-    ops.PARAMS[7] = meta
+    from deepcompile.runtime import state
+
+    fresh = not state.active()
+    rt = state.install(state.RuntimeState()) if fresh else state.current()
+    saved = rt.params.get(7)
+    rt.params[7] = meta
     try:
         gm = make_fx(f, tracing_mode="fake")(torch.randn(16), torch.randn(4, 4))
         ctx = SimpleNamespace(param_meta={7: meta}, notes=[], kind="forward", graph_id=0)
         lower_gathers(gm, ctx)
     finally:
-        if saved is None:
-            ops.PARAMS.pop(7, None)
+        if fresh:
+            state.drop()
+        elif saved is None:
+            rt.params.pop(7, None)
         else:
-            ops.PARAMS[7] = saved
+            rt.params[7] = saved
     nodes = list(gm.graph.nodes)
     rel = next(i for i, n in enumerate(nodes) if n.target is torch.ops.dc.release_param.default)
     last_mm = max(i for i, n in enumerate(nodes) if n.target is torch.ops.aten.mm.default)
@@ -170,7 +176,10 @@ def _compile_with_offload(fn, seen):
 def test_offload_never_frees_a_storage_still_read():
     """mm is saved for backward and offloaded; _unsafe_view(mm) is read after mm's last direct
     use, so the offload must come after that read. Then: same loss and gradients as eager."""
-    from deepcompile.runtime.offload import ENGINE
+    from deepcompile.runtime import state
+
+    fresh = not state.active()   # the offload kernels act on the runtime state's copy engine
+    ENGINE = (state.install(state.RuntimeState()) if fresh else state.current()).offload
 
     torch.manual_seed(0)
     x = torch.randn(64, 32)
@@ -189,6 +198,8 @@ def test_offload_never_frees_a_storage_still_read():
     uv = next(n for n in fw.graph.nodes if n.target is torch.ops.aten._unsafe_view.default)
     assert uv.args[0].name in seen["offloaded"], f"the test needs mm itself offloaded: {seen['offloaded']}"
     assert ENGINE.stats["offloads"] > before["offloads"] and ENGINE.stats["reloads"] > before["reloads"]
+    if fresh:
+        state.drop()
     torch.testing.assert_close(loss, ref.detach())
     torch.testing.assert_close([w1.grad, w2.grad], ref_grads)
     assert any(n.target is torch.ops.dc.wait_activation.default for n in seen["backward"].graph.nodes)
@@ -214,7 +225,6 @@ def _llama_batch(step: int, rank: int):
 
 def _llama_offloaded(rank, world):
     import deepcompile
-    from deepcompile.runtime.offload import ENGINE
 
     model, opt = deepcompile.initialize(
         _llama(), lambda ps: torch.optim.AdamW(ps, lr=1e-3),
@@ -227,7 +237,7 @@ def _llama_offloaded(rank, world):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, deepcompile.full_state_dict(model), dict(ENGINE.stats)
+    return losses, deepcompile.full_state_dict(model), dict(model.dc_state.runtime.offload.stats)
 
 
 @pytest.mark.slow

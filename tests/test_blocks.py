@@ -65,11 +65,11 @@ def _rank(rank, world):
     with contextlib.redirect_stderr(err):  # rank 0's progress lines
         out = W.train_sharded(rank, world, STEPS, 1, {"compiler": "inductor", "passes": PASSES, "blocks": True},
                               model_overrides={"n_layer": N_LAYER})
-    from deepcompile.runtime import ops
+    from deepcompile.runtime import ops, state
 
     st = dict(ops.C.stats())
     layer = {}
-    for pid, m in ops.PARAMS.items():
+    for pid, m in state.current().params.items():
         hit = re.match(r"blocks\.(\d+)\.", m.name)
         if hit:
             layer[pid] = int(hit.group(1))

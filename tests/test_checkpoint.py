@@ -75,7 +75,7 @@ def _save_all(rank: int, world: int, root: str):
         losses = _train(model, opt, rank, world, range(STEPS_BEFORE))
         msd, osd = deepcompile.get_state_dict(model, opt)
         # each rank offers only its own rows: local tensors are views of the shards
-        shard_ptrs = {sp.shard.data_ptr() for sp in model.dc_sharded}
+        shard_ptrs = {sp.shard.data_ptr() for sp in model.dc_state.sharded}
         assert all(v.to_local().numel() == 0 or v.to_local().data_ptr() in shard_ptrs
                    for k, v in msd.items() if isinstance(v, torch.distributed.tensor.DTensor))
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=f"{root}/zero{stage}",
@@ -86,7 +86,7 @@ def _save_all(rank: int, world: int, root: str):
 
 
 def _snapshot(model, opt):
-    return ([sp.shard.detach().clone() for sp in model.dc_sharded],
+    return ([sp.shard.detach().clone() for sp in model.dc_state.sharded],
             [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
              for st in opt.state.values()],
             [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups])
@@ -178,8 +178,8 @@ def _load_all(rank: int, world: int, root: str, full_files: dict, warm_step: boo
         deepcompile.set_state_dict(model, opt, msd, osd)
 
         ref = torch.load(full_files[stage], weights_only=False)
-        by_name = {n: sp for sp in model.dc_sharded for n in sp.names}
-        sps = {id(sp.shard): sp for sp in model.dc_sharded}
+        by_name = {n: sp for sp in model.dc_state.sharded for n in sp.names}
+        sps = {id(sp.shard): sp for sp in model.dc_state.sharded}
         for key, sp in by_name.items():
             first, n, _ = _rows(sp, rank)
             want = ref["model"][key].reshape(-1, *sp.shard.shape[1:])[first:first + n]
@@ -376,7 +376,7 @@ def _save_helper(rank: int, world: int, path: str):
         deepcompile.save_checkpoint(path, model, opt, extra={"model": 1})
     deepcompile.save_checkpoint(path, model, opt, thread_count=2, extra={"data_step": torch.tensor(STEPS_BEFORE)})
     moments = {}
-    for sp in model.dc_sharded:
+    for sp in model.dc_state.sharded:
         first, n, _ = _rows(sp, rank)
         # per-element state (the moments): this rank's real rows; scalars (step): as they are
         moments[sp.meta.name] = (first, n, {k: (v[:n].clone() if _is_sharded_state(v, sp) else v)
@@ -396,7 +396,7 @@ def _load_helper(rank: int, world: int, path: str):
     extra = {"data_step": torch.tensor(-1)}
     dcp.load(extra, checkpoint_id=path)
     moments = {sp.meta.name: {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in opt.state[sp.shard].items()}
-               for sp in model.dc_sharded}
+               for sp in model.dc_state.sharded}
     full = deepcompile.full_state_dict(model)
     deepcompile.destroy(model)
     return full, moments, int(extra["data_step"])

@@ -73,7 +73,7 @@ def _train(rank, world, config):
             "compiles": [(v.step, v.graph_id) for v in model.dc_graphs if v.kind == "dynamo"],
             "passes": sorted({(v.step, v.after) for v in model.dc_graphs}),
             "profiled": sorted(prof.graphs) if prof is not None else None,
-            "dynamic": model.dc_dynamic.dynamic,
+            "dynamic": model.dc_state.dynamic.dynamic,
             "warnings": [str(w.message) for w in caught if "different graphs" in str(w.message)]}
 
 
@@ -114,7 +114,8 @@ def test_dynamic_padding_default_plan_nccl_inductor():
 
 def _agree_differing(rank, world):
     """Rank 1 profiled an extra graph and a different version of graph 0's backward."""
-    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile, agree
+    from deepcompile.profile.agree import agree
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
 
     def g(gid, kind, names, lat):
         return GraphProfile(gid, kind, [NodeProfile(n, lat, 100, 200, 10) for n in names])

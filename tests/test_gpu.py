@@ -134,7 +134,7 @@ def _stage_memory(rank, world, stage):
             losses.append(loss.item())
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    metas = list(ops.PARAMS.values())
+    metas = list(model.dc_state.runtime.params.values())
     out = {"stage": stage, "peak": peak, "alloc0": alloc0, "act": act, "losses": losses,
            "numel": sum(m.numel for m in metas), "chunk": sum(m.chunk for m in metas),
            "max_padded": max(m.chunk * world for m in metas), "local_grad_bytes": local_grad_bytes,

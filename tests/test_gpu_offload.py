@@ -22,9 +22,6 @@ def _train(rank, world, passes, extra=None):
     import deepcompile
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from deepcompile.runtime import optimizer_state
-    from deepcompile.runtime.offload import ENGINE
-
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=8,
                       num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024)
@@ -46,8 +43,9 @@ def _train(rank, world, passes, extra=None):
         opt.step()
         opt.zero_grad()
         losses.append(out.loss.item())
-    return {"losses": losses, "peak_fwd_bwd": max(peaks[1:]), "manager": dict(optimizer_state.MANAGER.stats),
-            "state_bytes": optimizer_state.MANAGER.total_bytes(), "engine": dict(ENGINE.stats)}
+    return {"losses": losses, "peak_fwd_bwd": max(peaks[1:]), "manager": dict(model.dc_state.runtime.optimizer_state.stats),
+            "state_bytes": model.dc_state.runtime.optimizer_state.total_bytes(),
+            "engine": dict(model.dc_state.runtime.offload.stats)}
 
 
 @needs_two

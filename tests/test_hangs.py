@@ -105,16 +105,16 @@ def _mismatched_counts(rank, world):
 
     model, opt = _init(60.0)
     _step(model, opt, rank, 0)
-    x = model.dc_sharded[0].shard.detach().clone()
+    x = model.dc_state.sharded[0].shard.detach().clone()
     if rank == 0:  # one extra runtime collective on rank 0, matched by a plain one on rank 1
         import torch
 
-        torch.ops.dc.unshard(x, model.dc_sharded[0].meta.id)
+        torch.ops.dc.unshard(x, model.dc_state.sharded[0].meta.id)
     else:
         import torch
 
         out = torch.empty(x.numel() * world, dtype=x.dtype)
-        dist.all_gather_into_tensor(out, x.reshape(-1), group=model.dc_group)
+        dist.all_gather_into_tensor(out, x.reshape(-1), group=model.dc_state.group)
     try:
         _step(model, opt, rank, 1)
     except RuntimeError as e:

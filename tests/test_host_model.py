@@ -79,7 +79,7 @@ def test_host_benchmark_runs():
 
 
 def _agree_host(rank: int, world: int):
-    from deepcompile.profile.profiler import agree
+    from deepcompile.profile.agree import agree
 
     p = _gpu_profile({"dispatch_us": 3.0 + rank, "python_us": 0.1 * (2 - rank), "device": "x"})
     n = p.graphs[(0, "forward")].nodes[0]
@@ -125,7 +125,7 @@ def test_measured_dc_ops_replace_their_entries(monkeypatch):
 
 
 def _agree_ops(rank: int, world: int):
-    from deepcompile.profile.profiler import agree
+    from deepcompile.profile.agree import agree
 
     p = _gpu_profile({"dispatch_us": 3.0, "python_us": 0.1, "ops_us": {"reduce_grad": 40.0 + rank,
                                                                        "not_a_host_kind": 5.0}})
@@ -144,7 +144,8 @@ def test_stalled_node_latencies_are_replaced_by_their_family_median():
     2 H200s measured a ``convert_element_type`` at 654 ms among siblings at 0.03 ms, and the
     predicted step went from 45 to 192 ms. Such a node takes its family's median; a node that is
     merely slower than its family, or a family too small to judge, keeps what was measured."""
-    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile, drop_stalls
+    from deepcompile.profile.agree import drop_stalls
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
 
     conv = [NodeProfile(f"convert_element_type_{i}", 0.03, 0, 0, 0) for i in range(10)]
     conv[4].latency_ms = 654.7      # a stall

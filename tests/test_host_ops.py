@@ -29,7 +29,8 @@ def _count_step(rank: int, world: int, config: dict, per_gradient: bool = False)
 
     model, opt = deepcompile.initialize(make_model(), make_optimizer, {**config, "gradient_accumulation_steps": 1})
     if per_gradient:
-        ops.REDUCE_LAYOUT = dataclasses.replace(ops.REDUCE_LAYOUT, copies_each=True)
+        rt = model.dc_state.runtime
+        rt.reduce_layout = dataclasses.replace(rt.reduce_layout, copies_each=True)
     stats, grads = [], []
     for s in range(2):
         ops.C.reset_stats()
@@ -41,7 +42,7 @@ def _count_step(rank: int, world: int, config: dict, per_gradient: bool = False)
         grads.append([p.grad.detach().clone() for p in model.parameters() if p.grad is not None])
         opt.step()
         opt.zero_grad()
-    metas = {pid: (m.numel, m.chunk) for pid, m in ops.PARAMS.items()}
+    metas = {pid: (m.numel, m.chunk) for pid, m in model.dc_state.runtime.params.items()}
     graphs = [(v.kind, v.after, v.nodes) for v in model.dc_graphs]
     return {"stats": stats[-1], "metas": metas, "world": world, "graphs": graphs, "grads": grads}
 
@@ -244,7 +245,7 @@ def _op_counts(rank: int, world: int):
            "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "bfloat16"}}
     model, _ = deepcompile.initialize(make_model(), make_optimizer, cfg)
     C, D = ops.C, torch.ops.dc
-    sps = list(model.dc_sharded)
+    sps = list(model.dc_state.sharded)
     shards = [sp.shard for sp in sps]
     gen = torch.Generator().manual_seed(7)  # the same gradients on both ranks (any values do)
     grads = [torch.randn(sp.meta.shape, generator=gen).to(torch.bfloat16) for sp in reversed(sps)]

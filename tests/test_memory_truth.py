@@ -292,7 +292,7 @@ def _recorded_steps(rank: int, world: int, run: str):
     import time
 
     import deepcompile
-    from deepcompile.profile import profiler
+    from deepcompile.profile import memory_split
     from deepcompile.record.writer import RunRecorder
     from deepcompile.sharding import shard_layout
     from tests.workloads import LOCAL_BATCH, global_batch, make_model, make_optimizer
@@ -313,10 +313,10 @@ def _recorded_steps(rank: int, world: int, run: str):
     ts = []
     for _ in range(50):
         t0 = time.perf_counter()
-        profiler.step_split({"peak": 0})
+        memory_split.step_split({"peak": 0})
         ts.append(time.perf_counter() - t0)
     # the GPU formula on this rank's categories: activations are the allocator peak's remainder
-    gpu = profiler._MEMORY.sources().step_split.split(1 << 30, cuda=True)
+    gpu = memory_split.current_sources().step_split.split(1 << 30, cuda=True)
     full = make_model()
     shards = sum(shard_layout(tuple(p.shape), world)[0] * p.element_size() for _, p in full.named_parameters())
     return {"median_us": sorted(ts)[len(ts) // 2] * 1e6, "gpu": gpu, "shards": shards}

@@ -127,17 +127,15 @@ def test_plan_offloads_only_what_exceeds_the_limit():
 
     from deepcompile.passes import offload_optimizer as P
     from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
-    from deepcompile.runtime import optimizer_state
-
     m, opt, ps = _manager_with_state()
     total = m.total_bytes()
     assert total == 2 * 4 * 1310  # exp_avg and exp_avg_sq, 4 bytes each
-    saved, optimizer_state.MANAGER = optimizer_state.MANAGER, m
     try:
         prof = Profile(graphs={(0, "forward"): GraphProfile(0, "forward", [
             NodeProfile("a", 1.0, 0, 50_000 + total, 0)])})
         params = P.OffloadOptimizerParams(limit_mb=(50_000 + total // 2) / 2**20, headroom_mb=0)
-        ctx = SimpleNamespace(params=params, profile=prof, graph_id=0, kind="forward")
+        ctx = SimpleNamespace(params=params, profile=prof, graph_id=0, kind="forward",
+                              runtime=SimpleNamespace(optimizer_state=m))
         need, why = P.plan_bytes(ctx, torch.device("cpu"))
         assert need == total - total // 2, (need, why)
         m.plan(need)
@@ -156,7 +154,6 @@ def test_plan_offloads_only_what_exceeds_the_limit():
         sd = opt.state_dict()
         assert torch.equal(sd["state"][0]["exp_avg"], before[("opt", 0, 0, "exp_avg")])
     finally:
-        optimizer_state.MANAGER = saved
         m.detach()
 
 

@@ -153,7 +153,6 @@ def test_install_and_config():
 def _ranks(rank: int, world: int):
     import deepcompile
     from deepcompile.checkpoint import get_state_dict, set_state_dict
-    from deepcompile.runtime import optimizer_state
     from tests.workloads import make_model, rank_step
 
     out = {}
@@ -170,11 +169,11 @@ def _ranks(rank: int, world: int):
                 if s == 2:   # DCP's state dict round trip (what dcp.load + set_state_dict does), mid-run
                     msd, osd = get_state_dict(model, opt)
                     set_state_dict(model, opt, msd, osd)
-            ch = model.dc_optim_chunks
+            ch = model.dc_state.optim_chunks
             _, osd = get_state_dict(model, opt)
             out[(len(passes), chunk)] = {
                 "losses": losses, "chunks": ch.last_chunks if ch else len(opt.param_groups),
-                "offloaded_steps": optimizer_state.MANAGER.stats["steps_offloaded"],
+                "offloaded_steps": model.dc_state.runtime.optimizer_state.stats["steps_offloaded"],
                 "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                 "osd_groups": osd["param_groups"],
                 "osd_state": {k: {n: _local(v) for n, v in d.items()} for k, d in osd["state"].items()},
@@ -215,20 +214,19 @@ def _planned(rank: int, world: int):
     import deepcompile
     from deepcompile.plan.memory import facts_from_profile
     from deepcompile.plan.planner import ALLOCATOR_SLACK
-    from deepcompile.runtime import optimizer_state
     from tests.workloads import make_model, rank_step
 
     model, opt = deepcompile.initialize(
         make_model(), lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, foreach=True),
         {"compiler": "aot_eager", "device_memory_gib": 1000.0})
-    ch = model.dc_optim_chunks
+    ch = model.dc_state.optim_chunks
     chunks, losses = [], []
     for s in range(4):
         losses.append(rank_step(model, opt, rank, world, s))
         chunks.append(ch.last_chunks)
         if s == 1:   # the profile is agreed now; the plan is made in step 2's forward
             b = model.dc_backend
-            f = facts_from_profile(b.profile, b.param_meta, b.world_size, optimizer_state.MANAGER.total_bytes())
+            f = facts_from_profile(b.profile, b.param_meta, b.world_size, model.dc_state.runtime.optimizer_state.total_bytes())
             group = sum(OC.group_sizes(opt)[0])
             limit = f.fb_peak + f.gathered_total + 64 * MIB
             b.profile.optimizer_peak_bytes = limit + ALLOCATOR_SLACK + group // 4
@@ -307,13 +305,13 @@ def test_planner_chunks_only_under_a_limit_the_whole_group_step_exceeds():
 
 def test_lr_scheduler_wraps_the_accumulating_and_chunked_step():
     """torch's LRScheduler re-wraps ``optimizer.step`` through ``step.__func__``: deepcompile's
-    accumulation wrapper (api._wrap_optimizer) and the chunker must both be bound methods."""
-    from deepcompile.api import _wrap_optimizer
+    accumulation wrapper (runtime.accumulation.wrap_for_accumulation) and the chunker must both be bound methods."""
+    from deepcompile.runtime.accumulation import wrap_for_accumulation
 
     q = torch.nn.Parameter(torch.ones(4))
     opt = torch.optim.AdamW([q], lr=1.0, foreach=True)
     OC.OptimizerChunks(opt, 8)
-    opt = _wrap_optimizer(opt, 2)
+    opt = wrap_for_accumulation(opt, 2)
     sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)   # raised AttributeError before
     for _ in range(4):
         q.grad = torch.ones_like(q)

@@ -159,7 +159,7 @@ def _train_planned(rank, world, steps, accumulation, config):
             losses.append(loss.item())
         gathers.append(ops.C.stats()["allgathers"] - before)
     return {"losses": losses, "state": deepcompile.full_state_dict(model), "plan": model.dc_plan,
-            "gathers": gathers, "n_params": len(ops.PARAMS),
+            "gathers": gathers, "n_params": len(model.dc_state.runtime.params),
             "passes": [(e.name, dict(e.params)) for e in model.dc_backend.passes]}
 
 
@@ -281,7 +281,6 @@ def test_offload_optimizer_counts_what_the_plan_keeps_and_prefetches():
 
     from deepcompile.passes import offload_optimizer as O
     from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
-    from deepcompile.runtime import optimizer_state
     from deepcompile.runtime.optimizer_state import OptimizerStateOffload
 
     p = torch.nn.Parameter(torch.randn(4096))
@@ -290,7 +289,6 @@ def test_offload_optimizer_counts_what_the_plan_keeps_and_prefetches():
     opt.step()
     m = OptimizerStateOffload()
     m.attach(opt)
-    saved, optimizer_state.MANAGER = optimizer_state.MANAGER, m
     try:
         total = m.total_bytes()  # 32 KiB of moments
         prof = Profile(graphs={(0, "backward"): GraphProfile(0, "backward", [NodeProfile("a", 1.0, 0, 200 * 1024, 0)])})
@@ -298,12 +296,12 @@ def test_offload_optimizer_counts_what_the_plan_keeps_and_prefetches():
 
         def need(extra_mb):
             params = O.OffloadOptimizerParams(limit_mb=limit_mb, headroom_mb=0, plan_extra_mb=extra_mb)
-            return O.plan_bytes(SimpleNamespace(params=params, profile=prof, graph_id=0, kind="forward"),
+            return O.plan_bytes(SimpleNamespace(params=params, profile=prof, graph_id=0, kind="forward",
+                                                runtime=SimpleNamespace(optimizer_state=m)),
                                 torch.device("cpu"))[0]
         assert need(0.0) == 10 * 1024
         assert need(8 * 1024 / MIB) == 18 * 1024 <= total  # 8 KiB kept/prefetched: 8 KiB more offloaded
     finally:
-        optimizer_state.MANAGER = saved
         m.detach()
 
 

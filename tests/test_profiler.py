@@ -24,7 +24,7 @@ def test_running_total_of_held_bytes_matches_a_full_walk():
             out = super().run_node(n)
             seen: dict = {}
             for v in self.env.values():
-                P._storages(v, seen)
+                P.storages(v, seen)
             checked.append(n.name)
             assert sum(seen.values()) == self.env.total, n.name
             return out

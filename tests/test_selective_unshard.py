@@ -186,12 +186,12 @@ def test_kept_gathers_are_groups_in_need_order_each_waited_before_its_first_use(
 
 
 def _train_grouped(rank, world, steps, accumulation, config):
-    from deepcompile.runtime import ops
+    from deepcompile.runtime import state
     from tests.workloads import train_sharded
 
     out = train_sharded(rank, world, steps, accumulation, config)
     out["gathers_per_step"] = out["stats"]["allgathers"] / steps
-    out["n_params"] = len(ops.PARAMS)
+    out["n_params"] = len(state.current().params)
     return out
 
 

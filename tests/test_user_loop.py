@@ -183,7 +183,7 @@ def _state_dict_and_lifecycle(rank, world):
         opt2.zero_grad()
         losses.append(loss.item())
     out["after_destroy_old"] = losses
-    out["params_registered"] = len(ops.PARAMS)
+    out["params_registered"] = len(model2.dc_state.runtime.params)
     return out
 
 

@@ -108,8 +108,7 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
                 v.untyped_storage().nbytes() for st in opt.state.values() for v in st.values()
                 if isinstance(v, torch.Tensor) and v.numel() > 1))
     full = deepcompile.full_state_dict(model)
-    from deepcompile.runtime import optimizer_state
-    from deepcompile.runtime.offload import ENGINE
+    rt = model.dc_state.runtime
     shard_numel = sum(p.numel() for p in model.parameters())
     from deepcompile.compile import blocks
     return {
@@ -122,10 +121,10 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
         "live_after_bwd": live_after_bwd,
         "stats": dict(ops.C.stats()),
         "state_bytes_between_steps": state_bytes_between_steps,
-        "state_total_bytes": optimizer_state.MANAGER.total_bytes(),
-        "offload_stats": {**ENGINE.stats, **optimizer_state.MANAGER.stats},
+        "state_total_bytes": rt.optimizer_state.total_bytes(),
+        "offload_stats": {**rt.offload.stats, **rt.optimizer_state.stats},
         "grads_at_step": at_step,
-        "n_params": len(ops.PARAMS),
+        "n_params": len(model.dc_state.runtime.params),
         "graphs": [(v.graph_id, v.kind, v.after, v.nodes) for v in model.dc_graphs],
         "versions": [(v.step, v.after) for v in model.dc_graphs],
         "aot_cache_hits": list(model.dc_backend.aot_cache_hits),

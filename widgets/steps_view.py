@@ -70,7 +70,7 @@ class StepsModel:
 
     def by_category(self, step: dict) -> dict | None:
         """A step line's peak by memory category, where the writer records it
-        (``mem.by_category``: :func:`deepcompile.profile.profiler.step_split`)."""
+        (``mem.by_category``: :func:`deepcompile.profile.memory_split.step_split`)."""
         m = step.get("mem") or {}
         for k in ("by_category", "peak_by_category"):
             d = m.get(k) if isinstance(m, dict) else None
@@ -105,7 +105,7 @@ class StepsModel:
         # set on CPU): another quantity than the run's peak (memory_view), so titled as such
         shown = self.ranks[0] if self.ranks else (min(self.steps) if self.steps else 0)
         has_cat = any(self.by_category(s) for s in self.steps.get(shown, []))
-        # the step's peak by category where the writer split it (profiler.step_split), else the
+        # the step's peak by category where the writer split it (memory_split.step_split), else the
         # process memory per step: on GPU the allocator's high-water mark, on CPU the resident set
         mem_title = (f"memory per step by category (rank {shown})" if has_cat else "process memory per step")
         fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (ms)", "loss", mem_title))

@@ -33,7 +33,6 @@ import torch.fx as fx
 from deepcompile.params import spec
 from deepcompile.passes.alias import is_view
 from deepcompile.passes.registry import OFFLINE_MEMORY, PassContext, register_pass
-from deepcompile.runtime import optimizer_state
 from deepcompile.runtime.offload import OffloadError, pinned_supported
 
 DC = torch.ops.dc
@@ -103,9 +102,17 @@ def check_supported(device: torch.device) -> None:
             "(useful to test the path, not to save memory)", stacklevel=3)
 
 
+def manager(ctx: PassContext):
+    """The optimizer-state offload this pass plans: the context's runtime state's."""
+    if getattr(ctx, "runtime", None) is None:
+        raise RuntimeError("offload_optimizer plans the runtime's optimizer-state offload: it runs only where "
+                           "the pass context carries the runtime state (a model of deepcompile.initialize)")
+    return ctx.runtime.optimizer_state
+
+
 def plan_bytes(ctx: PassContext, device: torch.device) -> tuple[int | None, str]:
     """How many bytes of optimizer state to offload, and why (for the record)."""
-    mgr = optimizer_state.MANAGER
+    mgr = manager(ctx)
     limit = device_limit_bytes(ctx.params, device)
     if ctx.profile is None or not ctx.profile.graphs:
         return None, "no profile yet: offload all optimizer state"
@@ -214,7 +221,7 @@ def _place(gm: fx.GraphModule, positions: list[tuple[fx.Node, int]], op) -> list
 
 
 @register_pass(NAME, OffloadOptimizerParams,
-               graph_only=False,                # it plans the runtime's offload (optimizer_state.MANAGER)
+               graph_only=False,                # it plans the runtime's offload (ctx.runtime.optimizer_state)
                offline=OFFLINE_MEMORY,          # its run-time decisions read the allocator, which a record lacks
                planned=("limit_mb", "plan_extra_mb", "final_reload"),
                planner_adds=True,               # added by the planner only when nothing fits without it
@@ -226,7 +233,7 @@ def offload_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         if ctx.graph_id == 0 and ctx.kind == "forward":
             check_supported(device)
         nbytes, why = plan_bytes(ctx, device)
-        mgr = optimizer_state.MANAGER
+        mgr = manager(ctx)
         mgr.plan(nbytes)
         amount = "all" if nbytes is None else f"{nbytes / MIB:.1f} MiB"
         ctx.notes.append(f"optimizer state to offload: {amount} ({why})")
@@ -242,7 +249,7 @@ def offload_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     limit = device_limit_bytes(ctx.params, device)
     if limit is not None:
-        optimizer_state.MANAGER.room = limit - int(ctx.params.headroom_mb * MIB)
+        manager(ctx).room = limit - int(ctx.params.headroom_mb * MIB)
     placed = _place(gm, reload_positions(gm, ctx, device), DC.reload_optimizer_state.default)
     if not placed:
         ctx.notes.append("no tensor to order the reload on: the optimizer step reloads the state")

@@ -135,9 +135,12 @@ class PassContext:
     rank: int
     profile: Any = None            # the previous iteration's profile, when one exists
     notes: list[str] = field(default_factory=list)  # what the pass did, for the record
-    # runtime.ops.ReduceLayout the backward's reduce grouping replays (passes/zero3.group_reduces);
-    # None: this process's runtime's (ops.REDUCE_LAYOUT), else the config defaults
+    # runtime.state.ReduceLayout the backward's reduce grouping replays (passes/zero3.group_reduces);
+    # None: the runtime state's (``runtime.reduce_layout``), else the config defaults
     reduce_layout: Any = None
+    # runtime.state.RuntimeState of the process the graph is compiled for (the backend's); None
+    # offline (the what-if, the planner's pricing copies, tests): passes then use no runtime
+    runtime: Any = None
 
 
 def normalize_entry(entry: Any, path: str):

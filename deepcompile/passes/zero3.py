@@ -97,14 +97,15 @@ def _insert_release(g: fx.Graph, w: fx.Node, pid: int, ctx: PassContext,
 
 def reduce_layout(ctx: PassContext):
     """The runtime's bucket layout the grouping replays: the context's (tests, offline what-if),
-    else the one this process's runtime was initialised with, else the config defaults."""
-    from deepcompile.runtime import ops
+    else the one the context's runtime state was initialised with, else the config defaults."""
+    from deepcompile.runtime.state import ReduceLayout
 
-    lay = getattr(ctx, "reduce_layout", None) or ops.REDUCE_LAYOUT
+    rt = getattr(ctx, "runtime", None)
+    lay = getattr(ctx, "reduce_layout", None) or (rt.reduce_layout if rt is not None else None)
     if lay is None:
         from deepcompile.passes.registry import DEFAULT_REDUCE_BUCKET
 
-        lay = ops.ReduceLayout(DEFAULT_REDUCE_BUCKET, None)
+        lay = ReduceLayout(DEFAULT_REDUCE_BUCKET, None)
     return lay
 
 

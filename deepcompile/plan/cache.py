@@ -125,10 +125,8 @@ def graph_digest(gm, example_inputs) -> str:
     return h.hexdigest()[:32]
 
 
-def _optimizer_facts() -> dict:
-    from deepcompile.runtime import optimizer_state
-
-    opt = optimizer_state.MANAGER.opt
+def _optimizer_facts(model) -> dict:
+    opt = model.dc_state.runtime.optimizer_state.opt
     if opt is None:
         return {}
     groups = getattr(opt, "dc_user_param_groups", None) or opt.param_groups
@@ -234,9 +232,9 @@ class PlanCache:
         cap, _ = local_memory(device, model.dc_config.device_memory_gib)
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
         return {"format": FORMAT, "graph0": first_graph, "config": cfg,
-                "world": dist.get_world_size(model.dc_group), "shard_world": dist.get_world_size(model.dc_shard_group),
-                "backend": str(dist.get_backend(model.dc_group)), "device": name, "capacity_bytes": int(cap),
-                "optimizer": _optimizer_facts(),
+                "world": dist.get_world_size(model.dc_state.group), "shard_world": dist.get_world_size(model.dc_state.shard_group),
+                "backend": str(dist.get_backend(model.dc_state.group)), "device": name, "capacity_bytes": int(cap),
+                "optimizer": _optimizer_facts(model),
                 "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DEEPCOMPILE_")
                         and not k.startswith("DEEPCOMPILE_RECORD_") and k != "DEEPCOMPILE_PLAN_CACHE_DIR"},
                 "torch": torch.__version__, "deepcompile": __version__, "source": source_digest()}
@@ -246,14 +244,14 @@ class PlanCache:
         the same on every rank (the plan is; tests compare it across ranks)."""
         import torch.distributed as dist
 
-        w = dist.get_world_size(self._model().dc_group)
+        w = dist.get_world_size(self._model().dc_state.group)
         return os.path.join(self.dir, f"plan-{self.key}-r{{rank}}of{w}.json")
 
     def file_for(self, key: str) -> str:
         model = self._model()
         import torch.distributed as dist
 
-        r, w = dist.get_rank(model.dc_group), dist.get_world_size(model.dc_group)
+        r, w = dist.get_rank(model.dc_state.group), dist.get_world_size(model.dc_state.group)
         return os.path.join(self.dir, f"plan-{key}-r{r}of{w}.json")
 
     # ------------------------------------------------------------------ the backend's hook
@@ -299,9 +297,9 @@ class PlanCache:
             self._warn(f"deepcompile plan cache: {why}; planning afresh", stacklevel=3)
         mine = (self.key, entry["digest"] if entry is not None and not fits else None, why or fits)
         every = [mine]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(model.dc_group) > 1:
-            every = [None] * dist.get_world_size(model.dc_group)
-            dist.all_gather_object(every, mine, group=model.dc_group)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(model.dc_state.group) > 1:
+            every = [None] * dist.get_world_size(model.dc_state.group)
+            dist.all_gather_object(every, mine, group=model.dc_state.group)
         ok = all(e[0] == every[0][0] and e[1] is not None and e[1] == every[0][1] for e in every)
         if not ok:
             reasons = [f"rank {r}: {e[2] or ('another key' if e[0] != every[0][0] else 'another plan')}"
@@ -386,14 +384,14 @@ class PlanCache:
         self.aot_nonce = entry.get("aot_nonce")  # None: an entry from before it (the pass list names the plan)
         backend.passes = entry["planned"]
         backend.profile = entry["profile"]
-        chunks = getattr(model, "dc_optim_chunks", None)
+        chunks = model.dc_state.optim_chunks
         if chunks is not None and model.dc_config.optimizer_chunk_mb == "auto":
             chunks.set_chunk_mb(entry["chunk_mb"] or 0.0)
         plan = dict(entry["plan"])
         plan["cache"] = {"hit": True, "file": self.files(), "key": self.key, "planned_at_step": plan.get("step")}
         plan["step"], plan["seconds"] = 0, round(seconds, 3)
         plan["why"] = f"from the plan cache ({self.files()}): " + str(plan.get("why", ""))
-        object.__setattr__(model, "dc_plan", plan)
+        model.dc_state.plan = plan
         backend.add_phase("planner", seconds, 0)
         LOG.info("deepcompile plan cache: hit %s", self.path)
 
@@ -407,7 +405,7 @@ class PlanCache:
         why = None
         if self.hit or not self.decided or plan is None or self.key is None:
             why = "nothing planned here, or no key"
-        elif model.dc_step != model.dc_config.schedule[-1].step:
+        elif model.dc_state.step != model.dc_config.schedule[-1].step:
             why = "not the last scheduled compile"
         elif dynamic_changed:
             why = "dims became dynamic before the planned compile"
@@ -422,7 +420,7 @@ class PlanCache:
         prof = b.profile
         planned_d = [{"name": e.name, "params": dict(e.params)} for e in planned]
         records = prof.to_records()
-        chunks = getattr(model, "dc_optim_chunks", None)
+        chunks = model.dc_state.optim_chunks
         chunk = plan["chosen"].get("optimizer_chunk_mb") if chunks is not None else None
         digest = hashlib.sha256(json.dumps([planned_d, records, chunk], sort_keys=True, default=str).encode()
                                 ).hexdigest()[:24]

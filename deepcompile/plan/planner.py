@@ -378,20 +378,19 @@ def plan_model(model, entries: list) -> list:
     from deepcompile.passes import PassContext
     from deepcompile.passes.registry import make_params
     from deepcompile.plan.memory import facts_from_profile
-    from deepcompile.runtime import optimizer_state
-
     t0 = time.perf_counter()
     b, cfg = model.dc_backend, model.dc_config
     if not any(e.name == zero3.NAME for e in entries):
         return entries  # ZeRO-1/2: parameters are whole between steps; nothing of this plan applies
     prof = b.profile
     device = model._dc_device()
-    state = optimizer_state.MANAGER.total_bytes() if optimizer_state.MANAGER.opt is not None else 0
+    mgr = model.dc_state.runtime.optimizer_state
+    state = mgr.total_bytes() if mgr.opt is not None else 0
     rdt = cfg.mixed_precision.torch_reduce_dtype()
     full = sum(m.chunk * b.world_size for m in b.param_meta.values() if m.requires_grad)
     reduce_bytes = (min(cfg.reduce_bucket_size * cfg.max_inflight_reduces, full)
                     * torch.empty((), dtype=rdt).element_size())  # buckets never outgrow the gradients
-    chunks = getattr(model, "dc_optim_chunks", None)   # runtime.optim_chunks (None: not chunkable, or off by hand)
+    chunks = model.dc_state.optim_chunks   # runtime.optim_chunks (None: not chunkable, or off by hand)
     opt_kw = {}
     if chunks is not None:
         from deepcompile.runtime import optim_chunks
@@ -402,7 +401,7 @@ def plan_model(model, entries: list) -> list:
         opt_kw = dict(opt_groups=optim_chunks.group_sizes(chunks.opt), opt_temp_factor=optim_chunks.temp_factor(chunks.opt),
                       opt_profiled_chunk=0 if auto else int(float(cfg.optimizer_chunk_mb) * MIB))
     facts = facts_from_profile(prof, b.param_meta, b.world_size, state, reduce_bytes=reduce_bytes, **opt_kw)
-    mem = agree_memory(local_memory(device, cfg.device_memory_gib), cfg.memory_limit_gib, model.dc_group)
+    mem = agree_memory(local_memory(device, cfg.device_memory_gib), cfg.memory_limit_gib, model.dc_state.group)
     hand = hand_set(entries)
     if cfg.optimizer_chunk_mb != "auto":   # set by hand: planned around, as a pass parameter is
         hand["optimizer"] = {"chunk_mb": float(cfg.optimizer_chunk_mb)}
@@ -430,17 +429,17 @@ def plan_model(model, entries: list) -> list:
 
         src = live_source(dict(b.compiled), b.versions, profiled[-1] if profiled else None, meta=b.param_meta,
                           world=b.world_size, rank=b.rank, profile=prof,
-                          fused=cfg.compiler_at(model.dc_step) == "inductor", accumulation=accumulation, facts=facts)
+                          fused=cfg.compiler_at(model.dc_state.step) == "inductor", accumulation=accumulation, facts=facts)
         timer = GraphRunner(src, extra, {}, ctx_path="plan.{}").step_ms
         time_model = "cost model on the planned graphs"
-        if model.dc_group is not None:
+        if model.dc_state.group is not None:
             import torch.distributed as dist
 
             # the model's whole group, every rank of which plans now: under mesh.shard it is
             # larger than the shard group the backend's world_size and rank count in
-            n = dist.get_world_size(model.dc_group)
+            n = dist.get_world_size(model.dc_state.group)
             if n > 1:
-                timer = SplitTimer(timer, model.dc_group, n, dist.get_rank(model.dc_group))
+                timer = SplitTimer(timer, model.dc_state.group, n, dist.get_rank(model.dc_state.group))
     else:
         compute = sum(n.latency_ms for g in prof.graphs.values() for n in g.nodes)
         from deepcompile.vocab.links import default_model
@@ -460,11 +459,11 @@ def plan_model(model, entries: list) -> list:
     out = apply(entries, plan)
     plan.passes = [{"name": e.name, "params": dict(e.params)} for e in out]
     d = plan.to_dict()
-    d["step"] = model.dc_step
+    d["step"] = model.dc_state.step
     d["seconds"] = round(time.perf_counter() - t0, 3)  # planning time (every rank, at the re-compile)
     if isinstance(timer, SplitTimer):
         d["pricing_shared_by_ranks"] = timer.world
-    object.__setattr__(model, "dc_plan", d)
+    model.dc_state.plan = d
     return out
 
 

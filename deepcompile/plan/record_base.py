@@ -108,7 +108,8 @@ def load_base(run_dir, rank: int = 0) -> RecordBase:
 def _build_base(root: Path, rank: int) -> RecordBase:
     from deepcompile.plan.estimate import profiled_version, static_costs
     from deepcompile.plan.memory import facts_from_profile
-    from deepcompile.profile.profiler import Profile, drop_stalls
+    from deepcompile.profile.agree import drop_stalls
+    from deepcompile.profile.profiler import Profile
     from deepcompile.record import schema as S
     from deepcompile.record.reader import load_json, read_run
     from deepcompile.runtime import ops

@@ -11,34 +11,25 @@ Events rather than a synchronize per node: with a sync on each side the wall tim
 mostly the interpreter's Python and the sync itself, not the GPU work (the nodes of a ~60 ms
 Llama step summed to 15 s), and a device-wide sync serialises the collectives' streams.
 
-A micro-benchmark times allgather and reduce-scatter by message size on the actual process
-group and fits the alpha-beta :class:`~deepcompile.vocab.links.CommModel`.
-
-Profiles are agreed across ranks (element-wise maximum) before any pass reads them: a rank
-that decided differently would issue different collectives and deadlock the job.
-
-The same walk records this rank's **memory timeline** of the profiled step (not agreed: it is
-per rank), split into ``vocab.memory.MEMORY_CATEGORIES``: after every node, the parameter shards
-and their gradients (the model's shards and their ``.grad``), the optimizer state on the device
-(``runtime.optimizer_state``), the gathered parameters alive (the runtime's transient gathers and
-kept copies), what is offloaded to the host, and as activations everything else: on GPU the
-allocator's total minus the known categories, on CPU the storages the interpreter holds that are
-none of those. Its x axis is the step's compute time: the sum of the measured node latencies so
-far (the interpreter's own overhead and the GPU spins are not in it). See
-:func:`track_memory` and :func:`take_memory_timeline`.
+The same walk samples this rank's memory by category after every node (``profile.memory_split``
+keeps the samples and builds the step's timeline; its x axis is the step's compute time: the sum
+of the measured node latencies so far). The profile's data types (:class:`Profile` and its
+graphs and nodes) and the optimizer step's timer (:class:`StepTimer`) live here too; the
+communication micro-benchmarks are in ``profile.comm_bench``, the ranks' agreement on the profile
+in ``profile.agree``.
 """
 from __future__ import annotations
 
 import time
-import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
-from deepcompile.compat import c10d as c10d_compat
 from deepcompile.compat import nn as nn_compat
+from deepcompile.profile import memory_split
+from deepcompile.profile.memory_split import storages
+from deepcompile.runtime import state
 from deepcompile.vocab.links import CommModel, ReplicateLink
 
 
@@ -118,18 +109,6 @@ def _bytes(v) -> int:
     return 0
 
 
-def _storages(v, out: dict) -> None:
-    if isinstance(v, torch.Tensor) and v.device.type != "meta":
-        try:
-            st = v.untyped_storage()
-            out[st.data_ptr()] = st.nbytes()
-        except RuntimeError:
-            pass
-    elif isinstance(v, (list, tuple)):
-        for x in v:
-            _storages(x, out)
-
-
 class _HeldEnv(dict):
     """The interpreter's environment that keeps a running total of the bytes of the distinct
     storages it holds, updated as values enter and leave. Summing over the whole environment at
@@ -150,7 +129,7 @@ class _HeldEnv(dict):
 
     def _update(self, v, step: int) -> None:
         seen: dict = {}
-        _storages(v, seen)
+        storages(v, seen)
         for ptr, nbytes in seen.items():
             r = self.refs.get(ptr)
             if r is None:
@@ -219,7 +198,12 @@ class ProfilingInterpreter(fx.Interpreter):
         self.cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
         self.records: list[NodeProfile] = []
         self._events: list[tuple[NodeProfile, torch.cuda.Event, torch.cuda.Event]] = []
-        self.memory = _MEMORY.sources()   # None: no model to split the memory by (no timeline)
+        # the runtime state's samples: each dc op's host time, and the step memory (None: no model
+        # to split the memory by, no timeline)
+        rt = state.current() if state.active() else None
+        self.host_ops: dict[str, list[float]] = rt.host_ops if rt is not None else {}
+        self.step_memory = rt.step_memory if rt is not None else None
+        self.memory = self.step_memory.sources() if self.step_memory is not None else None
         self._mem: list[dict] = []         # per record: bytes by category after the node
         self._gathered: set[int] = set()   # storages that dc gather ops returned (CPU split)
         self._known: dict | None = None    # the categories read only at dc ops (see _split)
@@ -248,7 +232,7 @@ class ProfilingInterpreter(fx.Interpreter):
             return self.env.total
         seen: dict = {}
         for v in self.env.values():
-            _storages(v, seen)
+            storages(v, seen)
         return sum(seen.values())
 
     def call_function(self, target, args, kwargs):
@@ -258,7 +242,7 @@ class ProfilingInterpreter(fx.Interpreter):
         # the GPU is kept behind, so no host blocking is in it): the host model's measured entry
         t0 = time.perf_counter()
         out = super().call_function(target, args, kwargs)
-        HOST_OPS.setdefault(str(target).split(".")[1], []).append((time.perf_counter() - t0) * 1e6)
+        self.host_ops.setdefault(str(target).split(".")[1], []).append((time.perf_counter() - t0) * 1e6)
         return out
 
     def run_node(self, n: fx.Node):
@@ -289,9 +273,9 @@ class ProfilingInterpreter(fx.Interpreter):
             rec = NodeProfile(n.name, dt, after, after, ob)
         self.records.append(rec)
         if self.memory is not None:
-            if not self.cuda and _is_gather(n):
+            if not self.cuda and memory_split.is_gather(n):
                 seen: dict = {}
-                _storages(out, seen)
+                storages(out, seen)
                 self._gathered.update(seen)   # classified as gathered when the env takes them
             self._mem.append(self._split(n, rec))
         return out
@@ -306,7 +290,7 @@ class ProfilingInterpreter(fx.Interpreter):
         (one runtime call): a gathered buffer is freed when the graph drops its last use."""
         m = self.memory
         t = str(n.target)
-        if self._known is None or (t.startswith("dc.") and t.split(".")[1] not in _GATHER_FAMILY):
+        if self._known is None or (t.startswith("dc.") and t.split(".")[1] not in memory_split.GATHER_FAMILY):
             self._known = {"parameter_shards": m.shard_bytes(), "gradients": m.grad_bytes(),
                            "optimizer_state": m.state_bytes(), "offloaded": m.offloaded_bytes(),
                            "reduce": () if self.cuda else tuple(m.reduce_storages())}
@@ -340,273 +324,44 @@ class ProfilingInterpreter(fx.Interpreter):
                 rec.latency_ms = start.elapsed_time(end)
             self._events.clear()
         if self.memory is not None and self._mem:
-            _MEMORY.add_graph(self.module, self.records, self._mem)
+            self.step_memory.add_graph(self.module, self.records, self._mem)
             self._mem = []
         return self.records
 
 
-# ---------------------------------------------------------------------------- memory timeline
-_GATHER_OPS = {"wait_allgather", "wait_allgather_many", "gather_persistent", "gather_persistent_many",
-               "gather_persistent_wait", "unshard"}
-
-
-# dc ops that only gather or release full parameters: shards, gradients, optimizer state and
-# offloaded bytes are as they were (the gathered bytes are read at every node anyway), so the
-# profiling step does not walk every parameter again at each of them (three per parameter per
-# graph: the walk grew with depth squared, 1.3 s of a 16-layer profiling step, 4.1 s at 32)
-_GATHER_FAMILY = _GATHER_OPS | {"allgather_param", "allgather_params", "gather_persistent_start", "release_param"}
-
-
-def _is_gather(n: fx.Node) -> bool:
-    """A dc op whose output is a gathered (full) parameter."""
-    t = str(n.target)
-    return t.startswith("dc.") and t.split(".")[1] in _GATHER_OPS
-
-
-def _distinct_bytes(tensors) -> int:
-    """Bytes of the distinct storages under ``tensors`` (views of one buffer count it once: the
-    gradients of a fused reduce-scatter can share one)."""
-    seen: dict = {}
-    for t in tensors:
-        _storages(t, seen)
-    return sum(seen.values())
-
-
-class MemorySources:
-    """Where the training state's bytes are, readable at any point of a step: the model's
-    parameter shards and their ``.grad``, the optimizer state on the device (its storages: state
-    offloaded by ``offload_optimizer`` has none), the gathered parameters alive in the runtime
-    (transient gathers by parameter id, and the kept copies), and the host bytes offloaded."""
-
-    def __init__(self, model):
-        self._model = weakref.ref(model)
-        b = model.dc_backend
-        self.gathered_by_id = {pid: m.chunk * b.world_size * torch.empty((), dtype=m.gather_dtype).element_size()
-                               for pid, m in b.param_meta.items()}
-
-    def _shards(self) -> list:
-        m = self._model()
-        return [sp.shard for sp in m.dc_sharded] if m is not None else []
-
-    def shard_ptrs(self) -> set[int]:
-        seen: dict = {}
-        _storages(self._shards(), seen)
-        return {p for p, n in seen.items() if n}
-
-    def shard_bytes(self) -> int:
-        return _distinct_bytes(self._shards())
-
-    def grad_bytes(self) -> int:
-        """The shards' ``.grad`` and the gradient memory the runtime holds (reduce buckets filling,
-        reduce-scatters in flight with their outputs, HSDP all-reduces, ZeRO-1 accumulations),
-        distinct storages: without the runtime's part, the allocator's rest on GPU filed the
-        buckets under "activations" (and the CPU split did not count them at all)."""
-        seen: dict = {}
-        _storages([s.grad for s in self._shards() if s.grad is not None], seen)
-        seen.update(self.reduce_storages())
-        return sum(seen.values())
-
-    @staticmethod
-    def reduce_storages() -> dict[int, int]:
-        """data_ptr -> bytes of the storages the runtime holds for gradients (one runtime call)."""
-        from deepcompile.runtime import ops
-
-        C = ops.C
-        if C is None or not C.is_initialized() or not hasattr(C, "reduce_storages"):
-            return {}
-        return {int(p): int(n) for p, n in C.reduce_storages()}
-
-    def state_bytes(self) -> int:
-        from deepcompile.runtime import optimizer_state
-
-        return _distinct_bytes(t for _, t in optimizer_state.MANAGER.state_tensors())
-
-    def gathered_bytes(self) -> int:
-        from deepcompile.runtime import ops
-
-        C = ops.C
-        if C is None or not C.is_initialized():
-            return 0
-        return sum(self.gathered_by_id.get(int(i), 0) for i in C.live_gathered()) + int(C.persistent_bytes())
-
-    @staticmethod
-    def offloaded_bytes() -> int:
-        from deepcompile.runtime.offload import ENGINE
-
-        return sum(p.nbytes for ps in ENGINE.pending.values() for p in ps if p.state == "offloaded")
-
-
-class _StepMemory:
-    """The profiled step's memory samples, graph by graph in the order they ran."""
-
-    def __init__(self):
-        self._sources: MemorySources | None = None
-        self.graphs: list[tuple] = []   # (graph module ref, records, per-record categories)
-
-    def sources(self) -> MemorySources | None:
-        s = self._sources
-        return s if s is not None and s._model() is not None else None
-
-    def add_graph(self, gm, records: list[NodeProfile], cats: list[dict]) -> None:
-        self.graphs.append((weakref.ref(gm), list(records), cats))
-
-
-_MEMORY = _StepMemory()
-# dc op name -> host microseconds of each call in the profiling step (CUDA; ProfilingInterpreter)
-HOST_OPS: dict[str, list[float]] = {}
-
-
 def take_host_ops() -> dict[str, float]:
-    """The profiling step's median host time per dc op (CUDA), and forget them."""
-    ops = dict(HOST_OPS)
-    HOST_OPS.clear()
+    """The profiling step's median host time per dc op (CUDA), from the runtime state, and forget them."""
+    if not state.active():
+        return {}
+    host_ops = state.current().host_ops
+    ops = dict(host_ops)
+    host_ops.clear()
     return {k: round(sorted(v)[len(v) // 2], 3) for k, v in sorted(ops.items()) if v}
 
 
-def track_memory(model) -> None:
-    """Split the memory of ``model``'s profiling steps by category (``api.initialize`` calls it;
-    the model is held weakly)."""
-    _MEMORY._sources = MemorySources(model)
-    _MEMORY.graphs = []
+class StepTimer:
+    """Milliseconds from construction to ``stop()``: CUDA events on the current stream (the
+    kernels' time, as the profiler's node latencies are), wall time on the CPU. The profiling
+    step times its ``optimizer.step()`` with it (``Profile.optimizer_ms``, ``optimizer_peak_bytes``)."""
 
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.peak_bytes = 0  # CUDA: the allocator's peak between construction and stop()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
 
-class _StepSplit:
-    """Every step's memory peak by category, without the profiler: microseconds a step (a few
-    runtime calls and dict reads; no device sync, no walk over the parameters after the first
-    step). The profiled step's timeline splits memory node by node; this splits each step's
-    *peak* as the step ends (``RunRecorder.step`` writes it in ``steps.jsonl``):
-
-    - ``parameter_shards``: the shards' bytes (exact; constant, read once);
-    - ``optimizer_state``: the state on the device during forward and backward (exact: read when
-      the optimizer's state changes shape), ``offloaded``: the state ``offload_optimizer`` keeps
-      on the host (exact, its last step's count; offloaded activations are not counted);
-    - ``gathered``: the runtime's high-water mark of live gathered parameters this step (exact;
-      the kept copies are in it, gathered at the forward's top);
-    - ``gradients``: every trainable shard's gradient (as at the optimizer step) plus the
-      runtime's reduce buckets and reduce-scatters in flight at their high-water mark (an upper
-      bound: some buckets have become ``.grad`` by then);
-    - ``activations``: the remainder of the allocator's peak (CUDA, ``max_memory_allocated``
-      reset every step), at least 0: the activations, the temporaries and the optimizer's. The
-      high-water marks of different categories need not fall at the same moment, so this is
-      the rest, not a measurement of its own. On the CPU there is no allocator peak without the
-      profiler: the known categories are written and ``activations`` is not."""
-
-    def __init__(self, sources: "MemorySources"):
-        self.src = sources
-        self._shards: int | None = None
-        self._grads: int | None = None
-        self._state: tuple | None = None   # ((id(opt), len(opt.state)), bytes)
-
-    def _state_bytes(self) -> tuple[int, int]:
-        from deepcompile.runtime import optimizer_state
-
-        mgr = optimizer_state.MANAGER
-        opt = mgr.opt
-        key = (id(opt), len(opt.state) if opt is not None else 0)
-        if self._state is None or self._state[0] != key:
-            self._state = (key, self.src.state_bytes() + self.src_offloaded_state(mgr))
-        off = int(mgr.stats.get("last_offloaded_bytes", 0)) if mgr.offloaded else 0
-        return max(0, self._state[1] - off), off
-
-    @staticmethod
-    def src_offloaded_state(mgr) -> int:
-        # state_bytes counts storages on the device: offloaded state has none (add it back, so
-        # the total is the state's size whether or not it is out when first read)
-        return int(mgr.stats.get("last_offloaded_bytes", 0)) if mgr.offloaded else 0
-
-    def split(self, peak: int, cuda: bool) -> dict | None:
-        from deepcompile.runtime import ops
-
-        m = self.src._model()
-        C = ops.C
-        if m is None or C is None or not C.is_initialized() or not hasattr(C, "take_step_peaks"):
-            return None
-        if self._shards is None:
-            shards = self.src._shards()
-            self._shards = _distinct_bytes(shards)
-            self._grads = sum(s.numel() * s.element_size() for s in shards if s.requires_grad)
-        gathered, reducing = (int(x) for x in C.take_step_peaks())
-        state, off = self._state_bytes()
-        cats = {"parameter_shards": self._shards, "gathered": gathered, "gradients": self._grads + reducing,
-                "optimizer_state": state}
-        if cuda:
-            cats["activations"] = max(0, int(peak) - sum(cats.values()))
-        cats["offloaded"] = off
-        return {k: int(cats[k]) for k in _CATEGORY_ORDER if k in cats}
-
-
-_CATEGORY_ORDER = ("parameter_shards", "gathered", "gradients", "optimizer_state", "activations", "offloaded")
-STEP_SPLIT_HOW = {
-    "cuda": "the step's allocator peak (max_memory_allocated, reset every step) split: shards, optimizer state, "
-            "offloaded exact; gathered and the reduce buckets at their high-water marks this step (runtime "
-            "counters); gradients = every shard's gradient + the buckets' high-water mark; activations = the "
-            "remainder of the peak (at least 0)",
-    "cpu": "the training state's categories (shards, optimizer state, offloaded exact; gathered and the reduce "
-           "buckets at their high-water marks this step); activations are not measured on the CPU without the "
-           "profiler (the process's resident set is the step's 'peak')",
-}
-
-
-def step_split(mem: dict) -> tuple[dict, str] | None:
-    """This step's peak by category and how it was split (``STEP_SPLIT_HOW``), from the memory
-    of the model ``track_memory`` follows; None without one. Reads and resets the runtime's
-    per-step high-water marks: call it once per step, as the step ends (``RunRecorder.step``)."""
-    src = _MEMORY.sources()
-    if src is None:
-        return None
-    if getattr(src, "step_split", None) is None:
-        src.step_split = _StepSplit(src)
-    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-    d = src.step_split.split(int(mem.get("peak") or 0), cuda)
-    return None if d is None else (d, STEP_SPLIT_HOW["cuda" if cuda else "cpu"])
-
-
-def take_memory_timeline(compiled: dict, step: int = -1, optimizer_ms: float = 0.0,
-                         optimizer_peak_bytes: int = 0) -> dict | None:
-    """The memory timeline of the profiling step that just ended (None without one), in the
-    record's ``memory.json.gz`` form (``record.schema``), and forget it. ``compiled``: the
-    backend's (graph_id, kind) -> graph module, naming the graphs that ran; the optimizer step
-    adds one last sample (its measured peak on GPU; on CPU what it holds: shards, gradients, state)."""
-    from deepcompile.vocab.memory import DEVICE_CATEGORIES, MEMORY_CATEGORIES
-
-    graphs, _MEMORY.graphs = _MEMORY.graphs, []
-    src = _MEMORY.sources()
-    if not graphs or src is None:
-        return None
-    key_of = {id(gm): k for k, gm in compiled.items()}
-    samples, t = [], 0.0
-    for ref, records, cats in graphs:
-        gm = ref()
-        gid, kind = key_of.get(id(gm), (-1, "forward")) if gm is not None else (-1, "forward")
-        for i, (rec, c) in enumerate(zip(records, cats)):
-            t += rec.latency_ms
-            alloc = sum(c[k] for k in DEVICE_CATEGORIES)
-            samples.append({"t_ms": round(t, 6), "graph_id": int(gid), "kind": kind, "node": rec.name,
-                            "node_index": i, "by_category": {k: int(c[k]) for k in MEMORY_CATEGORIES},
-                            "allocated_bytes": int(alloc), "peak_bytes": int(max(alloc, rec.peak_bytes)),
-                            "source": "measured"})
-    # optimizer.step(): shards, gradients and all of the state on the device; the rest of its
-    # measured peak (CUDA) is the optimizer's temporaries and what the loop still holds
-    c = {"parameter_shards": src.shard_bytes(), "gathered": src.gathered_bytes(), "gradients": src.grad_bytes(),
-         "optimizer_state": src.state_bytes(), "offloaded": src.offloaded_bytes()}
-    known = sum(c[k] for k in DEVICE_CATEGORIES if k != "activations")
-    c["activations"] = max(0, int(optimizer_peak_bytes) - known)
-    t += float(optimizer_ms)
-    alloc = known + c["activations"]
-    samples.append({"t_ms": round(t, 6), "graph_id": -1, "kind": "optimizer", "node": "optimizer.step",
-                    "node_index": 0, "by_category": {k: int(c[k]) for k in MEMORY_CATEGORIES},
-                    "allocated_bytes": int(alloc), "peak_bytes": int(alloc), "source": "measured"})
-    top = max(samples, key=lambda s: s["peak_bytes"])
-    at = dict(top["by_category"])
-    at["activations"] += top["peak_bytes"] - top["allocated_bytes"]   # the node's own temporaries
-    where = ("optimizer.step()" if top["kind"] == "optimizer"
-             else f"graph {top['graph_id']} {top['kind']}, node {top['node']}")
-    return {"source": "measured", "step": int(step), "categories": list(MEMORY_CATEGORIES),
-            "device": "cuda allocator" if torch.cuda.is_available() and torch.cuda.is_initialized()
-            else "cpu (profiling interpreter + training state)",
-            "samples": samples,
-            "peak": {"bytes": int(top["peak_bytes"]), "where": where, "t_ms": top["t_ms"],
-                     "by_category": at, "source": "measured"}}
+    def stop(self) -> float:
+        if not self.cuda:
+            return (time.perf_counter() - self.t0) * 1e3
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        end.synchronize()
+        self.peak_bytes = int(torch.cuda.max_memory_allocated())
+        return float(self.start.elapsed_time(end))
 
 
 def profiled_callable(gm: fx.GraphModule, sink) -> callable:
@@ -620,203 +375,3 @@ def profiled_callable(gm: fx.GraphModule, sink) -> callable:
     return run
 
 
-def _signature(g: GraphProfile) -> str:
-    """The profiled graph's structure: its node names in order (a hash, small to exchange).
-    Names follow the ops, so graphs traced from the same code with the same shapes' kind (all
-    static, or the same dims symbolic) match; a static graph and a symbolic one do not."""
-    import hashlib
-
-    return hashlib.sha1("\n".join(n.name for n in g.nodes).encode()).hexdigest()
-
-
-HOST_KEYS = ("dispatch_us", "python_us")   # Profile.host's measured numbers (agreed)
-
-
-STALL_FACTOR = 20.0   # a node this many times its op family's median ...
-STALL_MIN_MS = 2.0    # ... and at least this long is a stall, not the op's own time
-
-
-def drop_stalls(profile: Profile) -> list[tuple]:
-    """Replace stalled node latencies by their op family's median; returns what was replaced.
-
-    The GPU profiling step parks each rank's compute stream in a spin kernel now and then
-    (:class:`_GpuLead`); a collective runs only when both ranks reach it, so a wait (or the node
-    that first meets the collective's stream dependency) can absorb the other rank's spin, or
-    several. On 2 H200s (953M Llama, 16 layers) one profiling step had six waits at ~40 ms
-    (SPIN_MS), one at 144 ms and a ``convert_element_type`` at 654 ms, where the forward's other
-    1,756 nodes summed to 35 ms: the cost model predicted 161-192 ms for a 43 ms step. A node is
-    taken as stalled when it is ``STALL_FACTOR`` times the median of its op family (its name
-    without the trailing number: every ``convert_element_type_*``) in the same graph and at least
-    ``STALL_MIN_MS``; families of fewer than 4 nodes are left as measured. Runs on the agreed
-    values, so every rank replaces the same nodes."""
-    import re
-    import statistics
-
-    fam = re.compile(r"_\d+$")
-    out = []
-    for key, g in profile.graphs.items():
-        by: dict[str, list] = {}
-        for n in g.nodes:
-            by.setdefault(fam.sub("", n.name), []).append(n)
-        for name, ns in by.items():
-            if len(ns) < 4:
-                continue
-            med = statistics.median(n.latency_ms for n in ns)
-            for n in ns:
-                if n.latency_ms >= STALL_MIN_MS and n.latency_ms > STALL_FACTOR * med:
-                    out.append((key, n.name, round(n.latency_ms, 3), round(med, 4)))
-                    n.latency_ms = med
-    if out:
-        import logging
-
-        logging.getLogger("deepcompile").info(
-            "profiler: %d node latencies looked stalled (the other rank's profiler spin) and were replaced by "
-            "their op family's median, e.g. %s", len(out), out[:3])
-    return out
-
-
-def agree(profile: Profile, group=None) -> Profile:
-    """Every rank's measurements combined element-wise, so all ranks decide alike: memory by
-    the maximum, node latencies by the minimum (see below).
-
-    Graphs are matched by key and structure. Ranks can profile different graphs for the same
-    model: with per-rank dynamic padding one rank may run a static graph while another runs a
-    symbolic one, or recompile during the step (a new graph id). Those graphs are dropped from the
-    profile on every rank, with a warning: the passes plan them as they do without a profile, and
-    every rank still decides alike. The communication model and the optimizer's time are always
-    agreed."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        drop_stalls(profile)
-        return profile
-    mine = {k: _signature(g) for k, g in profile.graphs.items()}
-    every: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)
-    keys = sorted(k for k in every[0] if all(e.get(k) == every[0][k] for e in every))
-    dropped = sorted({k for e in every for k in e} - set(keys))
-    if dropped:
-        import warnings
-
-        warnings.warn(
-            f"deepcompile profiler: ranks profiled different graphs for {dropped} (graph id, kind): "
-            "different input shapes per rank (dynamic padding), or a recompile during the profiling "
-            "step on some ranks. Those graphs are planned without a node-level profile on every rank; "
-            "the communication model is still measured. Pad to lengths every rank sees in the "
-            "profiling step to profile them.", stacklevel=2)
-        for k in dropped:
-            profile.graphs.pop(k, None)
-    # Latencies are agreed by their MINIMUM (carried negated through the one MAX all-reduce),
-    # memory by its maximum. A node's work is the same on every rank, but on GPU a rank's
-    # wait can absorb the *other* rank's profiler spin (_GpuLead parks each rank's compute stream
-    # at its own moments, and a collective runs only when both ranks reach it): 2 H200s, 953M
-    # Llama, one profiling step had 29 nodes at ~40 ms (SPIN_MS) and one at 654 ms on the slower
-    # rank, and the maximum made the predicted step 192 ms against a measured 43.
-    flat = [x for k in keys for n in profile.graphs[k].nodes
-            for x in (-n.latency_ms, float(n.mem_after_bytes), float(n.peak_bytes), float(n.out_bytes))]
-    flat.append(float(profile.optimizer_peak_bytes))
-    flat.append(float(profile.optimizer_ms))
-    backend = dist.get_backend(group)
-    dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
-    t = torch.tensor(flat, dtype=torch.float64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    vals = t.cpu().tolist()
-    i = 0
-    profile.optimizer_ms = vals.pop()
-    profile.optimizer_peak_bytes = int(vals.pop())
-    if profile.host:   # every rank measures it on a GPU (or none does): the slowest host's pace
-        from deepcompile.profile.host import HOST_US
-
-        # a fixed list of op names on every rank (the tensor's length must match): HOST_US's kinds
-        names = sorted(HOST_US)
-        mine = profile.host.get("ops_us") or {}
-        h = torch.tensor([float(profile.host.get(k) or 0.0) for k in HOST_KEYS]
-                         + [float(mine.get(k) or 0.0) for k in names], dtype=torch.float64, device=dev)
-        dist.all_reduce(h, op=dist.ReduceOp.MAX, group=group)
-        hv = h.cpu().tolist()   # not `vals`: the nodes' agreed values are read from it below
-        profile.host = dict(profile.host, **{k: round(v, 4) for k, v in zip(HOST_KEYS, hv)})
-        if any(hv[len(HOST_KEYS):]):   # decided on the agreed values: every rank alike
-            profile.host["ops_us"] = {k: round(v, 3) for k, v in zip(names, hv[len(HOST_KEYS):]) if v > 0}
-    for k in keys:
-        for n in profile.graphs[k].nodes:
-            n.latency_ms, n.mem_after_bytes, n.peak_bytes, n.out_bytes = (
-                -vals[i], int(vals[i + 1]), int(vals[i + 2]), int(vals[i + 3]))
-            i += 4
-    if profile.comm is not None:
-        c = torch.tensor([profile.comm.alpha_us, 1.0 / profile.comm.bytes_per_us], dtype=torch.float64, device=dev)
-        dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)
-        a, inv_b = c.cpu().tolist()
-        profile.comm = CommModel(alpha_us=a, bytes_per_us=1.0 / inv_b,
-                                 copy_bytes_per_us=profile.comm.copy_bytes_per_us)
-    if profile.replicate is not None:  # every rank has one under mesh.shard, none without
-        rc = profile.replicate.comm
-        c = torch.tensor([rc.alpha_us, 1.0 / rc.bytes_per_us], dtype=torch.float64, device=dev)
-        dist.all_reduce(c, op=dist.ReduceOp.MAX, group=group)
-        a, inv_b = c.cpu().tolist()
-        profile.replicate = ReplicateLink(CommModel(alpha_us=a, bytes_per_us=1.0 / inv_b,
-                                                    copy_bytes_per_us=rc.copy_bytes_per_us),
-                                          profile.replicate.shard_world)
-    drop_stalls(profile)   # on the agreed values: every rank replaces the same nodes
-    return profile
-
-
-
-def benchmark_comm(group=None, device=None, sizes=None, reps: int = 3) -> CommModel:
-    """Time allgather by output size on the real process group; fit latency + bytes/bandwidth."""
-    world = dist.get_world_size(group)
-
-    def run(nbytes, device):
-        n = max(world, nbytes // 2 // world * world)
-        out = torch.empty(n, dtype=torch.bfloat16, device=device)
-        inp = torch.ones(n // world, dtype=torch.bfloat16, device=device)
-        return float(out.numel() * out.element_size()), lambda: c10d_compat.all_gather_single(out, inp, group)
-
-    return _fit_collective(run, device, sizes, reps)
-
-
-def benchmark_allreduce(group, device=None, sizes=None, reps: int = 3) -> CommModel:
-    """Time ``all_reduce`` by buffer size on ``group`` (hybrid sharding's replicate group: the
-    gradient all-reduce across replicas); fit latency + bytes/bandwidth, bytes being the reduced
-    buffer's. Measured apart from the shard group's gathers because across nodes the two links
-    differ by an order of magnitude (NVLink within a node, the network between)."""
-    def run(nbytes, device):
-        # the reduce dtype of the runtime's default (fp32 gradients)
-        buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
-        return float(buf.numel() * buf.element_size()), lambda: dist.all_reduce(buf, group=group)
-
-    return _fit_collective(run, device, sizes, reps)
-
-
-def _fit_collective(run, device, sizes, reps: int) -> CommModel:
-    """Time ``run(nbytes, device)``'s collective at each size (median of ``reps`` after a warm-up)
-    and fit ``alpha + bytes / bandwidth`` by least squares."""
-    device = device or torch.device("cpu")
-    if sizes is None:
-        top = 64 << 20 if device.type == "cuda" else 4 << 20
-        sizes = [1 << k for k in range(16, top.bit_length())]
-    xs, ys = [], []
-    for nbytes in sizes:
-        x, fn = run(nbytes, device)
-        times = []
-        for r in range(reps + 1):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            if r:
-                times.append((time.perf_counter() - t0) * 1e6)
-        xs.append(x)
-        ys.append(sorted(times)[len(times) // 2])
-        del fn
-    if device.type == "cuda" and xs:
-        # its buffers (up to 64 MiB) are no part of the training step's memory: the allocator's
-        # peak starts again without them (the step's peak is read after this, steps.jsonl)
-        torch.cuda.reset_peak_memory_stats()
-    # least squares y = alpha + x / beta
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    sxx = sum((x - mx) ** 2 for x in xs) or 1.0
-    slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx, 1e-12)
-    alpha = max(my - slope * mx, 0.0)
-    copy_bw = 2e6 if device.type == "cuda" else 5e3
-    return CommModel(alpha_us=alpha, bytes_per_us=1.0 / slope, copy_bytes_per_us=copy_bw)

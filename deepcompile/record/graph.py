@@ -73,13 +73,13 @@ _ACCESS = {"unshard", "dc.unshard", "dc.unshard_block", "dc.allgather_param", "d
 
 def access_scope(module: str, pid: int) -> str:
     """The scope of a parameter access as the record keeps it: ``<module>.<attr>.0``, e.g.
-    ``blocks.0.attn.qkv.weight.0`` (``report.graph_layout.param_module_scope`` reads the module
+    ``blocks.0.attn.qkv.weight.0`` (``report.graph_groups.param_module_scope`` reads the module
     back). It was the scope of the parametrization module Dynamo called; the getter now calls
     ``Unshard`` directly (``nn_compat.direct_parametrization_getter``), so the access is traced in the owning
     module's scope and the parameter's own name gives the rest."""
-    from deepcompile.runtime import ops
+    from deepcompile.runtime import state
 
-    meta = ops.PARAMS.get(pid)
+    meta = state.current().params.get(pid) if state.active() else None
     if meta is None:
         return module
     attr = meta.name.rsplit(".", 1)[-1]

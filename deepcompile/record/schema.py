@@ -19,7 +19,7 @@ One directory per run::
     RUN_DIR/rank<R>/steps.jsonl       one JSON object per line: {step, time_s, loss, mem: {allocated, reserved, peak,
                                       by_category?, split?}}: by_category is the step's peak by
                                       MEMORY_CATEGORIES (no "activations" on CPU), split says how
-                                      (deepcompile.profile.profiler.step_split)
+                                      (deepcompile.profile.memory_split.step_split)
 
 Everything is plain JSON (gzip where large). The validators here are deliberately small and
 hand-written (no dependency): each raises :class:`RecordError` naming the file and the key path.
@@ -466,7 +466,7 @@ def check_step(file: str, line_no: int, s: Any) -> dict:
     if mem:
         for k in ("allocated", "reserved", "peak"):
             _field(file, mem, k, int, f"{w}.mem", optional=True)
-        if "by_category" in mem:   # the step's peak by category (profiler.step_split), how in "split"
+        if "by_category" in mem:   # the step's peak by category (memory_split.step_split), how in "split"
             _check_categories(file, mem, f"{w}.mem")
         _field(file, mem, "split", str, f"{w}.mem", optional=True)
     return s

@@ -109,7 +109,7 @@ def _step_split(mem: dict):
     if "torch" not in sys.modules:   # a reader's or a test's recorder: no model can be training
         return None
     try:
-        from deepcompile.profile.profiler import step_split
+        from deepcompile.profile.memory_split import step_split
     except ImportError:
         return None
     try:
@@ -272,7 +272,7 @@ class RunRecorder:
         """Append one step line (flushed). ``mem``: {allocated, reserved, peak} bytes; measured
         here when omitted. Where a deepcompile model trains in this process, the step's peak is
         split by memory category too (``mem.by_category``, how in ``mem.split``:
-        :func:`deepcompile.profile.profiler.step_split`, microseconds, no device sync), so a live
+        :func:`deepcompile.profile.memory_split.step_split`, microseconds, no device sync), so a live
         view plots each step's memory by category from the first step on."""
         m = {k: int(v) for k, v in (mem if mem is not None else memory_stats(reset_peak=True)).items()
              if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -312,7 +312,7 @@ class RunRecorder:
 
     def memory_timeline(self, timeline: dict) -> None:
         """Record the measured memory timeline of the profiled step (``model.dc_profile.memory``,
-        :func:`deepcompile.profile.profiler.take_memory_timeline`): samples by category and its
+        :func:`deepcompile.profile.memory_split.take_memory_timeline`): samples by category and its
         peak, replacing any samples written before."""
         self._samples = list(timeline.get("samples") or [])
         self._write_checked(S.MEMORY, dict(timeline), S.check_memory)

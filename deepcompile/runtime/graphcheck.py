@@ -80,9 +80,9 @@ def _graph_key(graph_id: int) -> str:
 
 
 def _param_name(pid: int) -> str:
-    from deepcompile.runtime import ops
+    from deepcompile.runtime import state
 
-    m = ops.PARAMS.get(pid)
+    m = state.current().params.get(pid) if state.active() else None
     return m.name if m is not None else f"parameter id {pid}"
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -245,38 +246,35 @@ class CopyEngine:
         self.pending[key] = live
 
 
-ENGINE = CopyEngine()
-
-
 # -------------------------------------------------------------------- graph ops
-def _offload_activation(t: torch.Tensor, after: list[torch.Tensor], aid: int) -> None:
-    ENGINE.offload(t, ("act", aid))
+def activation_ops(engine: Callable[[], CopyEngine]) -> dict:
+    """{schema: kernel} of the activation offload ops, acting on ``engine()`` (the copy engine of
+    the current runtime state, resolved at each call: ``runtime.ops`` hands it in)."""
+    def offload_activation(t: torch.Tensor, after: list[torch.Tensor], aid: int) -> None:
+        engine().offload(t, ("act", aid))
+
+    def reload_activation(t: torch.Tensor, aid: int) -> None:
+        engine().reload(t, ("act", aid))
+
+    def wait_activation(t: torch.Tensor, aid: int) -> None:
+        engine().wait(t, ("act", aid))
+
+    return {
+        "offload_activation(Tensor(a!) t, Tensor[] after, int id) -> ()": offload_activation,
+        "reload_activation(Tensor(a!) t, int id) -> ()": reload_activation,
+        "wait_activation(Tensor(a!) t, int id) -> ()": wait_activation,
+    }
 
 
-def _reload_activation(t: torch.Tensor, aid: int) -> None:
-    ENGINE.reload(t, ("act", aid))
-
-
-def _wait_activation(t: torch.Tensor, aid: int) -> None:
-    ENGINE.wait(t, ("act", aid))
-
-
-def define_ops(extra: dict | None = None) -> None:
-    """Define the ``dc`` offload ops (idempotent; called by ``ops.ensure_registered``), plus
-    ``extra`` ops of the same kind ({schema: impl}: the optimizer-state manager's, which sits
-    above this engine and hands its own impls in)."""
+def define_ops(defs: dict) -> None:
+    """Define the ``dc`` offload ops, ``defs`` being {schema: kernel} (idempotent; called by
+    ``ops.ensure_registered`` with :func:`activation_ops` and the optimizer-state manager's)."""
     global _lib
     if _lib is not None:
         return
     from deepcompile.compat import fx as fx_compat
 
     lib = torch.library.Library("dc", "FRAGMENT")
-    defs = {
-        "offload_activation(Tensor(a!) t, Tensor[] after, int id) -> ()": _offload_activation,
-        "reload_activation(Tensor(a!) t, int id) -> ()": _reload_activation,
-        "wait_activation(Tensor(a!) t, int id) -> ()": _wait_activation,
-        **(extra or {}),
-    }
     for schema, fn in defs.items():
         name = schema.split("(")[0]
         lib.define(schema, tags=(torch.Tag.cudagraph_unsafe,))  # host logic per call: never inside a CUDA graph

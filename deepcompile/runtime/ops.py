@@ -6,56 +6,20 @@ parameter becomes its full-shape value through ``unshard`` and its gradient goes
 correctly; the ``zero3`` pass lowers them to the asynchronous runtime ops
 (``allgather_param`` / ``wait_allgather`` / ``release_param`` / ``reduce_grad`` / ``end_backward``).
 
-Fake implementations need the full shape and dtype of each parameter; they come from
-:data:`PARAMS`, filled by :mod:`deepcompile.sharding` when parameters are registered.
+Fake implementations need the full shape and dtype of each parameter; they come from the
+parameter registry of this process's runtime state (``state.current().params``, filled by
+:mod:`deepcompile.sharding` when parameters are registered). The fake impls and the Python
+kernels of the offload ops run inside torch's dispatch, where nothing can be handed to them:
+they reach the state through ``runtime.state.current()``, the one scoped global.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from deepcompile.runtime import offload, optimizer_state, state
 from deepcompile.runtime.build import load
+from deepcompile.runtime.state import ParamMeta, ReduceLayout  # noqa: F401 - the registry's types, named here too
 
-
-@dataclass(frozen=True)
-class ParamMeta:
-    id: int
-    name: str               # the first name the parameter has in the user's model
-    shape: tuple[int, ...]  # full shape
-    numel: int
-    chunk: int              # shard numel (row-aligned: ceil(d0 / world) rows, see sharding.shard_layout)
-    dtype: torch.dtype      # dtype of the shard (master weights)
-    gather_dtype: torch.dtype  # dtype the parameter is gathered and computed in
-    requires_grad: bool
-    shard_shape: tuple[int, ...] | None = None  # (ceil(d0 / world), *shape[1:]); None: (chunk,)
-
-    @property
-    def local_shape(self) -> tuple[int, ...]:
-        return self.shard_shape if self.shard_shape is not None else (self.chunk,)
-
-
-PARAMS: dict[int, ParamMeta] = {}
-
-
-@dataclass(frozen=True)
-class ReduceLayout:
-    """What the backward pass must know of the runtime's gradient buckets to call it once per
-    bucket (``dc.reduce_grads``, passes/zero3.py ``group_reduces``): the pass replays the
-    runtime's bucket fill (``Runtime::add_grad``) in graph order to find where each flush happens."""
-    bucket_elems: int                   # config reduce_bucket_size (Runtime bucket_elems_)
-    reduce_dtype: torch.dtype | None    # config mixed_precision.reduce_dtype; None: unknown (offline)
-    # the runtime copies every gradient as it arrives (ZeRO-1 sums between accumulation
-    # boundaries, or set_copy_grads): holding them for a batched call would keep the originals
-    # alive beside the copies, so each gradient gets its own call
-    copies_each: bool = False
-    # config blocks: the final graphs are compiled as block regions, so a call never spans a
-    # block boundary (passes/zero3.group_reduces, blocks.cut_at_blocks)
-    by_block: bool = False
-
-
-# The layout of the runtime this process initialised (api.initialize); None: none yet.
-REDUCE_LAYOUT: ReduceLayout | None = None
 
 _REGISTERED = False
 C = None  # the compiled extension module, once loaded
@@ -67,7 +31,7 @@ def _define_block_ops() -> None:
     parameter id as a 0-d CPU tensor instead of an int (deepcompile/compile/nested.py). Inside a decoder
     block traced once as a nested region, an int id would be a constant of the traced body and
     no two layers would share it; a tensor id is one more input of the body. The full shape and
-    dtype (which the int form reads from :data:`PARAMS` by id) come as arguments, the same for
+    dtype (which the int form reads from the parameter registry by id) come as arguments, the same for
     every layer of a block. They exist only between Dynamo and our first pass: every compiled
     graph gets them back as the int forms (``nested.resolve_ids``); the eager impls (a model run
     outside the compile) call the int forms."""
@@ -113,11 +77,12 @@ def _meta(pid: int) -> ParamMeta:
         from deepcompile.compat import fx as fx_compat
 
         pid = fx_compat.size_hint(pid, -1)
+    params = state.current().params
     try:
-        return PARAMS[pid]
+        return params[pid]
     except KeyError:
         raise RuntimeError(
-            f"deepcompile: unknown parameter id {pid} while tracing; parameters known: {len(PARAMS)}. "
+            f"deepcompile: unknown parameter id {pid} while tracing; parameters known: {len(params)}. "
             "Was the model initialised with deepcompile.initialize in this process?"
         ) from None
 
@@ -216,8 +181,8 @@ def ensure_registered():
     for op in (torch.ops.dc.reduce_grad.default, torch.ops.dc.reduce_grads.default):
         if not inductor_compat.never_reuse_inputs(op, on_failure=lambda: C.set_copy_grads(True)):
             C.set_copy_grads(True)
-    from deepcompile.runtime import offload, optimizer_state
-
-    offload.define_ops(optimizer_state.OPS)
+    # their kernels act on the current runtime state's copy engine and optimizer-state manager
+    offload.define_ops({**offload.activation_ops(lambda: state.current().offload),
+                        **optimizer_state.graph_ops(lambda: state.current().optimizer_state)})
     _REGISTERED = True
     return C

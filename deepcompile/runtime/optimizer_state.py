@@ -28,13 +28,17 @@ from typing import Callable
 
 import torch
 
-from deepcompile.runtime.offload import ENGINE
+from deepcompile.runtime.offload import CopyEngine
 
 MIB = 2 ** 20
 
 
 class OptimizerStateOffload:
-    def __init__(self):
+    """The offload of one optimizer's state through ``engine`` (the runtime state's copy engine;
+    None: one of its own)."""
+
+    def __init__(self, engine: CopyEngine | None = None):
+        self.engine = engine if engine is not None else CopyEngine()
         self.opt: torch.optim.Optimizer | None = None
         self.target: int | None = 0          # bytes to offload; None = all
         self.room: int | None = None         # device bytes the step may use (limit - headroom); None: unknown
@@ -125,7 +129,7 @@ class OptimizerStateOffload:
             return
         moved = []
         for key, t in self.choose():
-            if ENGINE.offload(t, key, defer_free=self.defer):
+            if self.engine.offload(t, key, defer_free=self.defer):
                 moved.append((key, t))
         self.offloaded = moved
         self._next_release = self._next_reload = 0
@@ -144,13 +148,13 @@ class OptimizerStateOffload:
         started = False
         while self._next_reload < len(self.offloaded):
             key, t = self.offloaded[self._next_reload]
-            p = ENGINE.find(t, key)
+            p = self.engine.find(t, key)
             if p is not None and p.state == "offloaded":
                 if free is not None:
                     if p.nbytes > free:
                         break  # keep the order: the next call finds more room
                     free -= p.nbytes
-                ENGINE.reload(t, key)
+                self.engine.reload(t, key)
                 started = True
             self._next_reload += 1
         if started:
@@ -163,9 +167,9 @@ class OptimizerStateOffload:
         need = None if (reserve_bytes < 0 or self.room is None) else self.memory_now() + reserve_bytes - self.room
         while self._next_release < len(self.offloaded) and (need is None or need > 0):
             key, t = self.offloaded[self._next_release]
-            p = ENGINE.find(t, key)
+            p = self.engine.find(t, key)
             if p is not None and p.state == "copying":
-                ENGINE.release(t, key)
+                self.engine.release(t, key)
                 self.stats["released_bytes"] += p.nbytes
                 if need is not None:
                     need -= p.nbytes
@@ -174,12 +178,12 @@ class OptimizerStateOffload:
     def bring_back(self) -> None:
         late = False
         for key, t in self.offloaded:
-            p = ENGINE.find(t, key)
+            p = self.engine.find(t, key)
             if p is not None and p.state == "offloaded":
                 late = True
             if p is not None and p.state == "copying":
                 self.stats["kept_on_device_bytes"] += p.nbytes
-            ENGINE.wait(t, key)
+            self.engine.wait(t, key)
         if late:
             self.stats["late_reloads"] += 1
         self.offloaded = []
@@ -193,19 +197,16 @@ def _allocated() -> int:
     return torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
 
 
-MANAGER = OptimizerStateOffload()
+def graph_ops(manager: Callable[[], OptimizerStateOffload]) -> dict:
+    """{schema: kernel} of the graph's optimizer-state ops, acting on ``manager()`` (the current
+    runtime state's, resolved at each call), defined with the offload engine's ops (runtime/offload.py)."""
+    def reload_optimizer_state(anchor: torch.Tensor, reserve_bytes: int) -> None:
+        manager().reload_from_graph(reserve_bytes)
 
+    def release_optimizer_state(anchor: torch.Tensor, reserve_bytes: int) -> None:
+        manager().release_from_graph(reserve_bytes)
 
-def _reload_optimizer_state(anchor: torch.Tensor, reserve_bytes: int) -> None:
-    MANAGER.reload_from_graph(reserve_bytes)
-
-
-def _release_optimizer_state(anchor: torch.Tensor, reserve_bytes: int) -> None:
-    MANAGER.release_from_graph(reserve_bytes)
-
-
-# the graph's optimizer-state ops, defined with the offload engine's ops (runtime/offload.py)
-OPS = {
-    "reload_optimizer_state(Tensor(a!) anchor, int reserve_bytes) -> ()": _reload_optimizer_state,
-    "release_optimizer_state(Tensor(a!) anchor, int reserve_bytes) -> ()": _release_optimizer_state,
-}
+    return {
+        "reload_optimizer_state(Tensor(a!) anchor, int reserve_bytes) -> ()": reload_optimizer_state,
+        "release_optimizer_state(Tensor(a!) anchor, int reserve_bytes) -> ()": release_optimizer_state,
+    }

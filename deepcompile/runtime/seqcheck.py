@@ -37,9 +37,6 @@ import torch.distributed as dist
 
 _INIT_COUNT = itertools.count()
 
-# (graph_id, kind) -> {"op:id": node name}; merged and pushed to the runtime at every compile
-_NODES: dict[tuple[int, str], dict[str, str]] = {}
-
 _FUSED = {"allgather_params", "gather_persistent_many", "wait_allgather_many", "gather_persistent_start",
           "gather_persistent_wait"}  # the runtime names these by their first id
 
@@ -66,7 +63,13 @@ def _op_key(node) -> str | None:
 
 
 def register_nodes(graph_id: int, kind: str, gm) -> None:
-    """Record which node of this graph calls each runtime op and push the table to the runtime."""
+    """Record which node of this graph calls each runtime op (in the runtime state's ``op_nodes``)
+    and push the merged table to the runtime; nothing without a runtime state."""
+    from deepcompile.runtime import state
+
+    if not state.active():
+        return
+    nodes = state.current().op_nodes
     table: dict[str, str] = {}
     for node in gm.graph.nodes:
         key = _op_key(node)
@@ -76,9 +79,9 @@ def register_nodes(graph_id: int, kind: str, gm) -> None:
             for ident in node.args[1]:  # the runtime enters it once per gradient, with its id
                 if isinstance(ident, int):
                     table.setdefault(f"reduce_grads:{ident}", node.name)
-    _NODES[(graph_id, kind)] = table
+    nodes[(graph_id, kind)] = table
     merged: dict[str, list[str]] = {}
-    for (gid, k), t in sorted(_NODES.items()):
+    for (gid, k), t in sorted(nodes.items()):
         for key, name in t.items():
             label = f"{name} of graph {gid} {k}"
             merged.setdefault(key, []).append(label)
@@ -87,10 +90,6 @@ def register_nodes(graph_id: int, kind: str, gm) -> None:
 
     if ops.C is not None and ops.C.is_initialized():
         ops.C.set_node_names({k: " or ".join(v) for k, v in merged.items()})
-
-
-def clear_nodes() -> None:
-    _NODES.clear()
 
 
 class SequenceCheck:

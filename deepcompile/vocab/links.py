@@ -28,7 +28,7 @@ class CommModel:
 @dataclass(frozen=True)
 class ReplicateLink:
     """The second link of hybrid sharding (config ``mesh.shard``, HSDP): the gradient all-reduce
-    across replicas, measured on the replicate group by ``profile.profiler.benchmark_allreduce``.
+    across replicas, measured on the replicate group by ``profile.comm_bench.benchmark_allreduce``.
 
     ``comm`` is the alpha-beta line of one ``all_reduce`` of a buffer of ``x`` bytes on that group
     (its ``bytes_per_us``: bytes reduced per microsecond, not the gathers' output bytes). The

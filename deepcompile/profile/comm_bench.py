@@ -1,0 +1,77 @@
+"""Communication micro-benchmarks of the profiling step: allgather (the shard group's gathers and
+reduce-scatters) and all-reduce (hybrid sharding's replicate group) timed by message size on the
+real process group, fitted to the alpha-beta :class:`~deepcompile.vocab.links.CommModel` the cost
+model prices collectives with.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from deepcompile.compat import c10d as c10d_compat
+from deepcompile.vocab.links import CommModel
+
+
+def benchmark_comm(group=None, device=None, sizes=None, reps: int = 3) -> CommModel:
+    """Time allgather by output size on the real process group; fit latency + bytes/bandwidth."""
+    world = dist.get_world_size(group)
+
+    def run(nbytes, device):
+        n = max(world, nbytes // 2 // world * world)
+        out = torch.empty(n, dtype=torch.bfloat16, device=device)
+        inp = torch.ones(n // world, dtype=torch.bfloat16, device=device)
+        return float(out.numel() * out.element_size()), lambda: c10d_compat.all_gather_single(out, inp, group)
+
+    return _fit_collective(run, device, sizes, reps)
+
+
+def benchmark_allreduce(group, device=None, sizes=None, reps: int = 3) -> CommModel:
+    """Time ``all_reduce`` by buffer size on ``group`` (hybrid sharding's replicate group: the
+    gradient all-reduce across replicas); fit latency + bytes/bandwidth, bytes being the reduced
+    buffer's. Measured apart from the shard group's gathers because across nodes the two links
+    differ by an order of magnitude (NVLink within a node, the network between)."""
+    def run(nbytes, device):
+        # the reduce dtype of the runtime's default (fp32 gradients)
+        buf = torch.ones(max(1, nbytes // 4), dtype=torch.float32, device=device)
+        return float(buf.numel() * buf.element_size()), lambda: dist.all_reduce(buf, group=group)
+
+    return _fit_collective(run, device, sizes, reps)
+
+
+def _fit_collective(run, device, sizes, reps: int) -> CommModel:
+    """Time ``run(nbytes, device)``'s collective at each size (median of ``reps`` after a warm-up)
+    and fit ``alpha + bytes / bandwidth`` by least squares."""
+    device = device or torch.device("cpu")
+    if sizes is None:
+        top = 64 << 20 if device.type == "cuda" else 4 << 20
+        sizes = [1 << k for k in range(16, top.bit_length())]
+    xs, ys = [], []
+    for nbytes in sizes:
+        x, fn = run(nbytes, device)
+        times = []
+        for r in range(reps + 1):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if r:
+                times.append((time.perf_counter() - t0) * 1e6)
+        xs.append(x)
+        ys.append(sorted(times)[len(times) // 2])
+        del fn
+    if device.type == "cuda" and xs:
+        # its buffers (up to 64 MiB) are no part of the training step's memory: the allocator's
+        # peak starts again without them (the step's peak is read after this, steps.jsonl)
+        torch.cuda.reset_peak_memory_stats()
+    # least squares y = alpha + x / beta
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs) or 1.0
+    slope = max(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx, 1e-12)
+    alpha = max(my - slope * mx, 0.0)
+    copy_bw = 2e6 if device.type == "cuda" else 5e3
+    return CommModel(alpha_us=alpha, bytes_per_us=1.0 / slope, copy_bytes_per_us=copy_bw)
