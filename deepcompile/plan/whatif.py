@@ -21,8 +21,8 @@ default ZeRO-3 plan) a parameter left out is ``"auto"`` too, else it takes its d
 The step: the cost model's GPU timeline (which on a GPU profile includes the host's launch
 time per op, ``profile.host.HOST_US``: a host-bound step takes the host's pace), at least the
 record's measured host time per step where its steps carry one (``host_s``). On a CPU record the
-step is calibrated to the record's own measured steady step (``WhatIf.calibration``): the CPU
-profile times each node alone under the profiler, off by the same factor for every plan. The
+step adds what the record's own plan measured beyond the model (``WhatIf.calibration``, ms): the
+passes change only collectives, and what the model leaves out is the same for every plan. The
 peak: :func:`deepcompile.plan.memory.plan_memory`, split into the record's categories.
 
 Compared with what 2 H200s measured (``benchmarks/plan_offline.py --compare``, results in
@@ -87,7 +87,7 @@ class WhatIf:
     plan: dict | None = None       # the planner's choice when something was "auto"
     measured: dict = field(default_factory=dict)       # the record's own step/peak, to show beside it
     model_step_ms: float = 0.0     # the cost model's step before calibration (== step_ms when none)
-    calibration: float | None = None   # measured / predicted step of the record's own plan, where applied
+    calibration: float | None = None   # ms the record's own plan measured beyond the model (CPU), added
     limit_bytes: int | None = None     # the memory limit the prediction was asked to fit, where one was given
     warnings: list = field(default_factory=list)   # what the caller must see: a limit the plan cannot fit
 
@@ -143,7 +143,8 @@ def prediction(run_dir, rank: int = 0, passes=None) -> tuple[WhatIf | None, str]
         w = predict_run(run_dir, ps, rank=rank)
     except Exception as e:   # a record that cannot answer (no profile, no zero3 graphs): say why
         return None, f"no prediction from this record: {type(e).__name__}: {e}"
-    cal = (f"; calibrated to this run's measured step (x{w.calibration:.3g})" if w.calibration is not None else "")
+    cal = (f"; calibrated to this run's measured step ({w.calibration:+.1f} ms the model leaves out)"
+           if w.calibration is not None else "")
     return w, (f"{w.headline()} — plan.whatif on {'these passes' if passes is not None else 'the run’s own passes'}: "
                f"{describe_passes(ps)}{cal}")
 
@@ -264,12 +265,13 @@ def _own_passes(b: RecordBase) -> list | None:
 
 
 def _calibration(b: RecordBase) -> float | None:
-    """On a CPU record: the record's measured steady step over the model's prediction of the
-    record's own plan. The CPU profile times each node alone under the profiler, which costs
-    several times the node itself on a small model (the 2-rank tiny-GPT demo: 3.1 s predicted
-    against 0.27 s measured), and the same for every plan, so the ratio carries over to the
-    plans the what-if compares. On a GPU the profile's CUDA-event latencies and the host model
-    stand as they are (within 2-10% of the 2-H200 runs): None."""
+    """On a CPU record: the milliseconds a step of the record's own plan measured beyond what the
+    model predicts for it, added to every plan's prediction. The passes change only the
+    collectives; what the model leaves out (the autograd engine, the compiled code's Python, the
+    optimizer's hooks, the profiler's own per-node cost) is the same for every plan, so it is
+    an offset, not a factor: an edit that adds communication adds its modelled time on top. On
+    a GPU the profile's CUDA-event latencies and the host model stand as they are (within 2-10%
+    of the 2-H200 runs): None."""
     if b.calibration is not False:
         return b.calibration
     b.calibration = None
@@ -280,8 +282,7 @@ def _calibration(b: RecordBase) -> float | None:
             w = _predict_run(b.path, own, b.rank, None, b, calibrate=False)
         except (ConfigError, WhatIfError):
             return None
-        if w.model_step_ms > 0:
-            b.calibration = float(b.measured["step_ms"]) / w.model_step_ms
+        b.calibration = float(b.measured["step_ms"]) - w.model_step_ms
     return b.calibration
 
 
@@ -398,19 +399,18 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     model_step = step
     cal = _calibration(b) if calibrate else None
     if cal is not None:
-        step = model_step * cal
+        step = max(model_step + cal, 0.1 * model_step)
         notes.append(f"calibrated to this run: its own plan measured {b.measured['step_ms']:.1f} ms a step where the "
-                     f"model says {model_step / cal:.1f} ms (CPU profile: each node timed alone under the profiler), so "
-                     f"the model's {model_step:.1f} ms is scaled by {cal:.3g}")
+                     f"model says {b.measured['step_ms'] - cal:.1f} ms; the {cal:+.1f} ms the model leaves out of every "
+                     f"plan on the CPU (autograd, the compiled code's Python, hooks) is added to the model's "
+                     f"{model_step:.1f} ms")
     if b.accumulation > 1:
         notes.append(f"gradient accumulation {b.accumulation}: graphs x{b.accumulation}, kept parameters gathered once")
     notes.append(f"memory: {pm.summary()}; kept {len(kept_ids)} parameter(s) gathered ({kept / MIB:.0f} MiB), "
                  f"prefetch up to {ahead / MIB:.0f} MiB ahead")
-    # the schedule in the step's own time base: calibrated like the step, so its bars and the
-    # step it reports are one prediction
-    k = cal if cal is not None else 1.0
+    # the schedule as the model has it: the calibration is time outside the graphs' nodes
     sched = [{"graph_id": e["graph_id"], "kind": e["kind"], "node": e["node"], "stream": e["stream"],
-              "start_ms": k * e["start_us"] / 1e3, "end_ms": k * e["end_us"] / 1e3, "source": "predicted"}
+              "start_ms": e["start_us"] / 1e3, "end_ms": e["end_us"] / 1e3, "source": "predicted"}
              for e in p["events"]]
     asked = int(memory_limit_gib * GIB) if memory_limit_gib else None
     warnings: list[str] = []
