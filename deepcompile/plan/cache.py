@@ -235,8 +235,6 @@ class PlanCache:
                 "world": dist.get_world_size(model.dc_state.group), "shard_world": dist.get_world_size(model.dc_state.shard_group),
                 "backend": str(dist.get_backend(model.dc_state.group)), "device": name, "capacity_bytes": int(cap),
                 "optimizer": _optimizer_facts(model),
-                "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("DEEPCOMPILE_")
-                        and not k.startswith("DEEPCOMPILE_RECORD_") and k != "DEEPCOMPILE_PLAN_CACHE_DIR"},
                 "torch": torch.__version__, "deepcompile": __version__, "source": source_digest()}
 
     def files(self) -> str:

@@ -19,6 +19,8 @@ import weakref
 import torch
 import torch.fx as fx
 
+from deepcompile.vocab.memory import MEMORY_CATEGORIES
+
 
 def storages(v, out: dict) -> None:
     """Add each storage under ``v`` (a tensor, or lists and tuples of them) to ``out``: data_ptr -> bytes."""
@@ -215,10 +217,9 @@ class _StepSplit:
         if cuda:
             cats["activations"] = max(0, int(peak) - sum(cats.values()))
         cats["offloaded"] = off
-        return {k: int(cats[k]) for k in _CATEGORY_ORDER if k in cats}
+        return {k: int(cats[k]) for k in MEMORY_CATEGORIES if k in cats}
 
 
-_CATEGORY_ORDER = ("parameter_shards", "gathered", "gradients", "optimizer_state", "activations", "offloaded")
 STEP_SPLIT_HOW = {
     "cuda": "the step's allocator peak (max_memory_allocated, reset every step) split: shards, optimizer state, "
             "offloaded exact; gathered and the reduce buckets at their high-water marks this step (runtime "
@@ -250,7 +251,7 @@ def take_memory_timeline(compiled: dict, step: int = -1, optimizer_ms: float = 0
     record's ``memory.json.gz`` form (``record.schema``), and forget it. ``compiled``: the
     backend's (graph_id, kind) -> graph module, naming the graphs that ran; the optimizer step
     adds one last sample (its measured peak on GPU; on CPU what it holds: shards, gradients, state)."""
-    from deepcompile.vocab.memory import DEVICE_CATEGORIES, MEMORY_CATEGORIES
+    from deepcompile.vocab.memory import DEVICE_CATEGORIES
 
     sm = current_step_memory()
     if sm is None:
