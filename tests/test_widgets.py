@@ -879,6 +879,39 @@ def test_what_each_pass_bought_in_every_view(planned_run, tmp_path):
     assert "dc-pass-table" in report and f"{rows[1].step_ms:.1f} ms" in report
 
 
+def test_graph_coloured_by_the_cost_models_error(planned_run, tmp_path):
+    """Predicted against measured per node: plan.accuracy pairs the what-if of the run's own
+    passes with the record's measured step node by node; the graph colours each box by the
+    error it holds, the node detail states both times, the report lists the largest."""
+    from deepcompile.plan.accuracy import node_errors
+    from deepcompile.plan.whatif import prediction
+    from deepcompile.record.reader import read_run
+    from deepcompile.report.html import render_report
+    from deepcompile.widgets.graph_view import GraphModel
+
+    rows = node_errors(planned_run)
+    assert rows, "the demo's record has a measured step and a prediction"
+    assert [abs(r.error_us) for r in rows] == sorted((abs(r.error_us) for r in rows), reverse=True)
+    rec = read_run(planned_run)
+    w, _ = prediction(planned_run)
+    r = rows[0]
+    meas = sum(e["end_us"] - e["start_us"] for e in rec.schedule["events"]
+               if e.get("source") == "measured" and (e["graph_id"], e["kind"], e["node"]) == (r.graph_id, r.kind, r.node))
+    pred = sum(e["end_ms"] - e["start_ms"] for e in w.schedule
+               if (e["graph_id"], e["kind"], e["node"]) == (r.graph_id, r.kind, r.node)) * 1e3
+    assert r.measured_us == pytest.approx(meas, abs=1e-2) and r.predicted_us == pytest.approx(pred, abs=1e-2)
+
+    g = GraphModel(rec, use_dot=False)
+    g.kind, g.version = r.kind, len(g.versions()) - 1
+    g.set_color("error")
+    lg = g.legend()
+    assert lg["mode"] == "error" and lg["compared"] > 0 and lg["max"] >= abs(r.error_us) - 1e-6, lg
+    detail = g.node_detail_html(r.node)
+    assert "cost model" in detail and "predicted" in detail and "measured" in detail, detail
+    report = render_report(planned_run, tmp_path / "r.html").read_text()
+    assert "dc-model-errors" in report and r.node in report
+
+
 def test_reset_clears_the_whatif_and_a_low_limit_warns(planned_run):
     """Controls back to the recorded values: no edited prediction left in the table, no what-if
     lane left in the Schedule tab. A memory limit below the predicted peak re-plans or says, in

@@ -108,6 +108,7 @@ class GraphDetailMixin:
                 "bytes": b, "bytes_label": fmt_bytes(b),
                 "latency_us": t, "latency_label": fmt_us(t) if t is not None else "—",
                 "latency_source": source if t is not None else None,
+                "model": self.node_error_us([n]).get(name) if self.color_by == "error" else None,
                 "scope": effective_scope(n, self.pscopes), "box": chains[idx][-1], "source": n.get("source"),
                 "params": [{"id": p, "name": names.get(p, str(p))} for p in pids], "moved": moved,
                 "inputs": E.inputs_of(n), "users": [u["name"] for u in nodes if name in E.inputs_of(u)]}
@@ -124,6 +125,9 @@ class GraphDetailMixin:
                 ("shape", f"{d['shape']} {d['dtype'] or ''}"), ("output", d["bytes_label"]),
                 ("latency", d["latency_label"] + (f" ({d['latency_source']})" if d["latency_source"] else "")),
                 ("module", d["scope"] or "—"), ("source", d["source"] or "—")]
+        if d.get("model"):
+            mo = d["model"]
+            rows.append(("cost model", f"predicted {fmt_us(mo['predicted_us'])}, measured {fmt_us(mo['measured_us'])}"))
         if d["params"]:
             rows.append(("params", ", ".join(f"{p['id']} {p['name']}" for p in d["params"])))
         m = d["moved"]
@@ -159,18 +163,24 @@ class GraphDetailMixin:
 
     def _legend(self, nodes, status, chains) -> dict:
         lg: dict
-        if self.color_by in ("latency", "memory"):
+        if self.color_by in ("latency", "memory", "error"):
             tot = self._box_totals(nodes, chains)
             lo, hi = (min(tot.values()), max(tot.values())) if tot else (0.0, 0.0)
-            fmt = fmt_us if self.color_by == "latency" else fmt_bytes
-            lg = {"mode": self.color_by, "unit": "µs" if self.color_by == "latency" else "bytes",
-                  "title": "latency per box" if self.color_by == "latency" else "output bytes per box",
+            fmt = fmt_bytes if self.color_by == "memory" else fmt_us
+            title = {"latency": "latency per box", "memory": "output bytes per box",
+                     "error": "cost model error per box, |measured − predicted|"}[self.color_by]
+            lg = {"mode": self.color_by, "unit": "bytes" if self.color_by == "memory" else "µs", "title": title,
                   "min": lo, "max": hi, "min_label": fmt(lo), "max_label": fmt(hi),
                   "stops": [_ramp(x) for x in RAMP_STOPS]}
             if self.color_by == "latency":
                 have = sum(1 for n in nodes if (self.graph_id, self.kind, n["name"]) in self.timings)
                 lg["source"] = "measured" if have >= len(nodes) // 2 and have else "estimated"
                 lg["title"] += f" ({lg['source']})"
+            if self.color_by == "error":
+                n_cmp = len(self.node_error_us(nodes))
+                lg["compared"] = n_cmp
+                lg["title"] += (f" ({n_cmp} nodes compared)" if n_cmp else
+                                " (no measured step in this record to compare with)")
         else:
             kinds = sorted({c for n in nodes if (c := E.comm_kind(n))})
             lg = {"mode": "kind", "items": [("compute", L.COMPUTE_COLOR), ("inputs/outputs", L.IO_COLOR)]

@@ -28,7 +28,7 @@ from .graph_groups import collapse_keys, key_chains
 if TYPE_CHECKING:
     from .graph_view import GraphModel
 
-COLOR_MODES = ("kind", "latency", "memory")
+COLOR_MODES = ("kind", "latency", "memory", "error")
 DIFF_COLORS = {"added": "#2a9d8f", "removed": "#e63946", "moved": "#457b9d"}
 DIFF_SYMBOLS = {"added": "+", "removed": "−", "moved": "⇡"}   # chip symbol: colour and shape both differ
 MATCH_COLOR = "#d00000"
@@ -59,7 +59,7 @@ def legend_html(lg: dict) -> str:
     sw = ('<span style="display:inline-block;width:11px;height:11px;border-radius:2px;vertical-align:-1px;'
           'margin:0 3px 0 8px;background:{c};border:1px solid #999"></span>')
     parts = []
-    if lg.get("mode") in ("latency", "memory"):
+    if lg.get("mode") in ("latency", "memory", "error"):
         grad = ", ".join(lg["stops"])
         parts.append(f'<b>{e(lg["title"])}</b> <span class="dc-legend-min">{e(lg["min_label"])}</span>'
                      f'<span style="display:inline-block;width:140px;height:11px;margin:0 6px;vertical-align:-1px;'
@@ -223,6 +223,10 @@ class GraphRenderMixin:
         if self.color_by == "latency":
             per = self.node_latency_us(nodes)
             return (lambda idx: sum(per.get(nodes[i]["name"], 0.0) for i in idx)), fmt_us
+        if self.color_by == "error":
+            err = self.node_error_us(nodes)
+            return (lambda idx: sum(abs(err[nodes[i]["name"]]["error_us"]) for i in idx
+                                    if nodes[i]["name"] in err)), fmt_us
         if self.color_by == "memory":
             return (lambda idx: float(sum(E.node_bytes(nodes[i]) for i in idx
                                           if nodes[i]["op"] not in ("placeholder", "get_attr", "output")))), fmt_bytes

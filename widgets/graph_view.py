@@ -60,6 +60,7 @@ class GraphModel(GraphDetailMixin, GraphRenderMixin):
         self.pscopes = L.param_scopes(record.graphs)
         self.use_dot = use_dot
         self.timings = timings or {}   # (graph_id, kind, node name) -> latency µs (schedule/profile)
+        self._errors: dict | None = None  # (graph_id, kind, node) -> plan.accuracy's row, read when first asked
         self.graph_id: int | None = record.graph_ids[0] if record.graph_ids else None
         self.kind: str | None = None
         self.version = 0               # index into versions(graph_id, kind)
@@ -277,6 +278,25 @@ class GraphModel(GraphDetailMixin, GraphRenderMixin):
             if q in n["name"].lower() or q in n["target"].lower() or q in scope.lower():
                 out.append({"name": n["name"], "target": n["target"], "scope": scope, "group": k})
         return out
+
+    def errors(self) -> dict:
+        """(graph_id, kind, node) -> {"predicted_us", "measured_us", "error_us"}: the cost model's
+        prediction of the record's own plan against the record's measured step
+        (``plan.accuracy.node_errors``), worked out once; {} where the record has no measured step."""
+        if self._errors is None:
+            from deepcompile.plan.accuracy import node_errors
+
+            try:
+                rows = node_errors(self.rec.path, self.rec.rank)
+            except Exception:   # a record that cannot be predicted: nothing to colour
+                rows = []
+            self._errors = {(r.graph_id, r.kind, r.node): r.to_dict() for r in rows}
+        return self._errors
+
+    def node_error_us(self, nodes: list[dict]) -> dict[str, dict]:
+        """Node name -> its predicted/measured row, for the shown graph."""
+        err = self.errors()
+        return {n["name"]: err[k] for n in nodes if (k := (self.graph_id, self.kind, n["name"])) in err}
 
     def node_latency_us(self, nodes: list[dict]) -> dict[str, float]:
         """Latency per node: the record's (profile or schedule) where present, else the naive estimate."""

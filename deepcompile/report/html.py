@@ -225,7 +225,8 @@ def _section_prediction(run_dir, rank: int, passes: list | None) -> str:
     w, line = prediction(run_dir, rank, passes)
     warn = "".join(f"<p class='note warning'>{esc(x)}</p>" for x in (w.warnings if w else []))
     return (f"<section id='prediction'><h2>Prediction</h2><p class='dc-prediction'>{esc(line)}</p>{warn}"
-            + (_pass_table_html(run_dir, rank, passes) if w is not None else "") +
+            + (_pass_table_html(run_dir, rank, passes) if w is not None else "")
+            + (_model_errors_html(run_dir, rank) if w is not None and passes is None else "") +
             "<p class='note'>One prediction engine behind every view: the inspector's Passes tab, its Schedule "
             "what-if lane and <code>deepcompile inspect</code> give these numbers for the same passes.</p></section>")
 
@@ -249,6 +250,24 @@ def _pass_table_html(run_dir, rank: int, passes: list | None) -> str:
                "the parameters the whole list resolved to; exposed communication is collective time the compute "
                "stream waits for.</p>")
     return "".join(out)
+
+
+def _model_errors_html(run_dir, rank: int, top: int = 10) -> str:
+    """The nodes the cost model prices most wrong against the record's measured step
+    (``plan.accuracy.node_errors``); the inspector's graph colours every node by it."""
+    from deepcompile.plan.accuracy import node_errors
+
+    rows = node_errors(run_dir, rank)
+    if not rows:
+        return ""
+    body = "".join(f"<tr><td>{r.graph_id} {esc(r.kind)}</td><td>{esc(r.node)}</td><td>{esc(r.stream)}</td>"
+                   f"<td class=num>{fmt_us(r.predicted_us)}</td><td class=num>{fmt_us(r.measured_us)}</td>"
+                   f"<td class=num>{r.error_us / 1e3:+.2f} ms</td></tr>" for r in rows[:top])
+    return ("<h3>Where the cost model is wrong</h3><table class='dc-model-errors'><tr><th>graph</th><th>node</th>"
+            "<th>stream</th><th>predicted</th><th>measured</th><th>measured − predicted</th></tr>" + body +
+            f"</table><p class='note'>The {min(top, len(rows))} largest of {len(rows)} nodes compared: the "
+            "prediction of the run's own passes against its measured step, node by node (the inspector's graph, "
+            "coloured by <i>error</i>, shows every node).</p>")
 
 
 def _section_schedule(rec: RunRecord, events: list[dict], source: str, figs: _Figures, notes: list[str]) -> str:

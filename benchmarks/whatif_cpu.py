@@ -1,0 +1,99 @@
+"""The what-if's predictions on the CPU, against runs that measure them.
+
+Runs the CPU demo (2 gloo ranks) with its default plan, then once per edit with that edit's pass
+values (what the inspector's Run launches), and predicts every edit from the first run's record
+(``plan.whatif.predict_run``, what the inspector's Passes tab shows). Each run in its own
+processes, one after the other; the step is each run's steady median.
+
+    python benchmarks/whatif_cpu.py --steps 40 --out benchmarks/results/whatif_vs_measured_cpu.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+PASSES = "zero3,prefetch,selective_unshard"
+# (label, --pass-param values the run gets, the same values as the what-if's pass list)
+EDITS = [
+    ("selective_unshard 0, prefetch budget 0", {"selective_unshard.budget_mb": 0, "prefetch.budget_mb": 0}),
+    ("selective_unshard 0.25 MiB, prefetch budget 0", {"selective_unshard.budget_mb": 0.25, "prefetch.budget_mb": 0}),
+    ("selective_unshard 0, prefetch 64 MiB unfused", {"selective_unshard.budget_mb": 0, "prefetch.budget_mb": 64,
+                                                        "prefetch.fuse_mb": 0}),
+    ("selective_unshard 0, prefetch 0 unfused", {"selective_unshard.budget_mb": 0, "prefetch.budget_mb": 0,
+                                                  "prefetch.fuse_mb": 0}),
+]
+
+
+def demo(out: str, steps: int, params: dict | None) -> None:
+    cmd = [sys.executable, "-m", "deepcompile", "demo", "--cpu", "--ranks", "2", "--steps", str(steps), "--out", out]
+    if params is not None:
+        cmd += ["--passes", PASSES]
+        for k, v in params.items():
+            cmd += ["--pass-param", f"{k}={v}"]
+    print(" ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, timeout=1800)
+
+
+def passes_of(params: dict) -> list[dict]:
+    """The what-if's pass list for a run's --pass-param values: every pass of PASSES, its edited
+    values, and the declared defaults for the rest (what the run compiled)."""
+    import dataclasses
+
+    from deepcompile.passes import PASSES as REG
+
+    out = []
+    for name in PASSES.split(","):
+        full = dataclasses.asdict(REG[name].params_cls())
+        full.update({k.split(".", 1)[1]: v for k, v in params.items() if k.split(".", 1)[0] == name})
+        out.append({"name": name, "params": full})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out", default=None, help="JSON to write (default: print only)")
+    args = ap.parse_args()
+
+    from deepcompile.plan.whatif import own_passes, predict_run
+    from deepcompile.record.reader import read_run
+    from deepcompile.record.steps import steady_median_ms
+
+    work = tempfile.mkdtemp(prefix="whatif_cpu_")
+    t0 = time.time()
+    base = os.path.join(work, "base")
+    demo(base, args.steps, None)
+    runs = [("recorded plan", base, own_passes(base))]
+    for i, (label, params) in enumerate(EDITS):
+        d = os.path.join(work, f"edit{i}")
+        demo(d, args.steps, params)
+        runs.append((label, d, passes_of(params)))
+    rows = []
+    for label, d, passes in runs:
+        rec = read_run(d)
+        measured, n = steady_median_ms(rec.steps, rec.config)
+        w = predict_run(base, passes)
+        rows.append({"edit": label, "measured_ms": round(measured, 2), "steady_steps": n,
+                     "predicted_ms": round(w.step_ms, 2), "model_ms": round(w.model_step_ms, 2),
+                     "calibration_ms": None if w.calibration is None else round(w.calibration, 2),
+                     "error": round(w.step_ms / measured - 1, 4), "passes": passes})
+    result = {"benchmark": "whatif_cpu", "device": f"CPU ({platform.processor() or platform.machine()}, "
+                                                   f"{os.cpu_count()} cores), 2 gloo ranks",
+              "command": " ".join([os.path.basename(sys.argv[0])] + sys.argv[1:]), "steps": args.steps,
+              "seconds": round(time.time() - t0, 1), "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(f"{'edit':<48}{'measured':>10}{'predicted':>11}{'error':>8}")
+    for r in rows:
+        print(f"{r['edit']:<48}{r['measured_ms']:>8.1f}ms{r['predicted_ms']:>9.1f}ms{100 * r['error']:>+7.1f}%")
+
+
+if __name__ == "__main__":
+    main()
