@@ -1084,7 +1084,7 @@ def test_live_header_and_steps_tab_agree_at_every_poll(tmp_path):
 def test_live_steps_plot_each_steps_peak_by_category(tmp_path):
     """The live view stacks each step's peak by category (steps.jsonl's mem.by_category) as the
     steps are written, names the remainder as such, and says how the split was made; a CPU run
-    (no activations) draws its resident set as a line beside the bars, not in the stack."""
+    (no activations) draws its resident set as a line on its own axis, not in the stack."""
     pytest.importorskip("ipywidgets")
     from deepcompile.record.writer import RunRecorder
     from deepcompile.widgets import Inspector
@@ -1122,6 +1122,13 @@ def test_live_steps_plot_each_steps_peak_by_category(tmp_path):
     sm.poll()
     fig = sm.figure()
     assert {t.name for t in fig.data if t.type == "bar"} == {"parameter shards", "optimizer state"}
-    assert any(t.type == "scatter" and "resident set" in (t.name or "") for t in fig.data)
+    rss = [t for t in fig.data if t.type == "scatter" and "resident set" in (t.name or "")]
+    assert rss
+    # the resident set (6 MiB) is on its own axis: the categories' axis is scaled to their few KiB,
+    # so the bars are not slivers under the process's memory
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert all(t.yaxis == bars[0].yaxis for t in bars) and rss[0].yaxis != bars[0].yaxis
+    assert max(sum(t.y[0] for t in bars), 0) > 1.0        # in KiB-scaled units, not a fraction of MiB
+    assert "process" in fig.layout[rss[0].yaxis.replace("y", "yaxis")].title.text
     rec.close()
     rec2.close()

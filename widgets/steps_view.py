@@ -108,7 +108,8 @@ class StepsModel:
         # the step's peak by category where the writer split it (memory_split.step_split), else the
         # process memory per step: on GPU the allocator's high-water mark, on CPU the resident set
         mem_title = (f"memory per step by category (rank {shown})" if has_cat else "process memory per step")
-        fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (ms)", "loss", mem_title))
+        fig = make_subplots(rows=1, cols=3, subplot_titles=("step time (ms)", "loss", mem_title),
+                            specs=[[{}, {}, {"secondary_y": True}]])
         allmax = 0
         steady: list[float] = []
         for r, ss in sorted(self.steps.items()):
@@ -123,9 +124,17 @@ class StepsModel:
                                      line=dict(color=c), legendgroup=f"r{r}", showlegend=False), row=1, col=2)
             allmax = max([allmax] + [max([v for v in (s.get("mem") or {}).values() if isinstance(v, (int, float))],
                                          default=0) for s in ss])
-        unit, div = F.byte_unit(allmax)
         cat_steps = [(s["step"], self.by_category(s)) for s in self.steps.get(shown, [])]
         cat_steps = [(k, d) for k, d in cat_steps if d]
+        # on the CPU the steps carry the training state's categories and the process's resident set:
+        # two quantities hundreds of times apart, so the resident set gets its own axis (right) and
+        # the categories' axis is scaled to their stack
+        process_apart = bool(cat_steps) and not any("activations" in d for _, d in cat_steps)
+        stack_max = max((sum(v for c, v in d.items() if c != "offloaded") for _, d in cat_steps), default=0)
+        unit, div = F.byte_unit(stack_max if process_apart else allmax)
+        if process_apart and stack_max < 1 << 20:   # a small model's training state: KiB, not slivers of MiB
+            unit, div = "KiB", 1024.0
+        punit, pdiv = F.byte_unit(allmax)
         if cat_steps:
             cats = list(dict.fromkeys(c for _, d in cat_steps for c in d))
             for cat in cats:
@@ -138,13 +147,13 @@ class StepsModel:
                                      hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>" + name + "</extra>"),
                               row=1, col=3)
             peaks = [(s["step"], (s.get("mem") or {}).get("peak")) for s in self.steps.get(shown, [])]
-            if not any("activations" in d for _, d in cat_steps):
+            if process_apart:
                 # CPU: no allocator peak to split; the resident set is another quantity, drawn as a line
-                fig.add_trace(go.Scatter(x=[k for k, v in peaks if v], y=[v / div for _, v in peaks if v],
-                                         name=f"rank {shown} process resident set", mode="lines+markers",
+                fig.add_trace(go.Scatter(x=[k for k, v in peaks if v], y=[v / pdiv for _, v in peaks if v],
+                                         name=f"rank {shown} process resident set (right axis)", mode="lines+markers",
                                          line=dict(color="#333", dash="dot"), legendgroup="mem",
-                                         hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>resident set</extra>"),
-                              row=1, col=3)
+                                         hovertemplate="step %{x}: %{y:.1f} " + punit + "<extra>resident set</extra>"),
+                              row=1, col=3, secondary_y=True)
             fig.update_layout(barmode="stack")
         for r, ss in sorted(self.steps.items()):
             if cat_steps and r == shown:
@@ -152,13 +161,17 @@ class StepsModel:
             c = RANK_COLORS[r % len(RANK_COLORS)]
             xs = [s["step"] for s in ss]
             for key, dash in (("allocated", "solid"), ("reserved", "dot"), ("peak", "dash")):
-                ys = [((s.get("mem") or {}).get(key) or 0) / div for s in ss]
+                u, dv = (punit, pdiv) if process_apart else (unit, div)
+                ys = [((s.get("mem") or {}).get(key) or 0) / dv for s in ss]
                 if any(ys):
-                    fig.add_trace(go.Scatter(x=xs, y=ys, name=f"rank {r} {key}", mode="lines+markers",
-                                             line=dict(color=c, dash=dash), legendgroup=f"r{r}",
-                                             hovertemplate="step %{x}: %{y:.1f} " + unit + "<extra>rank " + str(r)
-                                             + " " + key + "</extra>"), row=1, col=3)
-        fig.update_yaxes(title_text=unit, row=1, col=3)
+                    fig.add_trace(go.Scatter(x=xs, y=ys, name=f"rank {r} {key}" + (" (right axis)" if process_apart else ""),
+                                             mode="lines+markers", line=dict(color=c, dash=dash), legendgroup=f"r{r}",
+                                             hovertemplate="step %{x}: %{y:.1f} " + u + "<extra>rank " + str(r)
+                                             + " " + key + "</extra>"), row=1, col=3, secondary_y=process_apart)
+        fig.update_yaxes(title_text=(f"training state, {unit}" if process_apart else unit), row=1, col=3,
+                         secondary_y=False)
+        if process_apart:
+            fig.update_yaxes(title_text=f"process, {punit}", row=1, col=3, secondary_y=True, showgrid=False)
         fig.update_xaxes(title_text="step", dtick=1 if self.n_steps() <= 20 else None)
         if steady:
             top = max(steady) * 1.3
