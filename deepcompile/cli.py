@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import sys
 import time
 import traceback
 from pathlib import Path
+
+from deepcompile.report.summary import summarize
 
 EXIT_USAGE = 2
 
@@ -113,6 +116,38 @@ def _builtin_gpt(batch: int, seed: int, world: int):
     return GPT(gcfg), make_batch
 
 
+class TimelineSamples:
+    """Which of the demo's steps run under the profiler, so that a live view shows the latest
+    measured step while training runs on: one steady step after ``WARM`` steady steps, then every
+    ``every`` steps, ``every`` chosen from what the last sample cost against the steady median so
+    that the samples take at most ``BUDGET`` of the run; and the last step (the record's final
+    timeline). Steps count from 1; the first steady one runs the final graphs (after the last
+    compile: optimizer step 0 and each scheduled re-compile)."""
+    WARM = 5
+    BUDGET = 0.02
+    MIN_EVERY = 10
+
+    def __init__(self, cfg, steps: int):
+        self.steps = steps
+        self.first_steady = max([e.step for e in (cfg.schedule or [])] + [0]) + 2
+        self.next = self.first_steady + self.WARM
+        self.steady: list[float] = []
+
+    def due(self, step: int) -> bool:
+        return (step == self.steps and self.steps > 1) or step == self.next
+
+    def done(self, step: int, dt: float, sampled: bool) -> bool:
+        """Note a step's time; True when it was a sample whose timeline to publish now."""
+        if not sampled:
+            if step >= self.first_steady:
+                self.steady.append(dt)
+            return False
+        med = sorted(self.steady)[len(self.steady) // 2] if self.steady else dt
+        cost = max(0.0, dt - med) / med   # the sample's extra time, in steps
+        self.next = step + max(self.MIN_EVERY, math.ceil(cost / self.BUDGET))
+        return step < self.steps
+
+
 def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps: int, out: str,
                batch: int, seed: int, factory: str | None = None, timeout_s: float = 600.0,
                command: dict | None = None) -> None:
@@ -150,6 +185,7 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
         model, opt = initialize(user_model, lambda ps: torch.optim.AdamW(ps, lr=3e-3), cfg)
         rec = RunRecorder(out, rank, world, model.dc_config, command=command)
         model.dc_backend.observers.append(rec.graph_version)  # graphs compile at the first call
+        samples = TimelineSamples(model.dc_config, steps)
         for step in range(1, steps + 1):
             args = make_batch(step, rank, device)
             if device.type == "cuda":
@@ -165,7 +201,8 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
                 opt.step()
                 opt.zero_grad()
 
-            if step == steps and steps > 1:  # the last step, warm: its measured schedule
+            sampled = samples.due(step)
+            if sampled:  # a warm step under the profiler: its measured schedule
                 measured, overlap = trace.measure_step(
                     one_step, lambda: trace.final_graphs(model.dc_graphs),
                     exact_aten=model.dc_config.compiler != "inductor")
@@ -180,6 +217,10 @@ def _demo_rank(rank: int, world: int, port: int, backend: str, cfg: dict, steps:
                 # mark is its timeline's peak (the same allocator counter, read node by node)
                 mem["peak"] = max(mem["peak"], int(tl["peak"]["bytes"]))
             rec.step(step, dt, lv, mem)
+            if samples.done(step, dt, sampled):   # the latest measured step, for a live view
+                events, _ = estimate.estimate_versions(model.dc_graphs, model.dc_profile,
+                                                       fused=model.dc_config.compiler == "inductor")
+                rec.schedule(events + measured, replace=True)
             if tl:  # the profiled step's timeline now (rewritten at the end): a live view plots it while training goes on
                 rec.memory_timeline(tl)
             if rank == 0:
@@ -419,106 +460,6 @@ def cmd_report(a: argparse.Namespace) -> int:
     path = render_report(a.run_dir, a.output, rank=a.rank)
     print(path)
     return 0
-
-
-def summarize(run_dir: str | os.PathLike, rank: int = 0, passes: list | None = None) -> str:
-    """What ``deepcompile inspect`` prints; ``passes``: the pass list whose prediction it states
-    (default: the run's own)."""
-    from deepcompile.vocab.memory import fmt_bytes
-    from deepcompile.record.reader import read_run
-    from deepcompile.report.graph_groups import diff
-
-    rec = read_run(run_dir, rank)
-    m, env = rec.manifest, rec.environment
-    lines = [f"run {rec.path}: {m['status']}, {m['world_size']} rank(s), format v{m['format_version']}, "
-             f"torch {env['torch']}, python {env['python']}, host {env['hostname']}"
-             + (f", devices {', '.join(env['devices'])}" if env["devices"] else ", CPU"),
-             f"config: compiler {rec.config.get('compiler')}, zero stage {rec.config.get('zero_stage')}, "
-             f"passes {[p.get('name') if isinstance(p, dict) else p for p in rec.config.get('passes', [])]}",
-             f"graphs ({len(rec.graph_ids)}):"]
-    for gid in rec.graph_ids:
-        for kind in rec.kinds(gid):
-            # one chain per compile: a scheduled re-compile starts again from "input"
-            chains: list[list] = []
-            for v in rec.versions(gid, kind):
-                if v.after == "input" or not chains:
-                    chains.append([])
-                chains[-1].append(v)
-            for c, vs in enumerate(chains):
-                parts = [f"input {len(vs[0].nodes)}"]
-                for prev, v in zip(vs, vs[1:]):
-                    d = diff(prev.nodes, v.nodes)
-                    comm = ", ".join(f"{k} {n}" for k, n in sorted(d["comm_added"].items()))
-                    parts.append(f"{v.after} {len(v.nodes)} (+{d['added']}/-{d['removed']}"
-                                 + (f"; comm added: {comm}" if comm else "") + ")")
-                tag = f" [compile {c + 1}/{len(chains)}]" if len(chains) > 1 else ""
-                lines.append(f"  graph {gid} {kind:<9}{tag} " + " -> ".join(parts))
-    st = rec.steps
-    if st:
-        from deepcompile.record.steps import special_steps, steady_median_ms
-        from deepcompile.report.style import fmt_ms
-
-        times = [s["time_s"] for s in st]
-        losses = [s["loss"] for s in st if s.get("loss") is not None]
-        # the median of the steady steps, as the report and the inspector state it; the compile,
-        # profiling and re-compile steps named by their record step numbers
-        med, n = steady_median_ms(st, rec.config)
-        special = special_steps(st, rec.config)
-        lines.append(f"steps: {len(st)}" + (" (+1 partial line skipped)" if rec.skipped_lines else "")
-                     + f"; step time first {fmt_ms(times[0] * 1e3)}, "
-                     + (f"median {fmt_ms(med)} of {n} steady step(s)" if med is not None else "no steady step")
-                     + f", last {fmt_ms(times[-1] * 1e3)}")
-        if special:
-            lines.append("  not steady: " + ", ".join(f"step {k}: {v}" for k, v in sorted(special.items())))
-        if losses:
-            lines.append(f"loss: first {losses[0]:.4f}, min {min(losses):.4f}, last {losses[-1]:.4f}")
-    else:
-        lines.append("steps: none recorded")
-    from deepcompile.record.reader import format_peak, memory_view
-
-    # the one peak of the run (measured timeline, else the plan's prediction) with its categories;
-    # then the other side when both exist, and the per-step process memory, each labelled
-    view = memory_view(rec)
-    lines.append(format_peak(view) + (f" ({view['peak']['bytes']} bytes)" if view["peak"] else ""))
-    if view["measured"] and view["predicted"]:
-        pp = view["predicted"]["peak"]
-        lines.append(f"  {view['predicted']['label']}: {fmt_bytes(pp['bytes'])} ("
-                     + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in pp["by_category"].items() if v) + ")")
-    if view.get("trained"):
-        t = view["trained"]
-        err = (view["predicted"] or {}).get("error_vs_trained")
-        lines.append(f"  {t['label']}: {fmt_bytes(t['bytes'])}"
-                     + (f" (the plan's prediction {100 * err:+.1f}%)" if err is not None else ""))
-    proc = view["process"]
-    lines.append(f"{proc['label']}: "
-                 + ", ".join(f"rank {r} {fmt_bytes(b)}" for r, b in sorted(proc["by_rank"].items())))
-    extra = [n for n, x in (("profile", rec.profile), ("schedule", rec.schedule), ("memory timeline", rec.memory)) if x]
-    lines.append("also recorded: " + (", ".join(extra) if extra else "nothing else"))
-    if rec.profile:   # the one prediction engine's numbers (the report and the inspector show the same)
-        from deepcompile.plan.whatif import prediction
-
-        w, line = prediction(run_dir, rank, passes)
-        lines.append(line)
-        if w is not None:
-            from deepcompile.plan.bought import pass_table, table_lines
-
-            lines.append("what each pass bought (predicted; each row adds one pass):")
-            lines += table_lines(pass_table(run_dir, passes, rank=rank))
-    from deepcompile.record.reader import run_command
-
-    cmd = run_command(rec)
-    if cmd is not None:
-        lines.append("command: " + (" ".join(cmd["relaunch"]) + f"  (in {cmd['cwd']})" if cmd.get("relaunch")
-                                    else f"cannot be run again: {cmd.get('why_not', 'unknown launcher')}"))
-    from deepcompile.record.reader import load_json
-    from deepcompile.record.schema import PLAN, rank_dir_name
-
-    plan = load_json(Path(run_dir) / rank_dir_name(rank) / PLAN, optional=True, root=run_dir)
-    if isinstance(plan, dict) and isinstance(plan.get("chosen"), dict):  # the planner's choice, and why
-        lines.append(str(plan.get("summary") or plan["chosen"].get("params")))
-        if plan.get("why"):
-            lines.append(f"  why: {plan['why']}")
-    return "\n".join(lines)
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:

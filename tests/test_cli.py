@@ -91,3 +91,29 @@ def test_bad_model_factory_exits_2(tmp_path):
                         ("tests.factories:nope", "no callable 'nope'")]:
         r = run_cli("demo", "--steps", "1", "--cpu", "--model", spec, "--out", str(tmp_path / "x"), timeout=120)
         assert r.returncode == 2 and words in r.stderr and "Traceback" not in r.stderr, (spec, r.stderr)
+
+
+def test_timeline_samples_stay_within_their_budget():
+    """The demo profiles a steady step now and then for a live view: the first after the warm
+    steady steps, then as rarely as keeps the samples within 2% of the run, and the last step."""
+    from deepcompile.cli import TimelineSamples
+    from deepcompile.config import Config
+
+    cfg = Config.load({"compiler": "aot_eager"})   # the default plan: re-compiled at step 2
+    steps, steady_ms, sample_ms = 1000, 10.0, 25.0
+    ts = TimelineSamples(cfg, steps)
+    first = ts.first_steady
+    assert first == max(e.step for e in cfg.schedule) + 2
+    sampled = []
+    for s in range(1, steps + 1):
+        due = ts.due(s)
+        ts.done(s, (sample_ms if due else steady_ms) / 1e3, due)
+        if due:
+            sampled.append(s)
+    assert sampled[0] == first + TimelineSamples.WARM and sampled[-1] == steps
+    gaps = {b - a for a, b in zip(sampled, sampled[1:-1])}
+    assert gaps == {75}, gaps          # (25 - 10) / 10 = 1.5 steps a sample, within 2%: every 75
+    extra = (len(sampled) - 1) * (sample_ms - steady_ms)
+    assert extra / (steps * steady_ms) <= 0.025
+    # without a schedule the final graphs run from step 2
+    assert TimelineSamples(Config.load({"compiler": "aot_eager", "passes": ["zero3"]}), 10).first_steady == 2

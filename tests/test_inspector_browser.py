@@ -240,7 +240,7 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             page.wait_for_selector(f"{insp} .dc-peak .dc-peak-value", timeout=60_000)
             peak = page.locator(f"{insp} .dc-peak .dc-peak-value").inner_text().strip()
             assert "(measured" in peak and peak in this_run_peak, (peak, this_run_peak)
-            from deepcompile.cli import summarize
+            from deepcompile.report.summary import summarize
 
             run_dir = tmp_path / "work" / "quickstart"   # DC_NOTEBOOK_WORKDIR of the fixture
             nbytes = peak.split(" (")[0]

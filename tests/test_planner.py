@@ -193,7 +193,7 @@ def test_planned_default_plan_matches_reference_and_gathers_once_per_step():
 
 
 def test_the_record_keeps_the_plan_and_inspect_prints_it(tmp_path):
-    from deepcompile.cli import summarize
+    from deepcompile.report.summary import summarize
     from deepcompile.record.writer import RunRecorder
 
     p = plan(126.9).to_dict()

@@ -408,7 +408,7 @@ def test_mutated_fields_give_record_error_or_a_working_report(run, tmp_path):
     """A sweep: one field at a time of every file gets a value of another type (or goes); reading
     either refuses it with a RecordError, or ``inspect``, the report and the inspector's models
     all work: no other exception. (Found: a null graph_id in a memory sample broke the sort.)"""
-    from deepcompile.cli import summarize
+    from deepcompile.report.summary import summarize
     from deepcompile.report import level_layout as L
     from deepcompile.report.html import render_report
     from deepcompile.widgets.inspector_model import InspectorModel
@@ -470,7 +470,7 @@ def test_mutated_fields_give_record_error_or_a_working_report(run, tmp_path):
 
 # --------------------------------------------------------------------------- diverged runs
 def test_report_of_a_diverged_run_renders_with_a_note(run, tmp_path):
-    from deepcompile.cli import summarize
+    from deepcompile.report.summary import summarize
     from deepcompile.report.html import render_report
 
     for r in (0, 1):

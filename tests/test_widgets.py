@@ -766,7 +766,7 @@ def test_whatif_on_edit_is_debounced_and_changes_the_numbers(planned_run):
 
 def test_one_peak_across_views(planned_run, tmp_path):
     pytest.importorskip("ipywidgets")
-    from deepcompile.cli import summarize
+    from deepcompile.report.summary import summarize
     from deepcompile.vocab.memory import fmt_bytes
     from deepcompile.record.reader import memory_view
     from deepcompile.report.html import render_report
@@ -811,7 +811,7 @@ def test_one_prediction_in_every_view(planned_run, tmp_path):
     Predict, the Schedule tab's what-if lane, the report and `deepcompile inspect` all state the
     WhatIf's own headline (the lane never its bars' span); so does the unedited plan."""
     pytest.importorskip("ipywidgets")
-    from deepcompile.cli import summarize
+    from deepcompile.report.summary import summarize
     from deepcompile.plan.whatif import prediction
     from deepcompile.report.html import render_report
     from deepcompile.widgets import Inspector
@@ -850,7 +850,7 @@ def test_what_each_pass_bought_in_every_view(planned_run, tmp_path):
     pass with the whole list's resolved values; its last row is the whole list's prediction. The
     Passes tab, the report and `deepcompile inspect` show the same rows."""
     pytest.importorskip("ipywidgets")
-    from deepcompile.cli import summarize
+    from deepcompile.report.summary import summarize
     from deepcompile.plan.bought import pass_table
     from deepcompile.plan.whatif import predict_run
     from deepcompile.report.html import render_report
@@ -1050,6 +1050,39 @@ def test_live_steps_and_memory_appear_as_written(tmp_path):
         assert {t.get("name") for t in spec["data"]} >= {"parameter shards", "activations"}
     finally:
         insp.stop()
+        rec.close()
+
+
+def test_live_schedule_follows_each_sampled_step(tmp_path):
+    """A live run rewrites its schedule at each sampled step (the demo profiles a steady step now
+    and then); the polling inspector reloads it (at most every reload_every_s) and the Schedule
+    tab shows the newest measured timeline, not the first one it saw."""
+    pytest.importorskip("ipywidgets")
+    from deepcompile.record.writer import RunRecorder
+    from deepcompile.widgets import Inspector
+
+    run = tmp_path / "live"
+    env = {"torch": "x", "python": "3", "hostname": "h", "world_size": 1, "rank": 0, "devices": []}
+    rec = RunRecorder(run, 0, 1, {"compiler": "eager", "passes": ["zero3"]}, env=env)
+    rec.graph_version({"graph_id": 0, "kind": "forward", "after": "input", "nodes": [
+        {"name": "x", "op": "placeholder", "target": "x", "args": [], "scope": ""},
+        {"name": "mm", "op": "call_function", "target": "aten.mm.default", "args": ["x", "x"], "scope": ""}]})
+
+    def sample(step: int, us: float) -> None:
+        rec.step(step, us / 1e6, 1.0, {"allocated": 1, "reserved": 2, "peak": 3})
+        rec.schedule([{"graph_id": 0, "kind": "forward", "node": "mm", "stream": "compute", "start_us": 0,
+                       "end_us": us, "source": "measured"}], replace=True)
+
+    insp = Inspector(run, follow=False, live_interval=0.1)
+    insp.reload_every_s = 0.0
+    try:
+        for step, us in ((1, 100.0), (2, 250.0)):
+            sample(step, us)
+            time.sleep(0.01)   # a new mtime even on coarse clocks
+            _wait(lambda: insp.poll_once() is not None and insp.model.schedule is not None and any(
+                e.get("source") == "measured" and e["end_us"] == us for e in insp.model.schedule.events),
+                10, f"the schedule of step {step}")
+    finally:
         rec.close()
 
 

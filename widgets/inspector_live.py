@@ -4,7 +4,8 @@ A mixin of :class:`~deepcompile.widgets.inspector.Inspector`: it uses the inspec
 (ipywidgets), ``model``, ``job``, ``_lock``, ``_plot``, ``open``, ``_render_header`` and
 ``_runs_table``. A daemon thread polls the shown run's ``steps.jsonl`` (every ``live_interval``
 while the run is live, else ``poll_interval``), shows each new step at once, and reloads the
-record when it appears, completes, or (at most every ``reload_every_s``) gains graphs.
+record when it appears, completes, or (at most every ``reload_every_s``) gains graphs or a newly
+measured step's timeline (the Schedule tab then shows it).
 """
 from __future__ import annotations
 
@@ -35,14 +36,20 @@ class LiveStepsMixin:
         return steps_tab
 
     def _index_signature(self):
+        """(size, mtime) of the rank's graph index and of its schedule: a live run adds graphs, and
+        rewrites the schedule at each sampled step (the latest measured step's timeline)."""
         m = self.model
         if m.run_dir is None:
             return None
-        try:
-            st = (m.run_dir / f"rank{m.rank}" / "graphs" / "index.json").stat()
-        except OSError:
-            return None
-        return st.st_size, st.st_mtime_ns
+        sig = []
+        for path in (m.run_dir / f"rank{m.rank}" / "graphs" / "index.json", m.run_dir / f"rank{m.rank}" / S.SCHEDULE):
+            try:
+                st = path.stat()
+            except OSError:
+                sig.append(None)
+                continue
+            sig.append((st.st_size, st.st_mtime_ns))
+        return tuple(sig) if sig[0] is not None else None
 
     def _render_steps(self, note_only: bool = False) -> None:
         st = self.model.steps
