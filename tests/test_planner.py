@@ -10,6 +10,7 @@ import torch
 from deepcompile.plan import planner as P
 from deepcompile.vocab.links import CommModel
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, plan_memory, prefetch_bytes
+from deepcompile.plan.pricing import REFINE_WITHIN
 from tests.dist_utils import run_ranks
 
 # 8 parameters of 256 MiB gathered (2 GiB), a 10 GiB profiled forward/backward peak, a 6 GiB
@@ -352,7 +353,7 @@ def test_coarse_to_fine_pricing_keeps_the_decision_and_prices_less():
             # exact where it is within REFINE_WITHIN of the choice; beyond, the best priced one
             # (here keep 1 GiB + prefetch 2048 MiB, the same time as the unpriced 512 MiB, which
             # won the tie on memory)
-            if full.runner_up.step_ms <= full.chosen.step_ms * (1 + P.REFINE_WITHIN):
+            if full.runner_up.step_ms <= full.chosen.step_ms * (1 + REFINE_WITHIN):
                 assert cut.runner_up.params() == full.runner_up.params(), limit
             else:
                 assert cut.runner_up.step_ms >= full.runner_up.step_ms, limit

@@ -10,17 +10,7 @@ from __future__ import annotations
 import torch
 
 from tests.dist_utils import run_ranks
-from tests.workloads import LOCAL_BATCH, global_batch, make_model, make_optimizer
-
-
-def _step(model, opt, rank, world, s):
-    x, y = global_batch(s, 0, world)
-    sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
-    loss = model(x[sl], y[sl])
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
+from tests.workloads import make_model, make_optimizer, rank_step
 
 
 def _two_models(rank, world):
@@ -42,7 +32,7 @@ def _two_models(rank, world):
         rt_a = a.dc_state.runtime
         out = {"a_current": state.current() is rt_a,
                "a_names": sorted(m.name for m in rt_a.params.values())}
-        _step(a, opt_a, rank, world, 0)
+        rank_step(a, opt_a, rank, world, 0)
         out["a_ctx"] = bool(seen) and all(r is rt_a for r in seen)
         seen.clear()
 
@@ -53,7 +43,7 @@ def _two_models(rank, world):
         out["a_opt_after_b"] = rt_a.optimizer_state.opt is None
         out["b_names"] = sorted(m.name for m in rt_b.params.values())
         out["b_expected"] = len(list(b.parameters()))
-        out["b_loss"] = _step(b, opt_b, rank, world, 0)
+        out["b_loss"] = rank_step(b, opt_b, rank, world, 0)
         out["b_ctx"] = bool(seen) and all(r is rt_b for r in seen)
 
         deepcompile.destroy(b)

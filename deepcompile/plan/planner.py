@@ -26,8 +26,7 @@ planner plans around them. Which parameters are the planner's, and what a pass t
 stands for, each pass declares at its registration (``PassDef.planned``, ``PassDef.absent``).
 
 The device's memory is :mod:`deepcompile.plan.device_memory`, the candidates' pricing
-:mod:`deepcompile.plan.pricing`; both are importable from here too (``planner.agree_memory``,
-``planner.SplitTimer``, ``planner.PlanError``).
+:mod:`deepcompile.plan.pricing`.
 """
 from __future__ import annotations
 
@@ -39,10 +38,10 @@ from typing import Callable
 from deepcompile.passes import PASSES, offload_optimizer, prefetch, zero3
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_RERUN, PassEntry, absent_params, planned_params
-from deepcompile.plan.device_memory import DEFAULT_LIMIT_FRACTION, DeviceMemory, agree_memory, local_memory  # noqa: F401
+from deepcompile.plan.device_memory import DeviceMemory, agree_memory, local_memory
 from deepcompile.plan.estimate import offload_ms
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory, prefetch_bytes
-from deepcompile.plan.pricing import REFINE_WITHIN, PlanError, SplitTimer, no_gc, price  # noqa: F401
+from deepcompile.plan.pricing import PlanError, SplitTimer, no_gc, price
 from deepcompile.vocab.memory import fmt_bytes
 
 PREFETCH_LEVELS_MB = (2048.0, 512.0, 64.0, 0.0)  # how far ahead gathers may run

@@ -45,6 +45,7 @@ from deepcompile.params import ConfigError
 from deepcompile.passes import PASSES, offload_optimizer, prefetch
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_MEMORY, OFFLINE_RERUN, absent_params
+from deepcompile.plan.device_memory import DEFAULT_LIMIT_FRACTION
 from deepcompile.plan.memory import GIB, MIB, PlanMemory, plan_memory, prefetch_bytes
 from deepcompile.plan.pricing import no_gc
 from deepcompile.plan.rebuild import WhatIfError, param_meta, rebuild
@@ -324,7 +325,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     elif b.plan and b.plan.get("limit_bytes"):
         limit, limit_src = int(b.plan["limit_bytes"]), f"the run's plan ({b.plan.get('limit_source', '')})"
     elif b.capacity:
-        limit, limit_src = int(P.DEFAULT_LIMIT_FRACTION * b.capacity), "90% of the device"
+        limit, limit_src = int(DEFAULT_LIMIT_FRACTION * b.capacity), "90% of the device"
     else:
         limit = 1 << 62
     plan_d = None
@@ -497,7 +498,7 @@ def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **cha
     if any(v is not None for v in changes.values()):
         b = variant(b, **changes)
     cap = b.capacity or int(141.0 * GIB)
-    limit = int(limit_gib * GIB) if limit_gib else int(P.DEFAULT_LIMIT_FRACTION * cap)
+    limit = int(limit_gib * GIB) if limit_gib else int(DEFAULT_LIMIT_FRACTION * cap)
     mem = P.DeviceMemory(cap, cap, limit, f"limit {limit_gib:g} GiB" if limit_gib else "90% of the capacity")
     runner = GraphRunner(b, list(PLAN_PASSES), {})
     seen = []
