@@ -23,21 +23,32 @@ Systems:
                         minus dc_zero3's (both must run earlier in the same invocation)
   dc_default_fsdp_limit dc_default with memory_limit_gib = fsdp2_compiled's measured peak: the planner
                         fits the plan under what FSDP2 needs (fsdp2_compiled must run earlier)
+  dc_default_limit      dc_default with memory_limit_gib = --memory-limit-gib X, or with --limit-from SYSTEM
+                        SYSTEM's measured peak (max over ranks), SYSTEM measured earlier in the same run or
+                        found in the --append JSON (a CPU run, which measures no peaks, plans under a roomy
+                        64 GiB); the limit used is in the system's notes ("memory_limit")
 
 --slow-links sets NCCL_P2P_DISABLE=1 before NCCL starts (NCCL's traffic goes through host shared memory:
 a stand-in for the slower links between nodes) and records it; --append never mixes the two regimes.
-dc_default and dc_default_fsdp_limit record the planner's choice ("plan") and its predicted peak
+dc_default, dc_default_fsdp_limit and dc_default_limit record the planner's choice ("plan") and its predicted peak
 next to the measured one ("predicted_plan_peak_gib", "predicted_plan_peak_error").
 
 Every deepcompile system also records the cost model's predicted step time and peak memory next to
 the measured ones ("predicted", "predicted_step_error", "predicted_peak_error").
   fsdp2_eager           torch.distributed.fsdp.fully_shard per decoder layer and on the root
   fsdp2_compiled        same, each decoder layer torch.compile'd before fully_shard (torchtitan style)
+  fsdp2_compiled_ac     fsdp2_compiled with full activation checkpointing per decoder layer: each layer
+                        wrapped with checkpoint_wrapper (non-reentrant, preserve_rng_state=False), then
+                        compiled, then fully_shard'ed (torchtitan's apply_ac, apply_compile, apply_fsdp)
+  fsdp2_offload_ac      fsdp2_compiled_ac with CPUOffloadPolicy on every fully_shard: fp32 shards, gradients
+                        and AdamW state on the host, the optimizer step on the CPU (FSDP2's way to fit)
   compute_bound         the unsharded model on rank 0 only, fp32 params under bf16 autocast, decoder
                         layers compiled, no communication (other ranks wait at a barrier)
   gpu_work_bound        the GPU work of one rank of a sharded step with no communication: compute_bound's
                         forward and backward, but optimizer.step() over 1/N of the parameters (each
                         parameter's ceil(numel/N) elements); the physical limit of a ZeRO-3 step
+fsdp2_compiled_ac, fsdp2_offload_ac and dc_default_limit (the peers of the memory-bound regime) are not
+in the default --systems list: name them.
 Every system records the host time per step ("host_step_s"): from the step's start until its Python
 calls return, before the final synchronize. A step whose host time is close to its step time is
 host-bound: its pace follows the host's, not the GPU's. "host_cpu_step_s" is the main thread's CPU
@@ -69,8 +80,14 @@ if REPO not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-ALL_SYSTEMS = ["fsdp2_eager", "fsdp2_compiled", "compute_bound", "dc_zero3", "dc_prefetch",
-               "dc_prefetch_unshard", "dc_default", "dc_fsdp_budget", "dc_default_fsdp_limit", "gpu_work_bound"]
+DEFAULT_SYSTEMS = ["fsdp2_eager", "fsdp2_compiled", "compute_bound", "dc_zero3", "dc_prefetch",
+                   "dc_prefetch_unshard", "dc_default", "dc_fsdp_budget", "dc_default_fsdp_limit", "gpu_work_bound"]
+# The memory-bound regime's peers run only when named: dc_default_limit needs a limit
+# (--memory-limit-gib / --limit-from), and the activation-checkpointed and offloaded FSDP2 steps
+# answer another question than the default list's (who fits, not who is fastest).
+ALL_SYSTEMS = DEFAULT_SYSTEMS + ["fsdp2_compiled_ac", "fsdp2_offload_ac", "dc_default_limit"]
+FSDP2_AC = ("fsdp2_compiled_ac", "fsdp2_offload_ac")  # each decoder layer checkpointed, then compiled
+FSDP2_COMPILED = ("fsdp2_compiled",) + FSDP2_AC  # each decoder layer torch.compile'd before fully_shard
 DC_PASSES = {
     "dc_zero3": ["zero3"],
     "dc_prefetch": ["zero3", "prefetch"],
@@ -83,6 +100,8 @@ DC_PASSES = {
     "dc_fsdp_budget": ["zero3", "prefetch", "selective_unshard"],
     # the default plan, planned under memory_limit_gib = FSDP2-compiled's measured peak
     "dc_default_fsdp_limit": None,
+    # the default plan, planned under --memory-limit-gib or the measured peak of --limit-from's system
+    "dc_default_limit": None,
 }
 SINGLE_GPU = ("compute_bound", "gpu_work_bound")  # rank 0 alone; the other ranks wait at a barrier
 PEAKS: dict[str, float] = {}  # system -> max-rank peak GiB, filled on every rank as systems finish
@@ -97,16 +116,18 @@ TAG = "zero3"  # log prefix; benchmarks that import these helpers set their own
 
 def add_common_args(p: argparse.ArgumentParser, bench: str, all_systems: list[str], *, steps: int, warmup: int,
                     warmup_help: str, systems_help: str = "", pg_timeout: float = 1800.0,
-                    step_sync: str = "device") -> None:
-    """The options every benchmark shares, declared once (zero3, zero1 and offload add their own)."""
+                    step_sync: str = "device", default_systems: list[str] | None = None) -> None:
+    """The options every benchmark shares, declared once (zero3, zero1 and offload add their own).
+    ``default_systems``: what --systems runs when not given (every known system unless set)."""
     p.add_argument("--out", default=None,
                    help=f"result JSON (default benchmarks/results/{bench}_<device>_<N>gpu.json); the PNG goes "
                         "next to it with the same stem")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default 16, --tiny 2)")
     p.add_argument("--steps", type=int, default=steps, help="timed steps per system")
     p.add_argument("--warmup", type=int, default=warmup, help=warmup_help)
-    p.add_argument("--systems", default=",".join(all_systems),
-                   help=f"comma-separated, run in this order; known: {','.join(all_systems)}{systems_help}")
+    p.add_argument("--systems", default=",".join(default_systems or all_systems),
+                   help=f"comma-separated, run in this order; known: {','.join(all_systems)}{systems_help}"
+                        + (f"; default: {','.join(default_systems)}" if default_systems else ""))
     p.add_argument("--tiny", action="store_true", help="hidden 256, 2 layers, vocab 1024, seq 128 (smoke test)")
     p.add_argument("--shape", choices=tuple(SHAPES), default="llama_1b",
                    help="model shape: llama_1b (hidden 2048, ffn 5632, 16 heads, vocab 32000; --layers sets "
@@ -131,7 +152,8 @@ def add_common_args(p: argparse.ArgumentParser, bench: str, all_systems: list[st
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, "zero3", ALL_SYSTEMS, steps=25, warmup=5, systems_help=" (NAME#2 runs NAME again, as a control)",
-                    warmup_help="untimed steps first (must cover compilation and any pass-schedule recompile)")
+                    warmup_help="untimed steps first (must cover compilation and any pass-schedule recompile)",
+                    default_systems=DEFAULT_SYSTEMS)
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per GPU per step")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 1024, --tiny 128)")
     p.add_argument("--replot", metavar="JSON", default=None,
@@ -145,8 +167,16 @@ def parse_args(argv=None):
     p.add_argument("--slow-links", action="store_true",
                    help="NCCL_P2P_DISABLE=1 for this run (set before NCCL starts, recorded in the JSON): "
                         "NCCL goes through host shared memory instead of NVLink, like slower inter-node links")
+    limit = p.add_mutually_exclusive_group()
+    limit.add_argument("--memory-limit-gib", type=float, default=None, metavar="X",
+                       help="dc_default_limit: plan under memory_limit_gib = X")
+    limit.add_argument("--limit-from", default=None, metavar="SYSTEM",
+                       help="dc_default_limit: plan under SYSTEM's measured peak (max over ranks), SYSTEM "
+                            "run earlier in --systems or found in the --append JSON (zero3_each.sh passes "
+                            "this to every process; each process appends to the same JSON)")
     args = p.parse_args(argv)
     common_defaults(p, args, ALL_SYSTEMS, repeats=True)
+    check_limit_args(p, args)
     if args.seq is None:
         args.seq = 128 if args.tiny else 1024
     if args.steps < 1 or args.warmup < 0:
@@ -154,6 +184,21 @@ def parse_args(argv=None):
     if args.accumulation < 1:
         p.error("--accumulation must be >= 1")
     return args
+
+
+def check_limit_args(p: argparse.ArgumentParser, args) -> None:
+    """dc_default_limit needs a limit; --limit-from's system, when this run measures it, must come first."""
+    limited = [i for i, s in enumerate(args.systems) if base_name(s) == "dc_default_limit"]
+    if args.memory_limit_gib is not None and args.memory_limit_gib <= 0:
+        p.error("--memory-limit-gib must be > 0")
+    if args.limit_from is not None and base_name(args.limit_from) not in ALL_SYSTEMS:
+        p.error(f"--limit-from {args.limit_from}: unknown system; known: {ALL_SYSTEMS}")
+    if not limited:
+        return
+    if args.memory_limit_gib is None and args.limit_from is None:
+        p.error("dc_default_limit needs --memory-limit-gib X or --limit-from SYSTEM")
+    if args.limit_from in args.systems and args.systems.index(args.limit_from) > limited[0]:
+        p.error(f"--limit-from {args.limit_from} runs after dc_default_limit; list it before")
 
 
 def base_name(name: str) -> str:
@@ -377,6 +422,18 @@ def median(xs):
     return statistics.median(xs) if xs else None
 
 
+def checkpoint_layers(model) -> None:
+    """Full activation checkpointing per decoder layer, as torchtitan's apply_ac does: each layer
+    wrapped with checkpoint_wrapper (non-reentrant torch.utils.checkpoint, which passes HF's keyword
+    arguments such as position_embeddings and attention_mask through); the wrapper replaces the
+    layer in model.model.layers, so the model's forward calls it. No dropout in this model, so the
+    RNG state need not be kept for the recompute."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i], preserve_rng_state=False)
+
+
 def compile_layers(model) -> None:
     """torch.compile each decoder layer in place of the layer (torchtitan's per-block compile)."""
     layers = model.model.layers
@@ -404,6 +461,10 @@ def build_dc(name, base_model, args, dev, extra=None):
         cfg["passes"] = fsdp_budget_passes()
     if base_name(name) == "dc_default_fsdp_limit":
         cfg["memory_limit_gib"] = fsdp_limit_gib()
+    limit = None
+    if base_name(name) == "dc_default_limit":
+        limit = memory_limit(args)
+        cfg["memory_limit_gib"] = limit["gib"]
     if getattr(args, "accumulation", 1) > 1:
         cfg["gradient_accumulation_steps"] = args.accumulation
     cfg.update(copy.deepcopy(extra or {}))
@@ -415,6 +476,8 @@ def build_dc(name, base_model, args, dev, extra=None):
     notes = {"config": cfg, "optimizer": f"torch.optim.AdamW(lr={args.lr}) over the fp32 flat shards",
              "what": "deepcompile.initialize(model, AdamW, config); the whole model is torch.compile'd "
                      "with the deepcompile backend"}
+    if limit is not None:
+        notes["memory_limit"] = limit
     return model, opt, contextlib.nullcontext, notes
 
 
@@ -440,6 +503,21 @@ def fsdp_limit_gib() -> float:
         raise RuntimeError("dc_default_fsdp_limit needs fsdp2_compiled measured earlier in the same run "
                            "(or in the --append JSON)")
     return float(PEAKS["fsdp2_compiled"])
+
+
+def memory_limit(args) -> dict:
+    """dc_default_limit's memory limit: {"gib", "from"}. --memory-limit-gib as given; with
+    --limit-from SYSTEM, SYSTEM's measured peak (max over ranks, GiB) from this run or the --append
+    JSON. A CPU run measures no peaks: a roomy 64 GiB exercises the path."""
+    if args.memory_limit_gib is not None:
+        return {"gib": float(args.memory_limit_gib), "from": "--memory-limit-gib"}
+    src = args.limit_from
+    if src in PEAKS:
+        return {"gib": float(PEAKS[src]), "from": f"{src}'s measured peak (max over ranks)"}
+    if args.device != "cuda":
+        return {"gib": 64.0, "from": f"no measured peak of {src} on {args.device}: a roomy 64 GiB"}
+    raise RuntimeError(f"dc_default_limit: no measured peak of {src}; run it earlier in the same run "
+                       "or in the --append JSON (it may have failed)")
 
 
 def dc_prediction(model, opt, res) -> None:
@@ -565,8 +643,8 @@ _MESH = None
 
 
 def build_fsdp2(name, base_model, args, dev, offload_policy=None, opt_kwargs=None):
-    """``offload_policy``: passed to every fully_shard (e.g. CPUOffloadPolicy()); ``opt_kwargs``:
-    extra AdamW arguments (e.g. fused=True)."""
+    """``offload_policy``: passed to every fully_shard (e.g. CPUOffloadPolicy()); fsdp2_offload_ac
+    sets CPUOffloadPolicy itself. ``opt_kwargs``: extra AdamW arguments (e.g. fused=True)."""
     from torch.distributed.device_mesh import init_device_mesh
     try:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -577,8 +655,19 @@ def build_fsdp2(name, base_model, args, dev, offload_policy=None, opt_kwargs=Non
         _MESH = init_device_mesh(args.device, (dist.get_world_size(),))
     dt = DTYPES[args.dtype]
     mp = MixedPrecisionPolicy(param_dtype=dt, reduce_dtype=dt)
+    kind = base_name(name)
+    if kind == "fsdp2_offload_ac" and offload_policy is None:
+        try:
+            from torch.distributed.fsdp import CPUOffloadPolicy
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import CPUOffloadPolicy
+        offload_policy = CPUOffloadPolicy(pin_memory=args.device == "cuda")  # pinning needs an accelerator
     model = copy.deepcopy(base_model)
-    if name == "fsdp2_compiled":
+    # torchtitan's order: checkpoint, then compile (the checkpoint is traced into the layer's graph),
+    # then fully_shard
+    if kind in FSDP2_AC:
+        checkpoint_layers(model)
+    if kind in FSDP2_COMPILED:
         compile_layers(model)
     extra = {} if offload_policy is None else {"offload_policy": offload_policy}
     for layer in model.model.layers:
@@ -589,10 +678,19 @@ def build_fsdp2(name, base_model, args, dev, offload_policy=None, opt_kwargs=Non
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, **(opt_kwargs or {}))
     notes = {"what": "fully_shard(layer, mp_policy) for every decoder layer, then fully_shard(root); "
                      "reshard_after_forward left at its default (True)"
+                     + ("; each decoder layer wrapped with checkpoint_wrapper(layer, preserve_rng_state=False) "
+                        "(full activation checkpointing, non-reentrant)" if kind in FSDP2_AC else "")
                      + ("; each decoder layer wrapped with torch.compile(layer) (default inductor) "
-                        "before fully_shard, as torchtitan does" if name == "fsdp2_compiled" else ""),
+                        "before fully_shard, as torchtitan does" if kind in FSDP2_COMPILED else ""),
              "mp_policy": {"param_dtype": args.dtype, "reduce_dtype": args.dtype},
              "optimizer": f"torch.optim.AdamW(lr={args.lr}) over fp32 DTensor shards"}
+    if kind == "fsdp2_offload_ac":
+        notes["what"] += (f"; offload_policy=CPUOffloadPolicy(pin_memory={args.device == 'cuda'}) on every "
+                          "fully_shard: fp32 sharded parameters, gradients and the optimizer state live on "
+                          "the CPU, the optimizer step runs on the CPU")
+        kw = "".join(f", {k}={v}" for k, v in (opt_kwargs or {}).items())
+        notes["optimizer"] = (f"torch.optim.AdamW(lr={args.lr}{kw}) over fp32 DTensor shards on the CPU "
+                              f"({torch.get_num_threads()} CPU threads per rank)")
     return model, opt, contextlib.nullcontext, notes
 
 
@@ -1242,7 +1340,7 @@ def main(argv=None):
         "systems": {},
     }
 
-    if args.append:  # every rank: dc_fsdp_budget reads the peaks of systems measured earlier
+    if args.append:  # every rank: dc_fsdp_budget and dc_default_limit read the peaks of systems measured earlier
         previous = load_previous(args.out, result, world, "systems", set(args.systems))
         PEAKS.update({k: v["peak_mem_gib"] for k, v in previous.items() if v.get("peak_mem_gib")})
         if rank == 0:
@@ -1280,6 +1378,8 @@ def main(argv=None):
                 log(f"{name}: step {entry['step_s'] * 1e3:.1f} ms ({entry['step_time_basis']}), "
                     f"{entry['tokens_per_s_per_gpu']:.0f} tok/s/GPU"
                     + (f", peak {entry['peak_mem_gib']:.2f} GiB" if "peak_mem_gib" in entry else "")
+                    + (f", limit {lim['gib']:.2f} GiB ({lim['from']})"
+                       if (lim := (entry.get("notes") or {}).get("memory_limit")) else "")
                     + f", warm-up {entry['warmup_total_s']:.1f}s")
         dist.barrier()
 

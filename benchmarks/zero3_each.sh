@@ -8,9 +8,12 @@
 #       compute_bound,fsdp2_compiled,dc_zero3,dc_default,dc_prefetch
 #
 # dc_fsdp_budget reads fsdp2_compiled's and dc_zero3's peaks from the JSON: list it after them.
+# The options after SYSTEMS go to every process: with --limit-from SYSTEM, dc_default_limit reads
+# SYSTEM's peak from the JSON an earlier process wrote, so list SYSTEM before it, e.g.
+#   benchmarks/zero3_each.sh 2 OUT fsdp2_compiled_ac,fsdp2_offload_ac,dc_default_limit --limit-from fsdp2_compiled_ac
 set -u
 if [ $# -lt 3 ]; then
-  sed -n '2,10p' "$0" >&2
+  sed -n '2,13p' "$0" >&2
   exit 2
 fi
 nproc=$1 out=$2 systems=$3
