@@ -14,7 +14,7 @@ import torch
 
 from deepcompile.params import ConfigError, build, spec
 from deepcompile.passes import prefetch, selective_unshard, zero3
-from deepcompile.passes.registry import DEFAULT_REDUCE_BUCKET, list_problems, lowering
+from deepcompile.passes.registry import DEFAULT_REDUCE_BUCKET, list_problems, lowering, lowering_index
 
 # the default ZeRO-3 plan's pass list after the profiling step (apply_default_schedule)
 DEFAULT_PLAN = (zero3.NAME, prefetch.NAME, selective_unshard.NAME)
@@ -220,9 +220,11 @@ class Config:
 
         entries = [normalize_entry(e, f"{path}[{i}]") for i, e in enumerate(entries)]
         names = [e.name for e in entries]
-        if not names or names[0] != first:
+        at = lowering_index(names, first)
+        if at >= len(names) or names[at] != first:
             raise ConfigError(
-                f"{path}: ZeRO-{stage} needs {first!r} as the first pass (it inserts the communication), got {names}")
+                f"{path}: ZeRO-{stage} needs {first!r} as the first pass (it inserts the communication; only "
+                f"passes that rewrite the graph before it, such as 'recompute_activations', may come earlier), got {names}")
         for i, e in enumerate(entries):
             if e.name not in PASSES:
                 raise ConfigError(f"{path}[{i}].name: unknown pass {e.name!r}; known: {sorted(PASSES)}")

@@ -47,7 +47,7 @@ def test_each_pass_module_exports_its_name():
 
 def test_requirements_and_conflicts_name_registered_passes():
     for name, p in PASSES.items():
-        for other in (*p.requires, *p.conflicts):
+        for other in (*p.requires, *p.conflicts, *p.precedes):
             assert other in PASSES, f"{name} declares {other!r}, which is not a registered pass"
             assert other != name, name
 

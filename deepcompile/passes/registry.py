@@ -57,6 +57,7 @@ class PassDef:
     plan_cacheable: bool = True            # a plan that runs it may be stored for later runs (plan.cache)
     requires: tuple[str, ...] = ()         # passes that must come earlier in the same list
     conflicts: tuple[str, ...] = ()        # passes that must not be in the same list (either way round)
+    precedes: tuple[str, ...] = ()         # passes that, when in the same list, must come later
 
 
 PASSES: dict[str, PassDef] = {}
@@ -65,7 +66,7 @@ PASSES: dict[str, PassDef] = {}
 def register_pass(name: str, params_cls: type = NoParams, help: str = "", *, graph_only: bool, offline: str,
                   lowers: tuple[int, ...] = (), planned: tuple[str, ...] = (), absent: Mapping[str, Any] | None = None,
                   planner_adds: bool = False, plan_cacheable: bool = True, requires: tuple[str, ...] = (),
-                  conflicts: tuple[str, ...] = ()):
+                  conflicts: tuple[str, ...] = (), precedes: tuple[str, ...] = ()):
     """Register ``fn`` as the pass ``name`` with its declarations (see :class:`PassDef`)."""
     fields = {f.name for f in dataclasses.fields(params_cls)}
     bad = [k for k in (*planned, *(absent or {})) if k not in fields]
@@ -83,7 +84,7 @@ def register_pass(name: str, params_cls: type = NoParams, help: str = "", *, gra
                                graph_only=bool(graph_only), offline=offline, lowers=tuple(lowers),
                                planned=tuple(planned), absent=dict(absent or {}), planner_adds=bool(planner_adds),
                                plan_cacheable=bool(plan_cacheable), requires=tuple(requires),
-                               conflicts=tuple(conflicts))
+                               conflicts=tuple(conflicts), precedes=tuple(precedes))
         return fn
     return deco
 
@@ -94,6 +95,16 @@ def lowering(stage: int) -> str:
     if len(found) != 1:
         raise KeyError(f"ZeRO stage {stage}: {len(found)} passes declare that they lower it ({found})")
     return found[0]
+
+
+def lowering_index(names: list[str], first: str) -> int:
+    """Where ``first`` (the pass that lowers a ZeRO stage) must stand in ``names``: after the
+    passes at the front that declare they precede it (``PassDef.precedes``), which rewrite the
+    graph before its communication is inserted."""
+    i = 0
+    while i < len(names) and names[i] in PASSES and first in PASSES[names[i]].precedes:
+        i += 1
+    return i
 
 
 def planned_params() -> dict[str, tuple[str, ...]]:
@@ -121,6 +132,9 @@ def list_problems(names: list[str]) -> list[str]:
         for c in p.conflicts:
             if c in names:
                 out.append(f"{n!r} and {c!r} cannot be in one list")
+        for c in p.precedes:
+            if c in names[:i]:
+                out.append(f"{n!r} must come before {c!r}")
     return out
 
 

@@ -335,7 +335,7 @@ class PlanCache:
     def _load(self, path: str) -> tuple[dict | None, str]:
         """(entry, '') or (None, why not); a file that is there but unreadable warns."""
         from deepcompile.passes import PASSES, zero3
-        from deepcompile.passes.registry import PassEntry, make_params
+        from deepcompile.passes.registry import PassEntry, lowering_index, make_params
         from deepcompile.profile.profiler import Profile
 
         if not os.path.exists(path):
@@ -352,7 +352,8 @@ class PlanCache:
                 if p.name not in PASSES:
                     raise ValueError(f"unknown pass {p.name!r}")
                 make_params(p)   # validated now, not half-way through the compile
-            if not planned or planned[0].name != zero3.NAME:
+            names = [p.name for p in planned]
+            if zero3.NAME not in names[lowering_index(names, zero3.NAME):][:1]:
                 raise ValueError(f"the planned pass list does not start with {zero3.NAME}")
             prof = Profile.from_records(e["profile"])
             prof.step = int(e.get("profile_step", -1))

@@ -24,6 +24,8 @@ readers in FX and Inductor, and no output is needed.
   without them the copy could overtake a fused kernel that still reads ``t``
 * ``dc.reload_activation(t, id)``    backward, ahead of the first use: start the copy back
 * ``dc.wait_activation(t, id)``      backward, at the first use: compute waits for the copy
+* ``dc.drop_activation(t, after)``   forward, after ``t``'s last forward use: free its storage with
+  no copy (``passes/recompute.py``: backward computes the value again); ``after`` as for offload
 * ``dc.release_optimizer_state(anchor, reserve_bytes)``  forward: free the device copies of
   optimizer state whose copy out was started after the last step (deferred), in order, until
   ``reserve_bytes`` for the rest of the step fit beside what is allocated
@@ -74,7 +76,8 @@ class CopyEngine:
     pools: dict = field(default_factory=dict)        # nbytes -> [(host buffer, event it is free after)]
     pending: dict = field(default_factory=dict)      # key -> list[_Pending]
     stats: dict = field(default_factory=lambda: {"offloads": 0, "reloads": 0, "skipped": 0,
-                                                 "offloaded_bytes": 0, "peak_host_bytes": 0})
+                                                 "offloaded_bytes": 0, "peak_host_bytes": 0,
+                                                 "drops": 0, "drops_skipped": 0, "dropped_bytes": 0})
     host_bytes: int = 0
     _streams: dict = field(default_factory=dict)
 
@@ -117,6 +120,19 @@ class CopyEngine:
         st = t.untyped_storage()
         return (st.nbytes() > 0 and t.storage_offset() == 0 and t.is_contiguous()
                 and st.nbytes() == t.numel() * t.element_size())
+
+    def drop(self, t: torch.Tensor) -> bool:
+        """Free ``t``'s storage with no copy (its value is recomputed before it is read again).
+        On CUDA the block goes back to the caching allocator for the current stream, after the
+        kernels already queued there that read it, as FSDP frees unsharded parameters. Returns
+        False (and leaves ``t`` alone) when ``t`` shares its storage with other tensors."""
+        if not self.offloadable(t):
+            self.stats["drops_skipped"] += 1
+            return False
+        self.stats["dropped_bytes"] += t.untyped_storage().nbytes()
+        t.untyped_storage().resize_(0)
+        self.stats["drops"] += 1
+        return True
 
     def offload(self, t: torch.Tensor, key, defer_free: bool = False) -> bool:
         """Copy ``t`` out and free its storage. Returns False (and leaves ``t`` alone) when
@@ -259,10 +275,14 @@ def activation_ops(engine: Callable[[], CopyEngine]) -> dict:
     def wait_activation(t: torch.Tensor, aid: int) -> None:
         engine().wait(t, ("act", aid))
 
+    def drop_activation(t: torch.Tensor, after: list[torch.Tensor]) -> None:
+        engine().drop(t)
+
     return {
         "offload_activation(Tensor(a!) t, Tensor[] after, int id) -> ()": offload_activation,
         "reload_activation(Tensor(a!) t, int id) -> ()": reload_activation,
         "wait_activation(Tensor(a!) t, int id) -> ()": wait_activation,
+        "drop_activation(Tensor(a!) t, Tensor[] after) -> ()": drop_activation,
     }
 
 
