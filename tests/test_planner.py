@@ -415,3 +415,81 @@ def test_a_rank_whose_pricing_fails_fails_every_rank_instead_of_hanging():
     r = run_ranks(_split_pricing, 2, 1, timeout=120)
     for x in r:
         assert "rank 1: ValueError: no graphs to price on" in x["error"], x
+
+
+# ----------------------------------------------------------------------------------------- recompute
+# The same model with a step timeline: 100 forward nodes then 100 backward nodes, memory rising
+# through forward to the 10 GiB peak at the start of backward and falling through it. Four blocks
+# of 1 GiB saved activations each (forward nodes 0-79, the head 80-99), dropped at the end of their
+# forward and back just before their backward; block 3 recomputes cheapest (2 ms), blocks 0-2 cost 5 ms.
+def _timeline() -> list[tuple[int, int, int]]:
+    up = [(i, int(6 * GIB + 4 * GIB * i / 99), 0) for i in range(100)]
+    down = [(100 + i, int(10 * GIB - 4 * GIB * i / 99), 0) for i in range(100)]
+    return up + down
+
+
+RC_FACTS = MemoryFacts(fb_peak=10 * GIB, optimizer_peak=6 * GIB, shard_bytes=1 * GIB, grad_bytes=1 * GIB,
+                       state_bytes=4 * GIB, gathered={i: 256 * MIB for i in range(8)}, fb_peak_at="graph 0 backward",
+                       timeline=_timeline())
+
+
+def _blocks():
+    from deepcompile.plan.recompute_choice import BlockCost
+
+    return [BlockCost(b, 1 * GIB, 2.0 if b == 3 else 5.0, 20 * (b + 1) - 1, 200 - 20 * (b + 1)) for b in range(4)]
+
+
+def _rc_plan(limit_gib: float) -> P.Plan:
+    from deepcompile.plan.recompute_choice import levels
+
+    def t(c):
+        return P.analytic_step_ms(c, RC_FACTS, COMM, compute_ms=20.0, optimizer_ms=10.0)
+    return P.choose(RC_FACTS, mem(limit_gib), kept_bytes, t, {}, "analytic", recompute_levels=levels(_blocks()))
+
+
+def test_recompute_memory_is_subtracted_between_drop_and_recompute():
+    b = _blocks()
+    # every block dropped: at the start of backward (node 100, the 10 GiB peak) all 4 GiB are off
+    # the device; the new peak is node 180, where block 0 is back and nothing is dropped any more
+    m = plan_memory(RC_FACTS, 0, 0, recompute=tuple(b))
+    assert m.fb_peak == int(10 * GIB - 4 * GIB * 80 / 99)
+    # one block: its bytes are gone at the peak node, so the peak drops by at most its 1 GiB
+    one = plan_memory(RC_FACTS, 0, 0, recompute=(b[0],))
+    assert one.fb_peak == int(6 * GIB + 4 * GIB * 98 / 99) - 0 * GIB or 9 * GIB <= one.fb_peak < 10 * GIB
+    # the last block back at the start of backward saves nothing at the peak
+    from deepcompile.plan.recompute_choice import BlockCost
+    assert plan_memory(RC_FACTS, 0, 0, recompute=(BlockCost(9, GIB, 1.0, 99, 100),)).fb_peak == 10 * GIB
+    assert plan_memory(RC_FACTS, 0, 0).fb_peak == 10 * GIB  # nothing recomputed: as profiled
+
+
+def test_planner_recomputes_only_when_the_limit_binds_cheapest_blocks_first_then_offloads():
+    roomy = _rc_plan(126.9).chosen
+    assert not roomy.recompute and roomy.offload_limit_mb is None
+    # 11 GiB: the slow link makes every parameter kept gathered worth more than a block's
+    # recomputation: recomputing two blocks to keep all 2 GiB gathered beats keeping less
+    mid = _rc_plan(11.0)
+    assert mid.chosen.recompute and mid.chosen.kept == FACTS.gathered_total
+    no_rc = [c for c in P.candidates(RC_FACTS, kept_bytes, {}) if plan_memory(RC_FACTS, c.kept, c.prefetch).peak <= 11 * GIB]
+    assert min(P.analytic_step_ms(c, RC_FACTS, COMM, 20.0, 10.0) for c in no_rc) > mid.chosen.step_ms
+    # 9.5 GiB: the profiled 10 GiB peak does not fit without dropping activations; the cheapest
+    # block per byte (block 3) goes first, and no optimizer state leaves the device
+    tight = _rc_plan(9.5).chosen
+    assert tight.recompute and tight.offload_limit_mb is None
+    assert [c.block for c in tight.recompute][0] == 3
+    assert tight.memory.peak <= 9.5 * GIB
+    p = tight.params()["recompute_activations"]["blocks"]
+    assert p == ",".join(str(c.block) for c in sorted(tight.recompute, key=lambda c: c.block))
+    # its recomputation is in the predicted step
+    assert tight.step_ms >= P.analytic_step_ms(tight, RC_FACTS, COMM, 20.0, 10.0) + sum(c.ms for c in tight.recompute) - 1e-6
+    # 6.1 GiB: even every block recomputed (6.77 GiB) is not enough; optimizer state goes to the host too
+    tighter = _rc_plan(6.1).chosen
+    assert len(tighter.recompute) == 4
+    assert tighter.offload_limit_mb is not None and tighter.memory.peak <= 6.1 * GIB
+
+
+def test_a_recomputing_plan_puts_its_pass_before_zero3():
+    from deepcompile.passes.registry import PassEntry
+
+    entries = [PassEntry("zero3"), PassEntry("prefetch"), PassEntry("selective_unshard")]
+    out = P.apply(entries, _rc_plan(9.5))
+    assert [e.name for e in out] == ["recompute_activations", "zero3", "prefetch", "selective_unshard"]

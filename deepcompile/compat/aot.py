@@ -42,14 +42,30 @@ def aot_input_index(node: fx.Node) -> int | None:
 def saved_outputs_start(fw: fx.GraphModule) -> int | None:
     """Index of the first forward output saved for backward, after mutated inputs, user outputs and
     RNG offsets: ``ViewAndMutationMeta.num_forward`` on the tracing context while the forward
-    compiler runs, else Inductor's ``user_visible_output_idxs`` on the output node, else None."""
+    compiler runs, else Inductor's ``user_visible_output_idxs`` on the output node, else the
+    output descriptors, else None."""
     ctx = torch._guards.TracingContext.try_get()
     meta = getattr(ctx, "fw_metadata", None) if ctx is not None else None
     if meta is not None and hasattr(meta, "num_forward"):
         return int(meta.num_forward)
     out = next(n for n in fw.graph.nodes if n.op == "output")
     idxs = out.meta.get("user_visible_output_idxs")
-    return max(idxs) + 1 if idxs else None
+    if idxs:
+        return max(idxs) + 1
+    # outside the compile (the planner's copies of the profiled graphs): the partitioner's output
+    # descriptors (``node.meta["desc"]``, 2.11 and 2.13), the saved values' being
+    # SavedForBackwards(NoVcCheck)AOTOutput
+    try:
+        from torch._functorch._aot_autograd.descriptors import (SavedForBackwardsAOTOutput,
+                                                                SavedForBackwardsNoVcCheckAOTOutput)
+    except ImportError:  # pragma: no cover
+        return None
+    descs = out.meta.get("desc")
+    if not isinstance(descs, (list, tuple)) or not descs:
+        return None
+    saved = (SavedForBackwardsAOTOutput, SavedForBackwardsNoVcCheckAOTOutput)
+    first = next((i for i, d in enumerate(descs) if isinstance(d, saved)), len(descs))
+    return first if all(isinstance(d, saved) for d in descs[first:]) else None
 
 
 def forget_outputs(output_node: fx.Node, cleared: list[int]) -> None:

@@ -164,9 +164,31 @@ def block_storage(g: fx.Graph, root: fx.Node, block: int) -> list[fx.Node]:
     return [m for m in storage_group(g, root) if m in mine or block_of(m) == block]
 
 
-def _walk(block: int, targets: list[fx.Node], available: set[fx.Node]) -> tuple[set, set] | str:
+def _gathered(n: fx.Node, available: set[fx.Node]) -> bool:
+    """A runtime op's output or item (a gathered parameter, in a graph ``zero3`` has lowered)
+    whose shards backward has: the graph inputs its chain of runtime ops reads are all saved."""
+    while n.op == "call_function" and n.target is operator.getitem:
+        n = n.args[0]
+    if not _is_dc(n):
+        return False
+    seen, stack = set(), [n]
+    while stack:
+        m = stack.pop()
+        if m in seen:
+            continue
+        seen.add(m)
+        if m.op == "placeholder":
+            if m not in available:
+                return False
+        elif _is_dc(m) or m.target is operator.getitem:
+            stack.extend(m.all_input_nodes)
+    return True
+
+
+def _walk(block: int, targets: list[fx.Node], available: set[fx.Node], lowered: bool = False) -> tuple[set, set] | str:
     """(forward nodes to copy, values backward has that they read) to compute ``targets``, or why
-    they cannot be computed in backward."""
+    they cannot be computed in backward. ``lowered``: the graph is after ``zero3`` (the planner's
+    profiled graphs), where a gathered parameter counts as one backward has (it gathers it again)."""
     need: set[fx.Node] = set()
     inputs: set[fx.Node] = set()
     stack = list(targets)
@@ -174,7 +196,7 @@ def _walk(block: int, targets: list[fx.Node], available: set[fx.Node]) -> tuple[
         n = stack.pop()
         if n in need or n in inputs:
             continue
-        if n in available:
+        if n in available or (lowered and _gathered(n, available)):
             inputs.add(n)
             continue
         if n.op != "call_function":
@@ -192,10 +214,10 @@ def _walk(block: int, targets: list[fx.Node], available: set[fx.Node]) -> tuple[
     return need, inputs
 
 
-def build_recipe(block: int, dropped: list[fx.Node], available: set[fx.Node]) -> Recipe | str:
+def build_recipe(block: int, dropped: list[fx.Node], available: set[fx.Node], lowered: bool = False) -> Recipe | str:
     """The recipe computing ``dropped`` (saved values of ``block``) from ``available`` (what
     backward has), or why there is none."""
-    walked = _walk(block, dropped, available)
+    walked = _walk(block, dropped, available, lowered)
     if isinstance(walked, str):
         return walked
     need, inputs = walked
@@ -215,7 +237,8 @@ def build_recipe(block: int, dropped: list[fx.Node], available: set[fx.Node]) ->
     return Recipe(block, g, [d.name for d in dropped], sum(_nbytes(d) for d in dropped), copied)
 
 
-def plan_forward(gm: fx.GraphModule, wanted: set[int] | str) -> tuple[list[Recipe], dict[int, list[fx.Node]], list[str]]:
+def plan_forward(gm: fx.GraphModule, wanted: set[int] | str, lowered: bool = False
+                 ) -> tuple[list[Recipe], dict[int, list[fx.Node]], list[str]]:
     """(recipes, {block: storage roots to drop}, notes) for the blocks ``wanted``. A value whose
     recomputation would need what backward lacks (a buffer the backward never reads, say) is
     kept, and the values computed from it start from it."""
@@ -232,7 +255,7 @@ def plan_forward(gm: fx.GraphModule, wanted: set[int] | str) -> tuple[list[Recip
         available = saved - {m for gs in groups.values() for _, ms in gs for m in ms}
         for b, gs in groups.items():
             for grp in list(gs):
-                if isinstance(_walk(b, grp[1], available), str):
+                if isinstance(_walk(b, grp[1], available, lowered), str):
                     gs.remove(grp)
                     kept[b] = kept.get(b, 0) + 1
                     available |= set(grp[1])
@@ -244,7 +267,7 @@ def plan_forward(gm: fx.GraphModule, wanted: set[int] | str) -> tuple[list[Recip
     for b, gs in groups.items():
         if not gs:
             continue
-        r = build_recipe(b, [m for _, ms in gs for m in ms], available)
+        r = build_recipe(b, [m for _, ms in gs for m in ms], available, lowered)
         if isinstance(r, str):  # pragma: no cover - every group walked above
             raise AssertionError(f"{NAME}: block {b}: {r}")
         recipes.append(r)
@@ -319,7 +342,7 @@ def merge_gathers(g: fx.Graph) -> int:
 
 
 @register_pass(NAME, RecomputeParams, graph_only=True, offline=OFFLINE_NONE, planned=("blocks",),
-               absent={"blocks": ""}, planner_adds=True, precedes=("zero3",))
+               planner_adds=True, precedes=("zero3",))
 def recompute_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Recompute the chosen decoder blocks' activations in backward instead of keeping them."""
     wanted = parse_blocks(ctx.params.blocks)

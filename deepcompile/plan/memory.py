@@ -62,6 +62,10 @@ class MemoryFacts:
     opt_groups: list[list[int]] = field(default_factory=list)
     opt_temp_factor: float = 0.0
     opt_profiled_chunk: int = 0
+    # (position in the step, profiled peak there, gathered bytes its graph waits for after it) of
+    # every profiled node, in step order (plan.recompute_choice.timeline_positions): where a plan
+    # recomputes blocks, what it saves depends on where in the step a node is
+    timeline: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def gathered_total(self) -> int:
@@ -130,13 +134,17 @@ def optimizer_peak(facts: MemoryFacts, chunk_mb: float | None = None) -> int:
 
 
 def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0,
-                chunk_mb: float | None = None) -> PlanMemory:
+                chunk_mb: float | None = None, recompute: tuple = ()) -> PlanMemory:
     """The predicted memory of a plan that keeps ``kept`` bytes gathered, prefetches up to
-    ``prefetch`` bytes, offloads ``offloaded`` bytes of optimizer state and steps the optimizer in
-    chunks of ``chunk_mb`` MiB (None: as profiled; see the module doc)."""
+    ``prefetch`` bytes, offloads ``offloaded`` bytes of optimizer state, steps the optimizer in
+    chunks of ``chunk_mb`` MiB (None: as profiled; see the module doc) and recomputes the blocks
+    ``recompute`` (plan.recompute_choice.BlockCost: their bytes are off the device between
+    their drop in forward and their recomputation in backward)."""
     offloaded = max(0, min(offloaded, facts.state_bytes))
     at, ahead = facts.fb_peak, prefetch
-    if facts.ahead and prefetch > 0:
+    if recompute and facts.timeline:
+        at, ahead = _with_recompute(facts, prefetch, recompute)
+    elif facts.ahead and prefetch > 0:
         # (a run's own fb_peak may replace the profile's, see plan.whatif: shift the points with it)
         shift = facts.fb_peak - max(p for p, _ in facts.ahead)
         at, ahead = max(((p + shift, min(prefetch, r)) for p, r in facts.ahead), key=lambda x: x[0] + x[1])
@@ -150,6 +158,28 @@ def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0
                       fb_peak=fb, optimizer_peak=opt, peak=max(fb, opt))
 
 
+def _with_recompute(facts: MemoryFacts, prefetch: int, recompute: tuple) -> tuple[int, int]:
+    """(memory at the plan's peak node before kept parameters, prefetched bytes there) when
+    ``recompute``'s bytes are off the device from each block's ``start`` to its ``end``."""
+    delta: dict[int, int] = {}
+    for c in recompute:
+        if c.end > c.start:
+            delta[c.start + 1] = delta.get(c.start + 1, 0) - c.nbytes
+            delta[c.end] = delta.get(c.end, 0) + c.nbytes
+    events = sorted(delta.items())
+    shift = facts.fb_peak - max(p for _, p, _ in facts.timeline)
+    saved, k, best, at, ahead = 0, 0, None, facts.fb_peak, 0
+    for pos, p, r in facts.timeline:
+        while k < len(events) and events[k][0] <= pos:
+            saved += events[k][1]
+            k += 1
+        a = min(prefetch, r) if prefetch > 0 else 0
+        v = p + shift + saved + a
+        if best is None or v > best:
+            best, at, ahead = v, p + shift + saved, a
+    return at, ahead
+
+
 def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, grad_bytes: int | None = None,
                        reduce_bytes: int = 0, opt_groups: list[list[int]] | None = None, opt_temp_factor: float = 0.0,
                        opt_profiled_chunk: int = 0) -> MemoryFacts:
@@ -161,16 +191,22 @@ def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, 
     def size(dt) -> int:
         return torch.empty((), dtype=dt).element_size()
 
+    from deepcompile.plan.recompute_choice import chrono_key
+
     best, where = 0, ""
     points: list[tuple[int, int]] = []  # (peak at a node, gathered bytes its graph waits for after it)
-    for (gid, kind), g in sorted(profile.graphs.items()):
+    timeline: list[tuple[int, int, int]] = []
+    pos = -1
+    for (gid, kind), g in sorted(profile.graphs.items(), key=lambda kv: chrono_key(*kv[0])):
         rest = sum(n.out_bytes for n in g.nodes if _waits(n.name))
         for n in g.nodes:
+            pos += 1
             if _waits(n.name):
                 rest -= n.out_bytes
             if n.name.startswith("reload_optimizer_state") or n.name.startswith("release_optimizer_state"):
                 continue
             points.append((n.peak_bytes, max(0, rest)))
+            timeline.append((pos, n.peak_bytes, max(0, rest)))
             if n.peak_bytes > best:
                 best, where = n.peak_bytes, f"graph {gid} {kind}, node {n.name}"
     shards = sum(m.chunk * size(m.dtype) for m in param_meta.values())
@@ -189,6 +225,7 @@ def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, 
     return MemoryFacts(fb_peak=int(best), optimizer_peak=opt_peak, shard_bytes=shards, grad_bytes=grads,
                        state_bytes=int(state_bytes), reduce_bytes=int(reduce_bytes), gathered=gathered,
                        fb_peak_at=where, ahead=_frontier([(p + extra, r) for p, r in points]),
+                       timeline=[(i, p + extra, r) for i, p, r in timeline],
                        opt_groups=[list(map(int, g)) for g in (opt_groups or [])],
                        opt_temp_factor=float(opt_temp_factor), opt_profiled_chunk=int(opt_profiled_chunk))
 

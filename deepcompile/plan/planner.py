@@ -35,13 +35,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from deepcompile.passes import PASSES, offload_optimizer, prefetch, zero3
+from deepcompile.passes import PASSES, offload_optimizer, prefetch, recompute_activations, zero3
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_RERUN, PassEntry, absent_params, planned_params
 from deepcompile.plan.device_memory import DeviceMemory, agree_memory, local_memory
 from deepcompile.plan.estimate import offload_ms
 from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory, prefetch_bytes
 from deepcompile.plan.pricing import PlanError, SplitTimer, no_gc, price
+from deepcompile.plan.recompute_choice import blocks_param
 from deepcompile.vocab.memory import fmt_bytes
 
 PREFETCH_LEVELS_MB = (2048.0, 512.0, 64.0, 0.0)  # how far ahead gathers may run
@@ -74,10 +75,13 @@ class Candidate:
     memory: PlanMemory | None = None
     step_ms: float = math.inf
     chunk_mb: float | None = None    # optimizer.step() chunk size (0: whole groups; None: as profiled)
+    recompute: tuple = ()            # plan.recompute_choice.BlockCost of the blocks backward recomputes
 
     def params(self) -> dict[str, dict]:
         out = {su.NAME: {"budget_mb": self.keep_mb},
                prefetch.NAME: {"budget_mb": self.prefetch_mb, "fuse_mb": self.fuse_mb}}
+        if self.recompute:
+            out[recompute_activations.NAME] = {"blocks": blocks_param(self.recompute)}
         if self.offload_limit_mb is not None:
             out[offload_optimizer.NAME] = {"limit_mb": self.offload_limit_mb,
                                         "plan_extra_mb": round((self.kept + self.prefetch) / MIB, 3),
@@ -87,7 +91,10 @@ class Candidate:
     def summary(self) -> dict:
         return {"params": self.params(), "optimizer_chunk_mb": self.chunk_mb, "step_ms": round(self.step_ms, 3),
                 "peak_bytes": self.memory.peak, "peak_gib": round(self.memory.peak / GIB, 3),
-                "memory": self.memory.to_dict(), "kept_bytes": self.kept, "offloaded_bytes": self.offloaded}
+                "memory": self.memory.to_dict(), "kept_bytes": self.kept, "offloaded_bytes": self.offloaded,
+                "recomputed_blocks": sorted(c.block for c in self.recompute),
+                "recomputed_bytes": sum(c.nbytes for c in self.recompute),
+                "recompute_ms": round(sum(c.ms for c in self.recompute), 3)}
 
 
 @dataclass
@@ -102,11 +109,13 @@ class Plan:
     fitting: int
     why: str = ""
     passes: list = field(default_factory=list)   # the pass list compiled with the plan
+    block_costs: list = field(default_factory=list)  # plan.recompute_choice.BlockCost of every recomputable block
 
     def to_dict(self) -> dict:
         f = asdict(self.facts)
         f["gathered_total"] = self.facts.gathered_total
         f.pop("gathered")
+        f.pop("timeline")  # one entry per profiled node: the record has the profile itself
         return {"chosen": self.chosen.summary(),
                 "runner_up": None if self.runner_up is None else self.runner_up.summary(),
                 "limit_bytes": self.memory.limit, "capacity_bytes": self.memory.capacity,
@@ -114,7 +123,8 @@ class Plan:
                 "limit_gib": round(self.memory.limit / GIB, 3), "capacity_gib": round(self.memory.capacity / GIB, 3),
                 "facts": f, "hand_set": self.hand_set, "time_model": self.time_model,
                 "considered": self.considered, "fitting": self.fitting, "why": self.why,
-                "passes": self.passes, "summary": self.summary_line()}
+                "passes": self.passes, "summary": self.summary_line(),
+                "recompute_options": [c.to_dict() for c in self.block_costs]}
 
     def summary_line(self) -> str:
         c = self.chosen
@@ -125,6 +135,9 @@ class Plan:
             s += f", offload {fmt_bytes(c.offloaded)} of optimizer state (limit_mb {c.offload_limit_mb:g})"
         if c.chunk_mb:
             s += f", optimizer.step in chunks of {c.chunk_mb:g} MiB (optimizer_chunk_mb)"
+        if c.recompute:
+            s += (f", recompute {len(c.recompute)} block(s) in backward ({fmt_bytes(sum(x.nbytes for x in c.recompute))} "
+                  f"of activations, +{sum(x.ms for x in c.recompute):.1f} ms)")
         return s + (f"; predicted {c.step_ms:.1f} ms, peak {fmt_bytes(c.memory.peak)} "
                     f"of a {fmt_bytes(self.memory.limit)} limit ({self.memory.source})")
 
@@ -151,23 +164,26 @@ def keep_levels(facts: MemoryFacts) -> list[float]:
     return out
 
 
-def candidates(facts: MemoryFacts, kept_bytes: Callable[[float], int], hand: dict) -> list[Candidate]:
-    """Every keep x prefetch combination, hand-set values held fixed."""
+def candidates(facts: MemoryFacts, kept_bytes: Callable[[float], int], hand: dict,
+               recompute_levels: list[tuple] | None = None) -> list[Candidate]:
+    """Every keep x prefetch x recompute combination, hand-set values held fixed."""
     hk = hand.get(su.NAME, {})
     hp = hand.get(prefetch.NAME, {})
     keeps = [hk["budget_mb"]] if "budget_mb" in hk else keep_levels(facts)
     out, seen = [], set()
-    for keep_mb in keeps:
-        kept = kept_bytes(keep_mb)
-        rest = facts.gathered_total - kept
-        levels = [hp["budget_mb"]] if "budget_mb" in hp else (PREFETCH_LEVELS_MB if rest > 0 else (0.0,))
-        for pf in levels:
-            fuse = hp.get("fuse_mb", min(FUSE_MB, pf))
-            key = (kept, pf, fuse)
-            if key in seen:
-                continue
-            seen.add(key)
-            out.append(Candidate(keep_mb, pf, fuse, None, kept, prefetch_bytes(facts, kept, pf, fuse), 0))
+    for rc in (recompute_levels or [()]):
+        for keep_mb in keeps:
+            kept = kept_bytes(keep_mb)
+            rest = facts.gathered_total - kept
+            levels = [hp["budget_mb"]] if "budget_mb" in hp else (PREFETCH_LEVELS_MB if rest > 0 else (0.0,))
+            for pf in levels:
+                fuse = hp.get("fuse_mb", min(FUSE_MB, pf))
+                key = (kept, pf, fuse, tuple(c.block for c in rc))
+                if key in seen:
+                    continue
+                seen.add(key)
+                out.append(Candidate(keep_mb, pf, fuse, None, kept, prefetch_bytes(facts, kept, pf, fuse), 0,
+                                     recompute=tuple(rc)))
     return out
 
 
@@ -211,16 +227,21 @@ def chunk_ms(facts: MemoryFacts, chunk_mb: float | None) -> float:
 
 def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], int],
            step_ms: Callable[[Candidate], float], hand: dict | None = None, time_model: str = "",
-           offload_headroom_mb: float = 1024.0, allow_offload: bool = True) -> Plan:
-    """The fastest predicted candidate whose predicted peak is within ``mem.limit``; offload
-    only when no candidate fits without it; the optimizer step in chunks only when its unchunked
-    peak is above the limit (:func:`chunk_for`). Raises PlanError when nothing fits."""
+           offload_headroom_mb: float = 1024.0, allow_offload: bool = True,
+           recompute_levels: list[tuple] | None = None, accumulation: int = 1) -> Plan:
+    """The fastest predicted candidate whose predicted peak is within ``mem.limit``; blocks
+    recomputed in backward where that is the fastest way to fit (``recompute_levels``: the
+    block sets to try, :func:`deepcompile.plan.recompute_choice.levels`; each costs its blocks'
+    recomputation per micro-batch); offload only when no candidate fits without it; the
+    optimizer step in chunks only when its unchunked peak is above the limit
+    (:func:`chunk_for`). Raises PlanError when nothing fits."""
     hand = hand or {}
-    cands = candidates(facts, kept_bytes, hand)
+    cands = candidates(facts, kept_bytes, hand, recompute_levels)
     chunk = chunk_for(facts, mem.limit, hand)
     for c in cands:
         c.chunk_mb = chunk
-        c.memory = plan_memory(facts, c.kept, c.prefetch, chunk_mb=0.0 if chunk is None else chunk)
+        c.memory = plan_memory(facts, c.kept, c.prefetch, chunk_mb=0.0 if chunk is None else chunk,
+                               recompute=c.recompute)
     fit = [c for c in cands if c.memory.peak <= mem.limit + ALLOCATOR_SLACK]
     offloading = False
     if not fit and allow_offload:
@@ -232,12 +253,13 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
             if 0 < need <= facts.state_bytes and c.memory.optimizer_peak <= mem.limit + ALLOCATOR_SLACK:
                 c.offloaded = int(need)
                 c.offload_limit_mb = hand.get(offload_optimizer.NAME, {}).get("limit_mb", round(mem.limit / MIB, 3))
-                c.memory = plan_memory(facts, c.kept, c.prefetch, c.offloaded, chunk_mb=c.chunk_mb)
+                c.memory = plan_memory(facts, c.kept, c.prefetch, c.offloaded, chunk_mb=c.chunk_mb,
+                                       recompute=c.recompute)
                 fit.append(c)
         offloading = True
     if not fit:
         raise PlanError(_nothing_fits(facts, mem, cands, offload_headroom_mb))
-    priced = price(fit, _with_chunks(step_ms, facts))
+    priced = price(fit, _with_recompute(_with_chunks(step_ms, facts), accumulation))
     # fastest first; a tie goes to the plan that uses less memory. When the limit binds nothing
     # (every candidate fits), plans within HOST_TIE of the fastest are a tie for the cost model,
     # which prices the GPU's timeline, not the host's: there the tie goes to the plan that keeps
@@ -249,7 +271,10 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
 
     def rank(c):
         tied = roomy and c.step_ms <= fastest * (1 + HOST_TIE)
-        return (not tied, -c.kept if tied else round(c.step_ms, 6), c.memory.peak, -c.keep_mb)
+        # among ties, recomputing nothing first: the cost model prices recomputation, but a
+        # lower peak bought with it is worth nothing where every plan fits
+        rc_ms = sum(x.ms for x in c.recompute)
+        return (not tied, -c.kept if tied else round(c.step_ms, 6), rc_ms if tied else 0.0, c.memory.peak, -c.keep_mb)
     fit.sort(key=rank)
     best = fit[0]
     runner = fit[1] if len(fit) > 1 else None
@@ -259,11 +284,31 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
     if chunk:
         why += (f"; optimizer.step in chunks of {chunk:g} MiB: its whole-group peak "
                 f"{fmt_bytes(optimizer_peak(facts, 0.0))} is above the limit, chunked {fmt_bytes(best.memory.optimizer_peak)}")
+    if best.recompute:
+        why += (f"; {len(best.recompute)} block(s) recomputed in backward: the fastest plan within the limit "
+                f"(+{accumulation * sum(x.ms for x in best.recompute):.1f} ms of compute for "
+                f"{fmt_bytes(sum(x.nbytes for x in best.recompute))} of activations)")
     if runner is not None:
         why += (f"; runner-up {runner.step_ms:.1f} ms at {fmt_bytes(runner.memory.peak)} "
-                f"(keep {runner.keep_mb:g} MiB, prefetch {runner.prefetch_mb:g} MiB)")
+                f"(keep {runner.keep_mb:g} MiB, prefetch {runner.prefetch_mb:g} MiB"
+                + (f", recompute {len(runner.recompute)} block(s)" if runner.recompute else "") + ")")
     return Plan(best, runner, mem, facts, dict(hand),
                 time_model, len(cands), len(fit), why)
+
+
+def _with_recompute(step_ms: Callable[[Candidate], float], accumulation: int) -> Callable[[Candidate], float]:
+    """``step_ms`` plus the recomputed blocks' compute, once per micro-batch; keeps the timer's
+    ``coarse_to_fine`` and ``many`` (:class:`SplitTimer`)."""
+    def extra(c: Candidate) -> float:
+        return accumulation * sum(x.ms for x in c.recompute)
+
+    def timed(c: Candidate) -> float:
+        return float(step_ms(c)) + extra(c)
+    timed.coarse_to_fine = getattr(step_ms, "coarse_to_fine", False)
+    many = getattr(step_ms, "many", None)
+    if many is not None:
+        timed.many = lambda cs: [float(ms) + extra(c) for ms, c in zip(many(cs), cs)]
+    return timed
 
 
 def _with_chunks(step_ms: Callable[[Candidate], float], facts: MemoryFacts) -> Callable[[Candidate], float]:
@@ -303,7 +348,8 @@ def _nothing_fits(facts: MemoryFacts, mem: DeviceMemory, cands: list[Candidate],
                  f"(offload_optimizer, {headroom_mb:g} MiB headroom); activations take ~{act / GIB:.2f} GiB of it "
                  f"(profiled peak at {facts.fb_peak_at or 'unknown'})")
         knob = ("use a smaller micro-batch (activations scale with it) or add 'offload_activations', "
-                "or raise memory_limit_gib")
+                "or raise memory_limit_gib"
+                + ("" if smallest.recompute else f"; the model has no block '{recompute_activations.NAME}' can recompute"))
     return (f"deepcompile planner: no plan fits the memory limit of {mem.limit / GIB:.2f} GiB ({mem.source}): "
             f"{where}; {short / GIB:.2f} GiB missing. To fit: {knob}.")
 
@@ -365,7 +411,9 @@ def apply(entries: list, plan: Plan) -> list:
     listed = {e.name for e in entries}
     for name, ps in params.items():
         if PASSES[name].planner_adds and name not in listed:
-            out.append(PassEntry(name=name, params=dict(ps)))
+            e = PassEntry(name=name, params=dict(ps))
+            before = [i for i, x in enumerate(out) if x.name in PASSES[name].precedes]
+            out.insert(before[0], e) if before else out.append(e)
     return out
 
 
@@ -417,11 +465,13 @@ def plan_model(model, entries: list) -> list:
 
     profiled = [e.name for e in (b.passes or [])]
     names = [e.name for e in entries]
+    core = [n for n in names if n != recompute_activations.NAME]   # the passes the runner prices
     # priced per candidate: the passes after the profiled ones whose parameters the candidates
     # differ in and that re-run on graph copies (PassDef.planned, PassDef.offline)
-    extra = [n for n in names[len(profiled):] if PASSES[n].planned and PASSES[n].offline == OFFLINE_RERUN]
+    extra = [n for n in core[len(profiled):] if PASSES[n].planned and PASSES[n].offline == OFFLINE_RERUN]
     accumulation = cfg.gradient_accumulation_steps
-    if b.compiled and names[:len(profiled)] == profiled:
+    block_costs: list = []
+    if b.compiled and core[:len(profiled)] == profiled:
         # the what-if's runner (plan.runner): passes on fast copies of the profiled graphs, the
         # per-graph static costs worked out once, each candidate priced once
         from deepcompile.plan.runner import GraphRunner, live_source
@@ -431,6 +481,10 @@ def plan_model(model, entries: list) -> list:
                           fused=cfg.compiler_at(model.dc_state.step) == "inductor", accumulation=accumulation, facts=facts)
         timer = GraphRunner(src, extra, {}, ctx_path="plan.{}").step_ms
         time_model = "cost model on the planned graphs"
+        if recompute_activations.NAME not in profiled:
+            from deepcompile.plan.recompute_choice import block_costs as find_block_costs
+
+            block_costs, _notes = find_block_costs(dict(b.compiled), prof, src.static)
         if model.dc_state.group is not None:
             import torch.distributed as dist
 
@@ -450,9 +504,12 @@ def plan_model(model, entries: list) -> list:
     # a pass the list lacks changes nothing: its planned parameters are fixed where it would not
     # (PassDef.absent: selective_unshard keeps nothing, prefetch prefetches nothing)
     fixed = {**hand, **absent_params(names)}
+    rc_levels = _recompute_levels(block_costs, hand)
     with no_gc():
-        plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom)
+        plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom,
+                      recompute_levels=rc_levels, accumulation=accumulation)
     plan.hand_set = hand
+    plan.block_costs = block_costs
     if chunks is not None and cfg.optimizer_chunk_mb == "auto":
         chunks.set_chunk_mb(plan.chosen.chunk_mb or 0.0)   # from the next optimizer.step()
     out = apply(entries, plan)
@@ -464,6 +521,17 @@ def plan_model(model, entries: list) -> list:
         d["pricing_shared_by_ranks"] = timer.world
     model.dc_state.plan = d
     return out
+
+
+def _recompute_levels(costs: list, hand: dict) -> list[tuple]:
+    """The block sets the planner tries (``recompute_choice.levels``), or the hand-set one."""
+    from deepcompile.plan.recompute_choice import levels
+
+    h = hand.get(recompute_activations.NAME, {})
+    if "blocks" not in h:
+        return levels(costs)
+    wanted = recompute_activations.parse_blocks(h["blocks"])
+    return [tuple(c for c in costs if wanted == "all" or c.block in wanted)]
 
 
 def _entry(name: str, params: dict):
