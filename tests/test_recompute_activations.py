@@ -127,3 +127,44 @@ def test_the_planner_recomputes_to_fit_and_training_matches_the_reference():
         ref.append(loss.item())
     mean = torch.tensor([res["losses"] for res in results]).mean(0)
     torch.testing.assert_close(mean, torch.tensor(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bad_block_list_is_refused_at_load_naming_its_key():
+    from deepcompile.config import Config
+    from deepcompile.params import ConfigError
+
+    with pytest.raises(ConfigError, match=r"passes\[0\]\.params\.blocks: '1-3' is not a block index"):
+        Config.load({"passes": [{"name": "recompute_activations", "params": {"blocks": "1-3"}}, "zero3"]})
+
+
+def _checkpointed_blocks(rank, world, steps):
+    """The default plan on a model whose blocks run under torch's own activation checkpointing."""
+    import deepcompile
+    from torch.utils.checkpoint import checkpoint
+
+    from tests.workloads import make_model, make_optimizer, rank_step
+
+    model = make_model()
+    for blk in model.blocks:
+        blk.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(blk.forward)
+    model, opt = deepcompile.initialize(model, make_optimizer, {"compiler": "aot_eager", "plan_cache": False})
+    losses = [rank_step(model, opt, rank, world, s) for s in range(steps)]
+    return {"losses": losses, "state": deepcompile.full_state_dict(model), "plan": model.dc_plan}
+
+
+def test_a_models_own_activation_checkpointing_trains_like_the_reference_under_the_default_plan():
+    import torch
+
+    from tests.dist_utils import run_ranks
+    from tests.workloads import train_reference
+
+    steps = 4
+    ref_losses, ref_state = train_reference(2, steps, 1)
+    results = run_ranks(_checkpointed_blocks, 2, steps, timeout=600)
+    mean = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(ref_losses, dtype=mean.dtype), rtol=1e-5, atol=1e-6)
+    for k, v in ref_state.items():
+        torch.testing.assert_close(results[0]["state"][k], v, rtol=1e-4, atol=1e-4)
+    # planned from a profile of the checkpointed graphs: nothing of theirs left to drop
+    plan = results[0]["plan"]
+    assert plan is not None and not plan["chosen"]["recomputed_blocks"]

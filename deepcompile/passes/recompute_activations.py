@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from deepcompile.compat import aot as aot_compat
 from deepcompile.compile.blocks import block_label
-from deepcompile.params import spec
+from deepcompile.params import ConfigError, spec
 from deepcompile.passes.alias import alias_closure, is_view, storage_keys
 from deepcompile.passes.offload_activations import (_nbytes, _readers, _root, owns_storage, runtime_storages,
                                                     storage_group)
@@ -48,6 +48,9 @@ NAME = "recompute_activations"
 class RecomputeParams:
     blocks: str = spec("", help="decoder blocks (their index in the model's block list) whose activations backward "
                                 "computes again instead of keeping them: comma-separated indices, 'all', or '' for none")
+
+    def validate(self, path: str) -> None:
+        parse_blocks(self.blocks, f"{path}.blocks")
 
 
 @dataclass
@@ -68,15 +71,15 @@ RECIPES: dict[int, list[Recipe]] = {}
 
 
 def parse_blocks(text: str, path: str = f"passes.{NAME}.params.blocks") -> set[int] | str:
-    """``'all'``, or the set of block indices in ``text`` (``'0,2,5'``); raises ValueError naming
-    the bad entry."""
+    """``'all'``, or the set of block indices in ``text`` (``'0,2,5'``); raises ConfigError naming
+    the key and the bad entry."""
     t = str(text).strip()
     if t == "all":
         return "all"
     out = set()
     for part in filter(None, (p.strip() for p in t.split(","))):
         if not part.isdigit():
-            raise ValueError(f"{path}: {part!r} is not a block index; give comma-separated indices "
+            raise ConfigError(f"{path}: {part!r} is not a block index; give comma-separated indices "
                              "such as '0,1,2', 'all', or '' for none")
         out.add(int(part))
     return out

@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 
 from deepcompile.params import ConfigError
-from deepcompile.passes import PASSES, offload_optimizer, prefetch
+from deepcompile.passes import PASSES, offload_optimizer, prefetch, recompute_activations
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_MEMORY, OFFLINE_RERUN, absent_params
 from deepcompile.plan.device_memory import DEFAULT_LIMIT_FRACTION
@@ -306,7 +306,8 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     explicit, auto, hand = _resolve(entries, planning)
     notes: list[str] = []
     after = names[names.index(BASE_PASS) + 1:]
-    before = names[:names.index(BASE_PASS) + 1]
+    # recompute_activations rewrites before zero3, but is priced from the run's block costs
+    before = [n for n in names[:names.index(BASE_PASS) + 1] if n != recompute_activations.NAME]
     if before != b.prefix and b.config.get("passes"):
         notes.append(f"the passes up to {BASE_PASS} {before} differ from the record's {b.prefix}: the graphs are the "
                      f"record's (a change before {BASE_PASS} needs a new trace: use Run)")
@@ -355,7 +356,8 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         # a pass the list lacks changes nothing: its planned parameters are held where it would not
         planned_hand = {**hand, **absent_params(names)}
         plan = P.choose(facts, mem, lambda mb: runner.kept(mb)[0], runner.step_ms, planned_hand,
-                        "cost model on the record's graphs (what-if)")
+                        "cost model on the record's graphs (what-if)",
+                        recompute_levels=P._recompute_levels(_block_costs(b), explicit), accumulation=b.accumulation)
         plan_d = plan.to_dict()
         chosen = plan.chosen.params()
         for name, keys in auto.items():
@@ -386,9 +388,10 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         offloaded = max(0, min(int(need), facts.state_bytes))
         notes.append(f"offload_optimizer: {offloaded / GIB:.2f} GiB of {facts.state_bytes / GIB:.2f} GiB optimizer "
                      f"state predicted off the device in forward/backward (limit {lim / GIB:.2f} GiB)")
-    pm = plan_memory(facts, kept, ahead, offloaded)
+    recomputed = _recomputed(b, params, notes)
+    pm = plan_memory(facts, kept, ahead, offloaded, recompute=recomputed)
     mv, shown, p = runner.evaluate(params, True)
-    gpu_ms = runner.gpu_ms(p, kept, offloaded)
+    gpu_ms = runner.gpu_ms(p, kept, offloaded) + b.accumulation * sum(c.ms for c in recomputed)
     for v in shown:
         notes += [f"g{v['graph_id']} {v['kind']} {v['after']}: {n}" for n in v["notes"]]
     memory, where = _memory(pm)
@@ -446,6 +449,34 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
                   per_graph_ms={k: round(v, 3) for k, v in p["per_graph_ms"].items()},
                   memory_model=pm.to_dict(), peak_where=where, plan=plan_d, measured=dict(b.measured),
                   model_step_ms=round(model_step, 3), calibration=cal, limit_bytes=asked, warnings=warnings)
+
+
+def _block_costs(b: RecordBase) -> list:
+    """What recomputing each block saves and costs, as the run's planner found it (plan.json's
+    ``recompute_options``); empty where the record lacks them."""
+    from deepcompile.plan.recompute_choice import BlockCost
+
+    try:
+        return [BlockCost(int(d["block"]), int(d["nbytes"]), float(d["ms"]), int(d["start"]), int(d["end"]))
+                for d in (b.plan or {}).get("recompute_options") or []]
+    except (KeyError, TypeError, ValueError):
+        return []
+
+
+def _recomputed(b: RecordBase, params: dict, notes: list) -> tuple:
+    """The block costs of the blocks ``params`` recompute (``recompute_activations.blocks``)."""
+    text = params.get(recompute_activations.NAME, {}).get("blocks", "")
+    if not text or text == AUTO:
+        return ()
+    wanted = recompute_activations.parse_blocks(text, f"passes.{recompute_activations.NAME}.params.blocks")
+    costs = [c for c in _block_costs(b) if wanted == "all" or c.block in wanted]
+    if not costs:
+        notes.append(f"{recompute_activations.NAME}: the record has no block costs; its effect is not predicted")
+        return ()
+    notes.append(f"{recompute_activations.NAME}: blocks {[c.block for c in costs]} recomputed in backward, "
+                 f"{sum(c.nbytes for c in costs) / GIB:.2f} GiB of activations off the device, "
+                 f"+{b.accumulation * sum(c.ms for c in costs):.1f} ms a step")
+    return tuple(costs)
 
 
 # ------------------------------------------------------------------------------------ the planner offline
