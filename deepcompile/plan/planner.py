@@ -4,9 +4,11 @@ Inputs: the agreed profile (forward/backward memory per node, the optimizer step
 and the communication model), the parameters' sizes, the device's capacity and the user's limit
 (``memory_limit_gib``; default 90% of the device). Output: ``selective_unshard.budget_mb`` (what
 stays gathered from forward to backward and across micro-batches), ``prefetch.budget_mb`` and
-``fuse_mb`` (how far ahead gathers go and how they coalesce) and, only when nothing fits
-otherwise, ``offload_optimizer.limit_mb``. Among candidate plans (a grid of kept fractions x
-prefetch budgets), the one the cost model predicts fastest whose predicted peak
+``fuse_mb`` (how far ahead gathers go and how they coalesce), ``recompute_activations.blocks``
+(the decoder blocks whose activations backward computes again, :mod:`deepcompile.plan.recompute_choice`)
+and, only when nothing fits otherwise, ``offload_optimizer.limit_mb``. Among candidate plans (a
+grid of kept fractions x prefetch budgets x recomputed blocks), the one the cost model predicts
+fastest whose predicted peak
 (:mod:`deepcompile.plan.memory`) is within the limit; a plan predicted above the limit is never
 chosen, and when none fits the error says how much is missing and which knob helps.
 
