@@ -78,11 +78,16 @@ def pass_table(run_dir, passes=None, *, rank: int = 0, memory_limit_gib: float |
     # (in whole.params but not in the list) are priced with the last row only
     entries = [{"name": n, "params": dict(whole.params.get(n, {}))} for n in names]
     start = names.index(BASE_PASS)
+    # rows in the order of what each adds to the ZeRO-3 graphs: zero3 and the passes after it,
+    # then those that rewrite before it (recompute_activations), each row the list so far in
+    # the list's own order
+    order = names[start:] + names[:start]
     rows = []
-    for i in range(start, len(entries) - 1):
-        w = predict_base(base, entries[: i + 1], memory_limit_gib=memory_limit_gib)
-        rows.append(_row(names[i], w))
-    rows.append(_row(names[-1], whole))
+    for i in range(len(order) - 1):
+        upto = set(order[: i + 1])
+        w = predict_base(base, [e for e in entries if e["name"] in upto], memory_limit_gib=memory_limit_gib)
+        rows.append(_row(order[i], w))
+    rows.append(_row(order[-1], whole))
     return rows
 
 
