@@ -368,6 +368,9 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     by_block = blocks.resolve(cfg, device.type)  # the final graphs cut into block regions, or whole
     world = dist.get_world_size(group)
     shard_group, replicate_group = groups.hybrid_groups(group, cfg.mesh.shard, cfg.collective_timeout_s)
+    from deepcompile.plan.device_memory import check_floor
+
+    check_floor(cfg.memory_limit_gib, model, dist.get_world_size(shard_group), make_optimizer)  # model untouched yet
 
     C = ops.ensure_registered()
     if C.is_initialized():

@@ -493,3 +493,28 @@ def test_a_recomputing_plan_puts_its_pass_before_zero3():
     entries = [PassEntry("zero3"), PassEntry("prefetch"), PassEntry("selective_unshard")]
     out = P.apply(entries, _rc_plan(9.5))
     assert [e.name for e in out] == ["recompute_activations", "zero3", "prefetch", "selective_unshard"]
+
+
+def _floor(rank, world):
+    import deepcompile
+    from deepcompile.plan.pricing import PlanError
+    from tests.workloads import make_model, make_optimizer
+
+    model = make_model(n_embd=256, n_layer=4)   # 3.2M parameters: 6 MiB of fp32 shards a rank
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        deepcompile.initialize(model, make_optimizer, {"compiler": "aot_eager", "memory_limit_gib": 0.001})
+    except PlanError as e:
+        same = all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+        return {"error": str(e), "untouched": same and not hasattr(model, "dc_state")}
+    return {"error": None}
+
+
+def test_a_limit_under_the_optimizer_steps_floor_is_refused_before_the_model_is_touched():
+    # shards, as much gradient and twice that of AdamW state: 24 MiB a rank; a 1 MiB limit cannot
+    # hold the step whatever the plan
+    r = run_ranks(_floor, 2, timeout=120)
+    for x in r:
+        assert x["error"] and "memory_limit_gib 0.001 is below what the optimizer step needs" in x["error"], x
+        assert "GiB missing" in x["error"] and "raise memory_limit_gib" in x["error"]
+        assert x["untouched"]
