@@ -292,3 +292,20 @@ def test_plan_with_runtime_state_is_not_seeded(tmp_path, monkeypatch):
     assert first["cache"]["stored"], first["cache"]
     assert first["aot_seed"].get("saved") == 0 and "offload_activations" in first["aot_seed"]["why"], first["aot_seed"]
     assert not list((tmp_path / "inductor").glob("aotautograd/*/*")), "an AOTAutograd entry was stored"
+
+
+def test_a_plan_priced_on_other_links_is_not_reused(tmp_path, monkeypatch):
+    """NCCL's transport settings are the links a plan was priced on: a run with
+    NCCL_P2P_DISABLE=1 (NVLink traffic through host memory) must plan again, not reuse the plan
+    of a run over NVLink (gloo ignores the variable; the key must not)."""
+    from deepcompile.plan.cache import link_settings
+
+    monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    d = str(tmp_path / "plans")
+    fast = run_ranks(_run, 2, d, {}, timeout=180)
+    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    assert link_settings() == {"NCCL_P2P_DISABLE": "1"}   # logging changes no plan
+    slow = run_ranks(_run, 2, d, {}, timeout=180)
+    for a, b in zip(fast, slow):
+        assert b["cache"]["hit"] is False and b["key"] != a["key"], b["cache"]

@@ -84,6 +84,13 @@ def default_dir() -> str:
     return os.path.join(base, "deepcompile_plans")
 
 
+def link_settings() -> dict:
+    """NCCL's settings from the environment (all ``NCCL_*`` but its logging): they choose the
+    transport (``NCCL_P2P_DISABLE=1`` sends NVLink traffic through host memory), so the links a
+    plan was priced on; a plan is never reused over other links."""
+    return {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_") and not k.startswith("NCCL_DEBUG")}
+
+
 def source_digest() -> str:
     """A digest of deepcompile's Python source that can change a plan: a changed pass, planner,
     profiler or runtime must not reuse a plan made by the old code (the version string does not
@@ -234,7 +241,7 @@ class PlanCache:
         return {"format": FORMAT, "graph0": first_graph, "config": cfg,
                 "world": dist.get_world_size(model.dc_state.group), "shard_world": dist.get_world_size(model.dc_state.shard_group),
                 "backend": str(dist.get_backend(model.dc_state.group)), "device": name, "capacity_bytes": int(cap),
-                "optimizer": _optimizer_facts(model),
+                "optimizer": _optimizer_facts(model), "links": link_settings(),
                 "torch": torch.__version__, "deepcompile": __version__, "source": source_digest()}
 
     def files(self) -> str:
