@@ -9,6 +9,7 @@ ties a job to the widgets: its log, progress and Cancel, and the run list switch
 from __future__ import annotations
 
 import html
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable
@@ -24,6 +25,9 @@ esc = html.escape
 
 class JobsMixin:
     """Launching and re-running jobs from :class:`~deepcompile.widgets.inspector.Inspector`."""
+
+    LOG_TAIL = 200         # the job's last lines shown in the Passes tab's log (all in ``job.lines``)
+    log_every_s = 0.5      # the log and the progress bar are updated at most this often
 
     def run(self, out: str | Path | None = None) -> Job | None:
         """Re-run the job with the passes tab's values (the demo profiles step 1, so what-if works
@@ -68,13 +72,42 @@ class JobsMixin:
         self.p_progress.value, self.p_progress.max = 0, 1
         self.p_progress.bar_style = ""
 
+        # the log shows the job's last LOG_TAIL lines as one output, re-sent at most every log_every_s:
+        # the demo prints a line per step, and appending each (Output.append_stdout re-sends the
+        # whole log every time) kept a core of a small machine busy in the kernel and the browser
+        lines: list[str] = []
+        lk = threading.Lock()
+        pending: dict = {"timer": None, "shown": 0.0}
+
+        def show_log() -> None:
+            with lk:   # one showing at a time: a timer's older tail never lands after the final one
+                if pending["timer"] is not None:
+                    pending["timer"].cancel()
+                pending["timer"], pending["shown"] = None, time.monotonic()
+                tail = lines[-self.LOG_TAIL:]
+                more = len(lines) - len(tail)
+                text = (f"… {more} earlier line(s) (Inspector.job.lines)\n" if more else "") + "".join(
+                    ln + "\n" for ln in tail)
+                self.p_log.outputs = ({"output_type": "stream", "name": "stdout", "text": text},) if text else ()
+                if self.job is not None and self.job.total:
+                    self.p_progress.max = self.job.total
+                    self.p_progress.value = self.job.step
+
         def on_line(line: str) -> None:
-            self.p_log.append_stdout(line + "\n")
-            if self.job is not None and self.job.total:
-                self.p_progress.max = self.job.total
-                self.p_progress.value = self.job.step
+            with lk:
+                lines.append(line)
+                if pending["timer"] is not None:     # a showing is due already
+                    return
+                wait = pending["shown"] + self.log_every_s - time.monotonic()
+                if wait > 0:
+                    pending["timer"] = t = threading.Timer(wait, show_log)
+                    t.daemon = True
+                    t.start()
+                    return
+            show_log()
 
         def on_exit(job: Job) -> None:
+            show_log()
             self.p_cancel.disabled = True
             self.p_run.disabled = False
             self.p_progress.bar_style = "success" if job.returncode == 0 else "danger"

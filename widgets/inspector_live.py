@@ -3,9 +3,12 @@
 A mixin of :class:`~deepcompile.widgets.inspector.Inspector`: it uses the inspector's ``W``
 (ipywidgets), ``model``, ``job``, ``_lock``, ``_plot``, ``open``, ``_render_header`` and
 ``_runs_table``. A daemon thread polls the shown run's ``steps.jsonl`` (every ``live_interval``
-while the run is live, else ``poll_interval``), shows each new step at once, and reloads the
-record when it appears, completes, or (at most every ``reload_every_s``) gains graphs or a newly
-measured step's timeline (the Schedule tab then shows it).
+while the run is live, else ``poll_interval``), counts each new step at once (the Steps tab's note
+and the header), re-draws the steps figure at most every ``steps_plot_s`` while the run is live
+(a re-draw costs the kernel and the browser every step's points again: on a small machine, CPU
+the run it shows needs), and reloads the record when it appears, completes, or (at most every
+``reload_every_s``) gains graphs or a newly measured step's timeline (the Schedule tab then shows
+it).
 """
 from __future__ import annotations
 
@@ -23,6 +26,10 @@ esc = html.escape
 
 class LiveStepsMixin:
     """The Steps tab and the polling of :class:`~deepcompile.widgets.inspector.Inspector`."""
+
+    steps_plot_s = 2.0         # while a run is live, the steps figure is re-drawn at most this often
+    _steps_plotted = 0.0       # time.monotonic() of the last re-draw by the poller
+    _steps_stale = False       # steps arrived since that re-draw
 
     def _build_steps_tab(self):
         """The Steps tab's widgets (``st_*``); returns the tab."""
@@ -147,9 +154,15 @@ class LiveStepsMixin:
             return False
         before = m.steps.status
         changed = m.steps.poll()
-        if changed or m.steps.live:
-            with self._lock:   # the steps first: each one shows as soon as its line is written
-                self._render_steps(note_only=not changed)
+        if changed or m.steps.live or self._steps_stale:
+            with self._lock:   # the steps first: each one is counted as soon as its line is written
+                now = time.monotonic()
+                stale = self._steps_stale or changed
+                plot = stale and (not m.steps.live or now - self._steps_plotted >= self.steps_plot_s)
+                self._render_steps(note_only=not plot)
+                self._steps_stale = stale and not plot
+                if plot:
+                    self._steps_plotted = now
                 if changed:
                     self._render_header()   # the header counts from the same steps, at the same poll
                     self.p_runs.value = self._runs_table()

@@ -25,6 +25,7 @@ class StepsModel:
         self.error: str | None = None
         self._sig: dict[int, tuple] = {}
         self.ranks: list[int] = []
+        self.config: dict | None = None   # the run's config: which steps compile or profile
 
     def poll(self) -> bool:
         """Re-read what changed; True when anything did."""
@@ -40,6 +41,12 @@ class StepsModel:
             self.error = str(e)
             return False
         self.error = None
+        if self.config is None:
+            try:
+                cfg = load_json(self.run_dir / S.CONFIG, optional=True, root=self.run_dir)
+            except RecordError:
+                cfg = None
+            self.config = cfg if isinstance(cfg, dict) else None
         if m["status"] != self.status:
             self.status, changed = m["status"], True
         self.ranks = list(m["ranks"])
@@ -99,6 +106,7 @@ class StepsModel:
         import plotly.graph_objects as go
         from plotly.subplots import make_subplots
 
+        from deepcompile.record.steps import special_steps
         from deepcompile.report import style as F
 
         # per step the writer logs process memory (the allocator's high-water mark on GPU, the resident
@@ -116,7 +124,10 @@ class StepsModel:
             c = RANK_COLORS[r % len(RANK_COLORS)]
             xs = [s["step"] for s in ss]
             ts = [s["time_s"] * 1e3 for s in ss]
-            steady += ts[2:] if len(ts) > 2 else ts
+            # the steady steps: not the compile, the profiled step or a re-compile (the steps every
+            # view's median leaves out; a profiled run re-compiles at step 3, seconds long)
+            special = special_steps(ss, self.config)
+            steady += [t for s, t in zip(ss, ts) if s.get("step") not in special] or (ts[2:] if len(ts) > 2 else ts)
             fig.add_trace(go.Scatter(x=xs, y=ts, name=f"rank {r} time", mode="lines+markers",
                                      line=dict(color=c), legendgroup=f"r{r}",
                                      hovertemplate="step %{x}: %{y:.1f} ms<extra>rank " + str(r) + "</extra>"), row=1, col=1)
