@@ -188,6 +188,15 @@ def _readers(users: list[fx.Node]) -> list[fx.Node]:
     return out
 
 
+def last_reader(closure: list[fx.Node], order: dict, skip) -> tuple[fx.Node, list[fx.Node]]:
+    """(the node after which a storage's last forward reader is done, the readers' tensor outputs
+    for the op's ``after``) for the nodes ``closure`` over one storage; ops of target ``skip``
+    (the freeing op itself, placed for another value) do not read it."""
+    users = [u for a in closure for u in a.users if u.op != "output" and u not in closure and u.target is not skip]
+    readers = _readers(users)
+    return max(users + closure + readers, key=order.__getitem__), readers
+
+
 def offload_forward(gm: fx.GraphModule, ctx: PassContext) -> None:
     picked, why = candidates(gm, ctx)
     plan, nbytes = offload_nodes(gm, picked, ctx)
@@ -209,11 +218,7 @@ def offload_nodes(gm: fx.GraphModule, picked: list[fx.Node], ctx: PassContext) -
             raise AssertionError(
                 f"offload_activations: {n.name} is a buffer the runtime keeps ({where}); freeing it "
                 "would free the runtime's gathered parameter")
-        closure = storage_group(g, n)
-        users = [u for a in closure for u in a.users
-                 if u.op != "output" and u not in closure and u.target is not DC.offload_activation.default]
-        readers = _readers(users)
-        last = max(users + closure + readers, key=order.__getitem__)
+        last, readers = last_reader(storage_group(g, n), order, DC.offload_activation.default)
         with g.inserting_after(last):
             op = g.call_function(DC.offload_activation.default, (n, readers, aid))
         op.meta["val"] = None

@@ -36,7 +36,7 @@ from deepcompile.compat import aot as aot_compat
 from deepcompile.compile.blocks import block_label
 from deepcompile.params import ConfigError, spec
 from deepcompile.passes.alias import alias_closure, is_view, storage_keys
-from deepcompile.passes.offload_activations import (_nbytes, _readers, _root, owns_storage, runtime_storages,
+from deepcompile.passes.offload_activations import (_nbytes, _root, last_reader, owns_storage, runtime_storages,
                                                     storage_group)
 from deepcompile.passes.registry import OFFLINE_NONE, PassContext, register_pass
 
@@ -283,11 +283,7 @@ def drop_forward(gm: fx.GraphModule, roots: list[fx.Node]) -> None:
     g = gm.graph
     order = {n: i for i, n in enumerate(g.nodes)}
     for root in roots:
-        closure = block_storage(g, root, block_of(root))
-        users = [u for a in closure for u in a.users
-                 if u.op != "output" and u not in closure and u.target is not DC.drop_activation.default]
-        readers = _readers(users)
-        last = max(users + closure + readers, key=order.__getitem__)
+        last, readers = last_reader(block_storage(g, root, block_of(root)), order, DC.drop_activation.default)
         with g.inserting_after(last):
             op = g.call_function(DC.drop_activation.default, (root, readers))
         op.meta["val"] = None

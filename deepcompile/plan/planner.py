@@ -506,7 +506,7 @@ def plan_model(model, entries: list) -> list:
     # a pass the list lacks changes nothing: its planned parameters are fixed where it would not
     # (PassDef.absent: selective_unshard keeps nothing, prefetch prefetches nothing)
     fixed = {**hand, **absent_params(names)}
-    rc_levels = _recompute_levels(block_costs, hand)
+    rc_levels = recompute_levels(block_costs, hand)
     with no_gc():
         plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom,
                       recompute_levels=rc_levels, accumulation=accumulation)
@@ -525,7 +525,7 @@ def plan_model(model, entries: list) -> list:
     return out
 
 
-def _recompute_levels(costs: list, hand: dict) -> list[tuple]:
+def recompute_levels(costs: list, hand: dict) -> list[tuple]:
     """The block sets the planner tries (``recompute_choice.levels``), or the hand-set one."""
     from deepcompile.plan.recompute_choice import levels
 

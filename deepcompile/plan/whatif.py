@@ -357,7 +357,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         planned_hand = {**hand, **absent_params(names)}
         plan = P.choose(facts, mem, lambda mb: runner.kept(mb)[0], runner.step_ms, planned_hand,
                         "cost model on the record's graphs (what-if)",
-                        recompute_levels=P._recompute_levels(_block_costs(b), explicit), accumulation=b.accumulation)
+                        recompute_levels=P.recompute_levels(_block_costs(b), explicit), accumulation=b.accumulation)
         plan_d = plan.to_dict()
         chosen = plan.chosen.params()
         for name, keys in auto.items():
