@@ -85,9 +85,11 @@ DEFAULT_SYSTEMS = ["fsdp2_eager", "fsdp2_compiled", "compute_bound", "dc_zero3",
 # The memory-bound regime's peers run only when named: dc_default_limit needs a limit
 # (--memory-limit-gib / --limit-from), and the activation-checkpointed and offloaded FSDP2 steps
 # answer another question than the default list's (who fits, not who is fastest).
-ALL_SYSTEMS = DEFAULT_SYSTEMS + ["fsdp2_compiled_ac", "fsdp2_offload_ac", "dc_default_limit"]
+ALL_SYSTEMS = DEFAULT_SYSTEMS + ["fsdp2_compiled_ac", "fsdp2_offload_ac", "dc_default_limit", "fsdp2_compiled_fused"]
 FSDP2_AC = ("fsdp2_compiled_ac", "fsdp2_offload_ac")  # each decoder layer checkpointed, then compiled
-FSDP2_COMPILED = ("fsdp2_compiled",) + FSDP2_AC  # each decoder layer torch.compile'd before fully_shard
+# each decoder layer torch.compile'd before fully_shard; fsdp2_compiled_fused: with AdamW(fused=True),
+# the optimizer kernel deepcompile's default steps its shards with on CUDA (config optimizer_fused)
+FSDP2_COMPILED = ("fsdp2_compiled", "fsdp2_compiled_fused") + FSDP2_AC
 DC_PASSES = {
     "dc_zero3": ["zero3"],
     "dc_prefetch": ["zero3", "prefetch"],
@@ -473,7 +475,8 @@ def build_dc(name, base_model, args, dev, extra=None):
     cfg.update(json.loads(os.environ.get("BENCH_DC_CONFIG", "{}")))
     model = copy.deepcopy(base_model)
     model, opt = deepcompile.initialize(model, lambda ps: torch.optim.AdamW(ps, lr=args.lr), cfg)
-    notes = {"config": cfg, "optimizer": f"torch.optim.AdamW(lr={args.lr}) over the fp32 flat shards",
+    fused = ", fused=True (config optimizer_fused 'auto')" if model.dc_state.optim_fused else ""
+    notes = {"config": cfg, "optimizer": f"torch.optim.AdamW(lr={args.lr}{fused}) over the fp32 flat shards",
              "what": "deepcompile.initialize(model, AdamW, config); the whole model is torch.compile'd "
                      "with the deepcompile backend"}
     if limit is not None:
@@ -675,6 +678,8 @@ def build_fsdp2(name, base_model, args, dev, offload_policy=None, opt_kwargs=Non
     fully_shard(model, mesh=_MESH, mp_policy=mp, **extra)
     if offload_policy is None:
         model.to(dev)  # fully_shard already moved the managed states; this is a no-op safety net
+    if kind == "fsdp2_compiled_fused":
+        opt_kwargs = {**(opt_kwargs or {}), "fused": True}
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, **(opt_kwargs or {}))
     notes = {"what": "fully_shard(layer, mp_policy) for every decoder layer, then fully_shard(root); "
                      "reshard_after_forward left at its default (True)"
@@ -683,7 +688,8 @@ def build_fsdp2(name, base_model, args, dev, offload_policy=None, opt_kwargs=Non
                      + ("; each decoder layer wrapped with torch.compile(layer) (default inductor) "
                         "before fully_shard, as torchtitan does" if kind in FSDP2_COMPILED else ""),
              "mp_policy": {"param_dtype": args.dtype, "reduce_dtype": args.dtype},
-             "optimizer": f"torch.optim.AdamW(lr={args.lr}) over fp32 DTensor shards"}
+             "optimizer": f"torch.optim.AdamW(lr={args.lr}{''.join(f', {k}={v}' for k, v in (opt_kwargs or {}).items())}) "
+                          "over fp32 DTensor shards"}
     if kind == "fsdp2_offload_ac":
         notes["what"] += (f"; offload_policy=CPUOffloadPolicy(pin_memory={args.device == 'cuda'}) on every "
                           "fully_shard: fp32 sharded parameters, gradients and the optimizer state live on "
@@ -697,7 +703,7 @@ def build_fsdp2(name, base_model, args, dev, offload_policy=None, opt_kwargs=Non
 def build_compute_bound(name, base_model, args, dev):
     model = copy.deepcopy(base_model).to(dev)
     compile_layers(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, **bound_opt_kwargs(args))
     dt = DTYPES[args.dtype]
     if dt == torch.float32:
         ac = contextlib.nullcontext
@@ -710,8 +716,19 @@ def build_compute_bound(name, base_model, args, dev):
                      f"{how}; backward and optimizer outside autocast; every decoder layer wrapped with "
                      "torch.compile(layer) (default inductor); no communication. Same micro-batch per "
                      "GPU as the sharded systems, rank 0's data.",
-             "optimizer": f"torch.optim.AdamW(lr={args.lr}) over fp32 parameters"}
+             "optimizer": f"torch.optim.AdamW(lr={args.lr}{_kw(bound_opt_kwargs(args))}) over fp32 parameters"}
     return model, opt, ac, notes
+
+
+def bound_opt_kwargs(args) -> dict:
+    """The bounds' AdamW kernel: the one deepcompile's default plan steps its shards with (config
+    ``optimizer_fused`` 'auto': torch's fused kernel on CUDA), so a bound is never slower than the
+    step it bounds by its optimizer alone."""
+    return {"fused": True} if args.device == "cuda" else {}
+
+
+def _kw(kw: dict) -> str:
+    return "".join(f", {k}={v}" for k, v in kw.items())
 
 
 class _ShardStep:
@@ -719,13 +736,13 @@ class _ShardStep:
     fp32 tensors of ceil(numel/N) elements per parameter (the shard a ZeRO-3 rank updates), whose
     gradients are stand-ins; the model's own gradients are dropped at ``zero_grad`` as usual."""
 
-    def __init__(self, model, world: int, lr: float):
+    def __init__(self, model, world: int, lr: float, opt_kwargs: dict):
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.shards = [torch.zeros(-(-p.numel() // world), device=p.device, dtype=torch.float32,
                                    requires_grad=True) for p in self.params]
         for s in self.shards:
             s.grad = torch.randn_like(s) * 1e-3
-        self.inner = torch.optim.AdamW(self.shards, lr=lr)
+        self.inner = torch.optim.AdamW(self.shards, lr=lr, **opt_kwargs)
 
     def step(self):
         self.inner.step()
@@ -742,8 +759,8 @@ def build_gpu_work_bound(name, base_model, args, dev):
     notes["what"] = ("one rank's GPU work of a sharded step, no communication: " + notes["what"]
                      + f" optimizer.step() over 1/{world} of the parameters (fp32 AdamW on ceil(numel/{world}) "
                        "elements per parameter).")
-    notes["optimizer"] = f"torch.optim.AdamW(lr={args.lr}) over 1/{world} of the parameters"
-    return model, _ShardStep(model, world, args.lr), ac, notes
+    notes["optimizer"] = f"torch.optim.AdamW(lr={args.lr}{_kw(bound_opt_kwargs(args))}) over 1/{world} of the parameters"
+    return model, _ShardStep(model, world, args.lr, bound_opt_kwargs(args)), ac, notes
 
 
 # ----------------------------------------------------------------------------------------------

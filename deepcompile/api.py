@@ -22,7 +22,7 @@ from deepcompile.compile import blocks, nested
 from deepcompile.compile.dynamic import DynamicDims
 from deepcompile.config import Config
 from deepcompile.profile.profiler import StepTimer
-from deepcompile.runtime import graphcheck, groups, ops, optim_chunks, seqcheck, state
+from deepcompile.runtime import graphcheck, groups, ops, optim_chunks, optim_fused, seqcheck, state
 from deepcompile.runtime.accumulation import wrap_for_accumulation
 from deepcompile.runtime.state import RuntimeState
 from deepcompile.sharding import ShardedParam, shard_module, shard_tensor
@@ -60,6 +60,7 @@ class ModelState:
     plan: dict | None = None        # the planner's choice and why (deepcompile.plan.planner)
     seqcheck: seqcheck.SequenceCheck | None = None  # per-step collective count check
     optim_chunks: Any = None        # runtime.optim_chunks' chunked step (None: not chunked)
+    optim_fused: list = field(default_factory=list)  # param groups runtime.optim_fused set to fused=True
     # whether the backward running next ends an accumulation window (runtime.accumulation)
     next_is_boundary: Callable[[], bool] = lambda: True
     gc_paused: bool = False         # the collector paused while compiling (forward)
@@ -426,6 +427,10 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     if not isinstance(opt, torch.optim.Optimizer):
         raise TypeError(f"deepcompile.initialize: make_optimizer returned {type(opt).__name__}, "
                         "expected a torch.optim.Optimizer")
+    try:   # torch's fused kernel over the shards where the user left the choice (config optimizer_fused)
+        st.optim_fused = optim_fused.install(opt, cfg.optimizer_fused)
+    except ValueError as e:
+        raise ConfigError(f"config.{e}") from None
     opt.register_step_pre_hook(wrapped._dc_before_optimizer_step)
     opt.register_step_post_hook(wrapped._dc_on_optimizer_step)  # real steps only (not accumulation)
     # the step's param groups in chunks (config optimizer_chunk_mb; 'auto': the planner sets it):

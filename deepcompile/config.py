@@ -139,6 +139,11 @@ class Config:
                                         "parameters (the user's param_groups and state dict do not change): bounds the "
                                         "foreach optimizers' group-sized temporaries, the step's peak; 0: one chunk per "
                                         "group; 'auto': the planner chooses (chunks only where that lets a faster plan fit)")
+    optimizer_fused: Any = spec("auto", help="optimizer.step() over the shards with torch's fused kernel (Adam, AdamW, "
+                                             "SGD on CUDA): one pass over each element where the default foreach step "
+                                             "makes about a dozen; 'auto': for the param groups that leave fused and "
+                                             "foreach unset; true: every group (an error where one cannot); false: "
+                                             "torch's own choice")
     plan: bool | None = spec(None, help="after the profile, fill the parameters not set by hand of prefetch and "
                                         "selective_unshard (adding offload_optimizer when nothing fits otherwise) from "
                                         "the profile and memory_limit_gib; default: on for the default ZeRO-3 plan")
@@ -184,6 +189,8 @@ class Config:
 
     def validate(self, path: str = "config") -> None:
         self.optimizer_chunk_mb = self._check_chunk_mb(self.optimizer_chunk_mb, f"{path}.optimizer_chunk_mb")
+        if not (isinstance(self.optimizer_fused, bool) or self.optimizer_fused == "auto"):
+            raise ConfigError(f"{path}.optimizer_fused: expected true, false or 'auto', got {self.optimizer_fused!r}")
         if not (isinstance(self.blocks, bool) or self.blocks == "auto"):
             raise ConfigError(f"{path}.blocks: expected true, false or 'auto', got {self.blocks!r}")
         if not (isinstance(self.plan_cache, bool) or (isinstance(self.plan_cache, str) and self.plan_cache.strip())):

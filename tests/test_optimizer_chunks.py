@@ -149,6 +149,32 @@ def test_install_and_config():
     assert OC.temp_factor(torch.optim.SGD(p, lr=0.1, foreach=True)) == 0.0
 
 
+def test_fused_kernel_choice():
+    """optimizer_fused: 'auto' gives torch's fused kernel only to groups that left the kernel to
+    torch and whose parameters it takes (CUDA floats); true names the group that cannot and the
+    fix; a bad value names its key."""
+    from deepcompile import Config, ConfigError
+    from deepcompile.runtime import optim_fused as OF
+
+    assert Config.load({}).optimizer_fused == "auto"
+    with pytest.raises(ConfigError, match=r"config.optimizer_fused: expected true, false or 'auto', got 'yes'"):
+        Config.load({"optimizer_fused": "yes"})
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    cpu = torch.optim.AdamW(p)
+    assert OF.install(cpu, "auto") == [] and cpu.param_groups[0]["fused"] is None   # CPU shards: torch's choice
+    with pytest.raises(ValueError, match=r"param group 0 cannot use torch's fused kernel: a parameter on cpu"):
+        OF.install(cpu, True)
+    with pytest.raises(ValueError, match=r"LBFGS has no fused kernel"):
+        OF.install(torch.optim.LBFGS(p), True)
+    mine = torch.optim.AdamW(p, foreach=False)
+    assert OF.install(mine, False) == [] and OF.why_not(mine, mine.param_groups[0]) is not None
+    if torch.cuda.is_available():
+        q = [torch.nn.Parameter(torch.zeros(2, device="cuda"))]
+        a, b = torch.optim.AdamW(q), torch.optim.AdamW(q, foreach=True)
+        assert OF.install(a, "auto") == [0] and a.param_groups[0]["fused"] is True
+        assert OF.install(b, "auto") == [] and b.param_groups[0]["fused"] is None   # the user chose foreach
+
+
 # ------------------------------------------------------------------------------------ 2 gloo ranks
 def _ranks(rank: int, world: int):
     import deepcompile

@@ -125,6 +125,7 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
         "offload_stats": {**rt.offload.stats, **rt.optimizer_state.stats},
         "grads_at_step": at_step,
         "n_params": len(model.dc_state.runtime.params),
+        "optim_fused": list(model.dc_state.optim_fused),
         "graphs": [(v.graph_id, v.kind, v.after, v.nodes) for v in model.dc_graphs],
         "versions": [(v.step, v.after) for v in model.dc_graphs],
         "aot_cache_hits": list(model.dc_backend.aot_cache_hits),
