@@ -75,6 +75,7 @@ class Backend:
         self.plan_cache = None          # deepcompile.plan.cache.PlanCache (initialize sets it), or None: off
         self.graph_check = None         # runtime.graphcheck.GraphCheck (initialize sets it), or None: off
         self.runtime = None             # runtime.state.RuntimeState the passes get (initialize sets it), or None
+        self.handoff: dict[int, dict] = {}   # graph id -> PassContext.handoff (a forward run to its backward)
         # compile seconds per optimizer step and phase (PHASES); see add_phase
         self.phases: dict[int, dict[str, float]] = {}
         self.call_seconds = 0.0         # total seconds inside __call__ (Dynamo's time excludes it)
@@ -140,7 +141,8 @@ class Backend:
                 pdef = PASSES[entry.name]
                 ctx = PassContext(graph_id=graph_id, kind=kind, params=make_params(entry),
                                   param_meta=self.param_meta, world_size=self.world_size, rank=self.rank,
-                                  profile=self.profile, runtime=self.runtime)
+                                  profile=self.profile, runtime=self.runtime,
+                                  handoff=self.handoff.setdefault(graph_id, {}))
                 t1 = time.perf_counter()
                 gm = pdef.fn(gm, ctx)
                 self._observe(GraphVersion(graph_id, kind, entry.name, serialize(gm), ctx.notes,

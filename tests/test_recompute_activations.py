@@ -168,3 +168,38 @@ def test_a_models_own_activation_checkpointing_trains_like_the_reference_under_t
     # planned from a profile of the checkpointed graphs: nothing of theirs left to drop
     plan = results[0]["plan"]
     assert plan is not None and not plan["chosen"]["recomputed_blocks"]
+
+
+def _two_models_interleaved(rank, world):
+    """Model A recomputes every block, model B none; B's forward compiles between A's forward and
+    A's backward (AOTAutograd compiles a backward at its first call), in one process."""
+    import deepcompile
+    import torch
+    from tests.workloads import LOCAL_BATCH, global_batch, make_model, make_optimizer
+
+    cfg = {"compiler": "aot_eager", "plan_cache": False}
+    a, _ = deepcompile.initialize(make_model(), make_optimizer, {**cfg, "passes": [RC_ALL, "zero3"]})
+    b, _ = deepcompile.initialize(make_model(), make_optimizer,
+                                  {**cfg, "passes": [{"name": "recompute_activations", "params": {"blocks": ""}}, "zero3"]})
+    x, y = global_batch(0, 0, world)
+    sl = slice(rank * LOCAL_BATCH, (rank + 1) * LOCAL_BATCH)
+    la = a(x[sl], y[sl])
+    lb = b(x[sl], y[sl])
+    la.backward()
+    lb.backward()
+    notes = [n for v in a.dc_graphs if v.kind == "backward" and v.after == "recompute_activations" for n in v.notes]
+    out = {"notes": notes, "finite": bool(torch.isfinite(la).item())}
+    deepcompile.destroy(b)
+    deepcompile.destroy(a)
+    return out
+
+
+def test_forward_to_backward_handoff_belongs_to_its_model():
+    """A pass's forward leaves its recipes for its own model's backward: another model compiled in
+    between (or a what-if pricing plans beside a training run) does not replace them."""
+    from tests.dist_utils import run_ranks
+
+    for r in run_ranks(_two_models_interleaved, 2, timeout=300):
+        assert r["finite"]
+        assert r["notes"] and all("recipes: 0 of" not in n for n in r["notes"]), r["notes"]
+        assert any(n.startswith("recipes: ") for n in r["notes"]), r["notes"]

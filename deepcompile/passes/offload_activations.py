@@ -39,9 +39,9 @@ DC = torch.ops.dc
 NAME = "offload_activations"
 MIB = 2 ** 20
 
-# graph id -> {forward node name: activation id}, written by the forward pass, read by backward
-# (AOTAutograd names backward's saved-tensor inputs after the forward nodes that produced them).
-PLANS: dict[int, dict[str, int]] = {}
+# The forward run leaves {forward node name: activation id} in ``ctx.handoff[NAME]`` for the same
+# graph's backward run (AOTAutograd names backward's saved-tensor inputs after the forward nodes
+# that produced them).
 
 
 @dataclass
@@ -200,7 +200,7 @@ def last_reader(closure: list[fx.Node], order: dict, skip) -> tuple[fx.Node, lis
 def offload_forward(gm: fx.GraphModule, ctx: PassContext) -> None:
     picked, why = candidates(gm, ctx)
     plan, nbytes = offload_nodes(gm, picked, ctx)
-    PLANS[ctx.graph_id] = plan
+    ctx.handoff[NAME] = plan
     ctx.notes.append(f"offloaded: {why}, {nbytes / MIB:.1f} MiB")
 
 
@@ -244,7 +244,7 @@ def _reload_point(nodes: list[fx.Node], first: int, nbytes: int, ctx: PassContex
 
 def reload_backward(gm: fx.GraphModule, ctx: PassContext) -> None:
     g = gm.graph
-    plan = PLANS.get(ctx.graph_id, {})
+    plan = ctx.handoff.get(NAME, {})
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
     found = 0
     for name, aid in plan.items():

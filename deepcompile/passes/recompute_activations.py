@@ -65,9 +65,8 @@ class Recipe:
     nodes: list[str] = field(default_factory=list)   # the forward nodes it copies
 
 
-# graph id -> recipes, written by the forward pass, read by the backward pass (AOTAutograd names
-# backward's saved-value inputs after the forward nodes that produced them)
-RECIPES: dict[int, list[Recipe]] = {}
+# The forward run leaves its recipes in ``ctx.handoff[NAME]`` for the same graph's backward run
+# (AOTAutograd names backward's saved-value inputs after the forward nodes that produced them).
 
 
 def parse_blocks(text: str, path: str = f"passes.{NAME}.params.blocks") -> set[int] | str:
@@ -347,16 +346,16 @@ def recompute_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
     wanted = parse_blocks(ctx.params.blocks)
     if ctx.kind == "forward":
         if not wanted:
-            RECIPES[ctx.graph_id] = []
+            ctx.handoff[NAME] = []
             return gm
         recipes, roots, notes = plan_forward(gm, wanted)
-        RECIPES[ctx.graph_id] = recipes
+        ctx.handoff[NAME] = recipes
         drop_forward(gm, [r for b in sorted(roots) for r in roots[b]])
         ctx.notes.extend(notes)
         ctx.notes.append(f"recomputed in backward: blocks {[r.block for r in recipes]}, "
                          f"{sum(r.nbytes for r in recipes) / 2 ** 20:.1f} MiB of saved activations dropped")
     elif ctx.kind == "backward":
-        recipes = RECIPES.get(ctx.graph_id, [])
+        recipes = ctx.handoff.get(NAME, [])
         if not recipes:
             return gm
         used, merged = recompute_backward(gm, recipes)

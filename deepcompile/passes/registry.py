@@ -155,6 +155,11 @@ class PassContext:
     # runtime.state.RuntimeState of the process the graph is compiled for (the backend's); None
     # offline (the what-if, the planner's pricing copies, tests): passes then use no runtime
     runtime: Any = None
+    # what a pass's forward run leaves for the same graph's backward run (the backward is compiled
+    # after the forward, from another context), keyed by pass name. Whoever builds the contexts owns
+    # it, one dict per graph id: the backend per model, an offline runner per pricing; so two models,
+    # or a what-if beside a training run in one process, never read each other's
+    handoff: dict = field(default_factory=dict)
 
 
 def normalize_entry(entry: Any, path: str):

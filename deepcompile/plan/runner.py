@@ -161,13 +161,15 @@ class GraphRunner:
 
     def __init__(self, b, names: list[str], fixed: dict, ctx_path: str = "passes.{}.params"):
         self.b, self.names, self.fixed, self.ctx_path = b, names, fixed, ctx_path
+        self.handoff: dict[int, dict] = {}   # graph id -> PassContext.handoff (forward to backward)
 
     def ctx(self, gid, kind, name, params):
         from deepcompile.params import build
         from deepcompile.passes import PASSES, PassContext
 
         return PassContext(graph_id=gid, kind=kind, params=build(PASSES[name].params_cls, params, self.ctx_path.format(name)),
-                           param_meta=self.b.meta, world_size=self.b.world, rank=self.b.rank, profile=self.b.profile)
+                           param_meta=self.b.meta, world_size=self.b.world, rank=self.b.rank, profile=self.b.profile,
+                           handoff=self.handoff.setdefault(gid, {}))
 
     def key(self, params: dict) -> str:
         return json.dumps([self.names, {n: params.get(n, {}) for n in self.names}], sort_keys=True, default=str)
