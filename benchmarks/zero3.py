@@ -891,6 +891,22 @@ def trace_steps(model, opt, autocast, batches, args, n: int = 3) -> None:
     path = os.path.join(out_dir, f"{args.current_system}_rank{rank}.json")
     prof.export_chrome_trace(path)
     log(f"  trace of {n} steps: {path}")
+    args.stream_breakdown = stream_breakdown(path, n)
+
+
+def stream_breakdown(path: str, steps: int) -> dict:
+    """Where a traced step's GPU time goes (``trace_streams.py`` on the trace just written), per step:
+    each stream's busy ms by what it mostly runs, the span, and GPU ms and launches by kernel kind."""
+    import trace_streams as ts
+
+    events = ts.load(path)
+    res = ts.analyse(events)
+    busy: dict = {}
+    for s in res["streams"].values():
+        busy[s["label"]] = busy.get(s["label"], 0.0) + s["busy_ms"] / steps
+    return {"trace": os.path.basename(path), "steps": steps, "step_span_ms": round(res["span_ms"] / steps, 2),
+            "stream_busy_ms": {k: round(v, 2) for k, v in busy.items()},
+            "kernels": {k: {"ms": round(ms, 2), "launches": n} for k, n, ms in ts.kinds(events, steps)}}
 
 
 def _inject_failure(name, rank, phase) -> None:
@@ -971,6 +987,8 @@ def run_on_rank(name, base_model, batches, args, rank, dev, collective=True, bui
             res["times_s"] = times
             res["host_times_s"] = list(getattr(args, "host_times", []))
             res["host_cpu_times_s"] = list(getattr(args, "host_cpu_times", []))
+            if getattr(args, "stream_breakdown", None):
+                res["stream_breakdown"], args.stream_breakdown = args.stream_breakdown, None
             if args.device == "cuda":
                 res["warmup_peak_gib"] = getattr(args, "warmup_peak", 0) / GIB
                 args.warmup_peak = 0
@@ -1061,6 +1079,8 @@ def summarise(name, per_rank, args, world) -> dict:
     if all(r.get("host_cpu_times_s") for r in ran):
         entry["host_cpu_step_s"] = median([max(r["host_cpu_times_s"][i] for r in ran)
                                            for i in range(len(r0["host_cpu_times_s"]))][w:])
+    if r0.get("stream_breakdown"):   # rank 0's traced steps (BENCH_TRACE)
+        entry["stream_breakdown"] = r0["stream_breakdown"]
     if "predicted" in r0:
         pr = r0["predicted"]
         entry["predicted"] = pr
