@@ -150,10 +150,11 @@ def _compile_with_offload(fn, seen):
 
     ops.ensure_registered()
     params = OffloadActivationsParams(min_mb=0.0)
+    handoff: dict = {}   # the forward's offload ids, for the backward (PassContext.handoff)
 
     def compiler(kind):
         def run(gm, inputs):
-            ctx = SimpleNamespace(graph_id=990, kind=kind, params=params, profile=None, notes=[])
+            ctx = SimpleNamespace(graph_id=990, kind=kind, params=params, profile=None, notes=[], handoff=handoff)
             gm = offload_activations(gm, ctx)
             seen[kind] = gm
             if kind == "forward":
