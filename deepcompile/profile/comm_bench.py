@@ -14,9 +14,6 @@ from deepcompile.compat import c10d as c10d_compat
 from deepcompile.vocab.links import CommModel
 
 
-CPU_REPS = 24   # timed repetitions per size on the host (gloo): ~0.5 s for 1 KiB .. 4 MiB
-
-
 def benchmark_comm(group=None, device=None, sizes=None, reps: int = 3) -> CommModel:
     """Time allgather by output size on the real process group; fit latency + bytes/bandwidth."""
     world = dist.get_world_size(group)
@@ -44,8 +41,7 @@ def benchmark_allreduce(group, device=None, sizes=None, reps: int = 3) -> CommMo
 
 
 def _fit_collective(run, device, sizes, reps: int) -> CommModel:
-    """Time ``run(nbytes, device)``'s collective at each size (after a warm-up: the median of ``reps``
-    on the GPU, the mean of at least CPU_REPS on the host)
+    """Time ``run(nbytes, device)``'s collective at each size (median of ``reps`` after a warm-up)
     and fit ``alpha + bytes / bandwidth`` by least squares."""
     device = device or torch.device("cpu")
     cpu = device.type != "cuda"
@@ -54,12 +50,6 @@ def _fit_collective(run, device, sizes, reps: int) -> CommModel:
         # cost there is what its gathers pay
         top, low = (4 << 20, 10) if cpu else (64 << 20, 16)
         sizes = [1 << k for k in range(low, top.bit_length())]
-    # On the host, gloo's threads share the cores with both ranks' compute, and a collective now and
-    # then waits a whole scheduler slice (~3-4 ms on 2 cores, 2 ranks) for one of them: the step
-    # pays every slow one, so each size is timed CPU_REPS times and fitted by its mean (the median
-    # of 3 sees none of them).
-    if cpu:
-        reps = max(reps, CPU_REPS)
     xs, ys = [], []
     for nbytes in sizes:
         x, fn = run(nbytes, device)
@@ -74,7 +64,7 @@ def _fit_collective(run, device, sizes, reps: int) -> CommModel:
             if r:
                 times.append((time.perf_counter() - t0) * 1e6)
         xs.append(x)
-        ys.append(sum(times) / len(times) if cpu else sorted(times)[len(times) // 2])
+        ys.append(sorted(times)[len(times) // 2])
         del fn
     if device.type == "cuda" and xs:
         # its buffers (up to 64 MiB) are no part of the training step's memory: the allocator's
