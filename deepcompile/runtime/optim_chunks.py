@@ -51,10 +51,16 @@ _CHUNKABLE = ("Adam", "AdamW", "SGD", "RMSprop", "Adagrad", "Adamax", "NAdam", "
               "Adadelta", "Rprop")
 
 
+def torch_kind(opt: torch.optim.Optimizer, names) -> str | None:
+    """The name of the first class of ``opt``'s MRO that is torch's own optimizer among ``names``
+    (a user's subclass of AdamW is an AdamW), or None."""
+    return next((c.__name__ for c in type(opt).__mro__
+                 if c.__module__.startswith("torch.optim") and c.__name__ in names), None)
+
+
 def chunkable(opt: torch.optim.Optimizer) -> bool:
     """Whether ``opt`` is one of torch's per-group optimizers (its step can run on chunk groups)."""
-    cls = type(opt)
-    return any(c.__module__.startswith("torch.optim") and c.__name__ in _CHUNKABLE for c in cls.__mro__)
+    return torch_kind(opt, _CHUNKABLE) is not None
 
 
 def split(sizes: list[int], chunk_bytes: int) -> list[tuple[int, int]]:

@@ -21,21 +21,15 @@ from __future__ import annotations
 
 import torch
 
+from deepcompile.runtime.optim_chunks import torch_kind
+
 # torch optimizers with a fused CUDA kernel, their step a loop over param groups (torch 2.11, 2.13)
 FUSED = ("Adam", "AdamW", "SGD")
 
 
-def _kind(opt: torch.optim.Optimizer) -> str | None:
-    for c in type(opt).__mro__:
-        if c.__module__.startswith("torch.optim") and c.__name__ in FUSED:
-            return c.__name__
-    return None
-
-
 def why_not(opt: torch.optim.Optimizer, group: dict) -> str | None:
     """Why ``group`` of ``opt`` cannot step with the fused kernel (None: it can)."""
-    kind = _kind(opt)
-    if kind is None:
+    if torch_kind(opt, FUSED) is None:
         return f"{type(opt).__name__} has no fused kernel in torch (only {', '.join(FUSED)})"
     if group.get("differentiable"):
         return "differentiable=True"
