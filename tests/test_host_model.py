@@ -156,3 +156,24 @@ def test_stalled_node_latencies_are_replaced_by_their_family_median():
     assert [f[1] for f in found] == ["convert_element_type_4"], found
     assert conv[4].latency_ms == 0.03 and conv[7].latency_ms == 0.5
     assert all(m.latency_ms == 40.0 for m in mm)
+
+
+def test_a_stall_is_judged_among_ops_of_its_own_kind_and_size_not_its_name():
+    """Names do not say the op: a re-traced Llama forward names its gate and up matmuls
+    ``getitem_85``/``getitem_86``. Among the graph's real getitems they looked 100x too slow and
+    were priced at a getitem's median, so the cost model lost two of a block's seven matmuls.
+    The vocabulary's matmul, 30x the block matmuls, is the only one of its size: kept too."""
+    from deepcompile.profile.agree import drop_stalls
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+
+    getitems = [NodeProfile(f"getitem_{i}", 0.03, 0, 0, 64, "<built-in function getitem>") for i in range(20)]
+    mm = "aten.mm.default"
+    gate_up = [NodeProfile(f"getitem_{85 + i}", 3.0, 0, 0, 1 << 20, mm) for i in range(4)]
+    blocks = [NodeProfile(f"mm_{i}", 0.4, 0, 0, 1 << 18, mm) for i in range(8)]
+    vocab = NodeProfile("mm_99", 13.0, 0, 0, 1 << 26, mm)
+    stalled = NodeProfile("mm_9", 40.0, 0, 0, 1 << 18, mm)     # a block matmul charged with a spin
+    prof = Profile(graphs={(0, "forward"): GraphProfile(0, "forward", getitems + gate_up + blocks + [vocab, stalled])})
+    found = drop_stalls(prof)
+    assert [f[1] for f in found] == ["mm_9"], found
+    assert all(n.latency_ms == 3.0 for n in gate_up) and vocab.latency_ms == 13.0
+    assert stalled.latency_ms == 0.4

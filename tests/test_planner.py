@@ -487,6 +487,30 @@ def test_planner_recomputes_only_when_the_limit_binds_cheapest_blocks_first_then
     assert tighter.offload_limit_mb is not None and tighter.memory.peak <= 6.1 * GIB
 
 
+def test_the_planner_recomputes_the_fewest_blocks_that_fit_at_any_count():
+    """Eight alike blocks: whatever the limit, the plan recomputes exactly as many as the fastest
+    fitting plan of a search over every candidate needs (not the next eighth), and is as fast."""
+    from deepcompile.plan.recompute_choice import BlockCost, levels
+
+    blocks = [BlockCost(b, GIB // 2, 5.0, 10 * (b + 1) - 1, 200 - 10 * (b + 1)) for b in range(8)]
+    lv = levels(blocks)
+    assert [len(x) for x in lv] == list(range(9))
+
+    def t(c):
+        return P.analytic_step_ms(c, RC_FACTS, COMM, compute_ms=20.0, optimizer_ms=10.0)
+    counts = set()
+    for limit_gib in (9.9, 9.2, 8.7, 8.3, 7.9, 7.6):
+        plan = P.choose(RC_FACTS, mem(limit_gib), kept_bytes, t, {}, "analytic", recompute_levels=lv)
+        every = P.candidates(RC_FACTS, kept_bytes, {}, lv)
+        fitting = [c for c in every if plan_memory(RC_FACTS, c.kept, c.prefetch, chunk_mb=0.0, recompute=c.recompute).peak
+                   <= limit_gib * GIB + P.ALLOCATOR_SLACK]
+        best = min(t(c) + sum(x.ms for x in c.recompute) for c in fitting)
+        assert plan.chosen.step_ms == pytest.approx(best), limit_gib
+        assert plan.chosen.memory.peak <= limit_gib * GIB + P.ALLOCATOR_SLACK
+        counts.add(len(plan.chosen.recompute))
+    assert len(counts) >= 2 and counts - {0, 1, 2, 4, 6, 8}, counts   # counts between the eighths too
+
+
 def test_a_recomputing_plan_puts_its_pass_before_zero3():
     from deepcompile.passes.registry import PassEntry
 

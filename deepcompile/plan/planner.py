@@ -240,17 +240,42 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
     hand = hand or {}
     cands = candidates(facts, kept_bytes, hand, recompute_levels)
     chunk = chunk_for(facts, mem.limit, hand)
+
+    def measure(c: Candidate) -> Candidate:
+        if c.memory is None:
+            c.chunk_mb = chunk
+            c.memory = plan_memory(facts, c.kept, c.prefetch, chunk_mb=0.0 if chunk is None else chunk,
+                                   recompute=c.recompute)
+        return c
+
+    def fits(c: Candidate) -> bool:
+        return measure(c).memory.peak <= mem.limit + ALLOCATOR_SLACK
+
+    # Candidates alike but for their recompute level differ in memory only: the timer prices the
+    # passes after recompute, and each level recomputes the blocks of the one before and more
+    # (recompute_choice.levels), so it costs more and peaks no higher. Of each such group only the
+    # smallest level that fits can win; it is found by bisection, so every block count can be a
+    # level (the 8B Llama at 8k context: 33 levels, ~6 memory models a group instead of 33).
+    groups: dict[tuple, list[Candidate]] = {}
     for c in cands:
-        c.chunk_mb = chunk
-        c.memory = plan_memory(facts, c.kept, c.prefetch, chunk_mb=0.0 if chunk is None else chunk,
-                               recompute=c.recompute)
-    fit = [c for c in cands if c.memory.peak <= mem.limit + ALLOCATOR_SLACK]
+        groups.setdefault((c.kept, c.prefetch_mb, c.fuse_mb), []).append(c)
+    fit, n_fit = [], 0
+    for g in groups.values():
+        if not fits(g[-1]):
+            continue
+        lo, hi = 0, len(g) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(g[mid]) else (mid + 1, hi)
+        fit.append(g[lo])
+        n_fit += len(g) - lo
+    roomy = all(g[0] in fit for g in groups.values())
     offloading = False
     if not fit and allow_offload:
         # what each would need offloaded: the forward/backward peak down to limit - headroom
         headroom = hand.get(offload_optimizer.NAME, {}).get("headroom_mb", offload_headroom_mb) * MIB
         room = mem.limit - headroom
-        for c in cands:
+        for c in map(measure, cands):
             need = c.memory.fb_peak - room
             if 0 < need <= facts.state_bytes and c.memory.optimizer_peak <= mem.limit + ALLOCATOR_SLACK:
                 c.offloaded = int(need)
@@ -258,9 +283,10 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
                 c.memory = plan_memory(facts, c.kept, c.prefetch, c.offloaded, chunk_mb=c.chunk_mb,
                                        recompute=c.recompute)
                 fit.append(c)
+        n_fit = len(fit)
         offloading = True
     if not fit:
-        raise PlanError(_nothing_fits(facts, mem, cands, offload_headroom_mb))
+        raise PlanError(_nothing_fits(facts, mem, list(map(measure, cands)), offload_headroom_mb))
     priced = price(fit, _with_recompute(_with_chunks(step_ms, facts), accumulation))
     # fastest first; a tie goes to the plan that uses less memory. When the limit binds nothing
     # (every candidate fits), plans within HOST_TIE of the fastest are a tie for the cost model,
@@ -269,7 +295,7 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
     # the host, which sets the pace of a launch-bound step (2 H200s, 953M Llama: 73.5 ms of host
     # in an 80.6 ms step, the plan that kept nothing predicted 0.07% faster).
     fastest = min(c.step_ms for c in fit)
-    roomy = len(fit) == len(cands) and not offloading
+    roomy = roomy and not offloading
 
     def rank(c):
         tied = roomy and c.step_ms <= fastest * (1 + HOST_TIE)
@@ -280,7 +306,7 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
     fit.sort(key=rank)
     best = fit[0]
     runner = fit[1] if len(fit) > 1 else None
-    why = (f"fastest predicted of {len(fit)} plans within the limit (of {len(cands)} considered"
+    why = (f"fastest predicted of {n_fit} plans within the limit (of {len(cands)} considered"
            + (f"; {priced} priced, the rest cut by the coarse-to-fine search" if priced < len(fit) else "") + ")"
            + ("; none fit without offloading optimizer state" if offloading else ""))
     if chunk:
@@ -295,7 +321,7 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
                 f"(keep {runner.keep_mb:g} MiB, prefetch {runner.prefetch_mb:g} MiB"
                 + (f", recompute {len(runner.recompute)} block(s)" if runner.recompute else "") + ")")
     return Plan(best, runner, mem, facts, dict(hand),
-                time_model, len(cands), len(fit), why)
+                time_model, len(cands), n_fit, why)
 
 
 def _with_recompute(step_ms: Callable[[Candidate], float], accumulation: int) -> Callable[[Candidate], float]:

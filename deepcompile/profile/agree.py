@@ -37,19 +37,23 @@ def drop_stalls(profile: Profile) -> list[tuple]:
     several. On 2 H200s (953M Llama, 16 layers) one profiling step had six waits at ~40 ms
     (SPIN_MS), one at 144 ms and a ``convert_element_type`` at 654 ms, where the forward's other
     1,756 nodes summed to 35 ms: the cost model predicted 161-192 ms for a 43 ms step. A node is
-    taken as stalled when it is ``STALL_FACTOR`` times the median of its op family (its name
-    without the trailing number: every ``convert_element_type_*``) in the same graph and at least
-    ``STALL_MIN_MS``; families of fewer than 4 nodes are left as measured. Runs on the agreed
-    values, so every rank replaces the same nodes."""
+    taken as stalled when it is ``STALL_FACTOR`` times the median of its op family (the same
+    op and the same output size: every cast of a same-shaped weight) in the same graph and at least
+    ``STALL_MIN_MS``; families of fewer than 4 nodes are left as measured. The family is the op
+    (``NodeProfile.op``), not the name: a re-traced graph names ops freely, and a Llama's gate and
+    up matmuls named ``getitem_85``/``getitem_86`` were taken for stalled getitems and priced at a
+    getitem's 27 us instead of their 3 ms. The size keeps one large op (the vocabulary's matmul)
+    out of the family of the model's smaller ones. Records without the op fall back to the name
+    without its trailing number. Runs on the agreed values, so every rank replaces the same nodes."""
     import re
     import statistics
 
     fam = re.compile(r"_\d+$")
     out = []
     for key, g in profile.graphs.items():
-        by: dict[str, list] = {}
+        by: dict[tuple, list] = {}
         for n in g.nodes:
-            by.setdefault(fam.sub("", n.name), []).append(n)
+            by.setdefault((n.op or fam.sub("", n.name), n.out_bytes), []).append(n)
         for name, ns in by.items():
             if len(ns) < 4:
                 continue

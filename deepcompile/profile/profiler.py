@@ -40,6 +40,9 @@ class NodeProfile:
     mem_after_bytes: int
     peak_bytes: int
     out_bytes: int
+    # the node's target ("aten.mm.default"): its op family. A node's name does not say its op:
+    # a re-traced graph can name a matmul ``getitem_85``
+    op: str = ""
 
 
 @dataclass
@@ -87,7 +90,8 @@ class Profile:
         prof = cls()
         for r in records:
             nodes = [NodeProfile(n["name"], float(n.get("latency_ms") or 0.0), int(n.get("mem_after_bytes") or 0),
-                                 int(n.get("peak_bytes") or 0), int(n.get("out_bytes") or 0)) for n in r["nodes"]]
+                                 int(n.get("peak_bytes") or 0), int(n.get("out_bytes") or 0), str(n.get("op") or ""))
+                     for n in r["nodes"]]
             prof.graphs[(int(r["graph_id"]), r["kind"])] = GraphProfile(int(r["graph_id"]), r["kind"], nodes)
             prof.hardware = str(r.get("hardware") or "")
             if r.get("comm"):
@@ -261,7 +265,7 @@ class ProfilingInterpreter(fx.Interpreter):
             out = super().run_node(n)
             end.record()
             st = torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]
-            rec = NodeProfile(n.name, 0.0, int(st["current"]), int(st["peak"]), _bytes(out))
+            rec = NodeProfile(n.name, 0.0, int(st["current"]), int(st["peak"]), _bytes(out), str(n.target))
             self._events.append((rec, start, end))  # latency filled by finish()
         else:
             before = self._held()
@@ -270,7 +274,7 @@ class ProfilingInterpreter(fx.Interpreter):
             dt = (time.perf_counter() - t0) * 1e3
             ob = _bytes(out)
             after = before + ob  # the interpreter frees dead inputs after this node returns
-            rec = NodeProfile(n.name, dt, after, after, ob)
+            rec = NodeProfile(n.name, dt, after, after, ob, str(n.target))
         self.records.append(rec)
         if self.memory is not None:
             if not self.cuda and memory_split.is_gather(n):
