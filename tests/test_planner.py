@@ -9,7 +9,7 @@ import torch
 
 from deepcompile.plan import planner as P
 from deepcompile.vocab.links import CommModel
-from deepcompile.plan.memory import GIB, MIB, MemoryFacts, plan_memory, prefetch_bytes
+from deepcompile.plan.memory import GIB, MIB, MemoryFacts, facts_from_profile, plan_memory, prefetch_bytes
 from deepcompile.plan.pricing import REFINE_WITHIN
 from tests.dist_utils import run_ranks
 
@@ -542,3 +542,33 @@ def test_a_limit_under_the_optimizer_steps_floor_is_refused_before_the_model_is_
         assert x["error"] and "memory_limit_gib 0.001 is below what the optimizer step needs" in x["error"], x
         assert "GiB missing" in x["error"] and "raise memory_limit_gib" in x["error"]
         assert x["untouched"]
+
+
+def test_values_a_fused_compile_never_writes_are_off_the_planned_peak():
+    """A softmax-like chain in a backward: ``exp`` and ``sub`` are read only by pointwise ops, so
+    Inductor keeps them inside one kernel; the node-by-node profile held them (its peak, at
+    ``sub``). The planned peak leaves them out: at ``sub`` both are off, after ``mul`` neither is
+    held any more, and the matmul's input ``mul`` is written, so it stays."""
+    from deepcompile.plan.estimate import unmaterialized_bytes
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+
+    def node(name, op, target, args, shape):
+        return {"name": name, "op": op, "target": target, "args": [{"node": a} for a in args], "kwargs": {},
+                "shape": shape, "dtype": "torch.float32"}
+    nodes = [node("x", "placeholder", "x", [], [1024, 256]), node("w", "placeholder", "w", [], [256, 64]),
+             node("exp", "call_function", "aten.exp.default", ["x"], [1024, 256]),
+             node("sub", "call_function", "aten.sub.Tensor", ["exp", "x"], [1024, 256]),
+             node("mul", "call_function", "aten.mul.Tensor", ["sub", "exp"], [1024, 256]),
+             node("mm", "call_function", "aten.mm.default", ["mul", "w"], [1024, 64]),
+             {"name": "output", "op": "output", "target": "output", "args": [[{"node": "mm"}]], "kwargs": {}}]
+    order = ["exp", "sub", "mul", "mm"]
+    one = 1024 * 256 * 4
+    assert unmaterialized_bytes(nodes, order) == [one, 2 * one, 2 * one, 0]
+    held = [2 * one, 3 * one, 4 * one, 2 * one]   # x, then each value until its last reader (eager)
+    prof = Profile(graphs={(0, "backward"): GraphProfile(0, "backward", [
+        NodeProfile(n, 0.1, h, h, one, "") for n, h in zip(order, held)])})
+    meta = {}
+    plain = facts_from_profile(prof, meta, 1, 0)
+    fused = facts_from_profile(prof, meta, 1, 0, unmaterialized={(0, "backward"): unmaterialized_bytes(nodes, order)})
+    assert plain.fb_peak == 4 * one and plain.fb_peak_at.endswith("mul")
+    assert fused.fb_peak == 2 * one and [p for _, p, _ in fused.timeline] == [one, one, 2 * one, 2 * one]

@@ -182,10 +182,12 @@ def _with_recompute(facts: MemoryFacts, prefetch: int, recompute: tuple) -> tupl
 
 def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, grad_bytes: int | None = None,
                        reduce_bytes: int = 0, opt_groups: list[list[int]] | None = None, opt_temp_factor: float = 0.0,
-                       opt_profiled_chunk: int = 0) -> MemoryFacts:
+                       opt_profiled_chunk: int = 0, unmaterialized: dict | None = None) -> MemoryFacts:
     """MemoryFacts of a run: the agreed profile's peaks, the parameters' sizes (``param_meta``:
     id -> ParamMeta) and the optimizer's state bytes. The plan's own offload points
-    (``reload_optimizer_state``) are left out of the peak, as ``offload_optimizer`` does."""
+    (``reload_optimizer_state``) are left out of the peak, as ``offload_optimizer`` does.
+    ``unmaterialized``: (graph id, kind) -> per profiled node, bytes the profile held that the
+    final compile never writes (``estimate.unmaterialized_bytes``), taken off every peak."""
     import torch
 
     def size(dt) -> int:
@@ -199,16 +201,20 @@ def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, 
     pos = -1
     for (gid, kind), g in sorted(profile.graphs.items(), key=lambda kv: chrono_key(*kv[0])):
         rest = sum(n.out_bytes for n in g.nodes if _waits(n.name))
-        for n in g.nodes:
+        away = (unmaterialized or {}).get((gid, kind))
+        if away is not None and len(away) != len(g.nodes):
+            away = None
+        for i, n in enumerate(g.nodes):
             pos += 1
             if _waits(n.name):
                 rest -= n.out_bytes
             if n.name.startswith("reload_optimizer_state") or n.name.startswith("release_optimizer_state"):
                 continue
-            points.append((n.peak_bytes, max(0, rest)))
-            timeline.append((pos, n.peak_bytes, max(0, rest)))
-            if n.peak_bytes > best:
-                best, where = n.peak_bytes, f"graph {gid} {kind}, node {n.name}"
+            peak = n.peak_bytes - (away[i] if away else 0)
+            points.append((peak, max(0, rest)))
+            timeline.append((pos, peak, max(0, rest)))
+            if peak > best:
+                best, where = peak, f"graph {gid} {kind}, node {n.name}"
     shards = sum(m.chunk * size(m.dtype) for m in param_meta.values())
     grads = grad_bytes if grad_bytes is not None else sum(
         m.chunk * size(m.dtype) for m in param_meta.values() if m.requires_grad)

@@ -475,7 +475,30 @@ def plan_model(model, entries: list) -> list:
         auto = cfg.optimizer_chunk_mb == "auto"
         opt_kw = dict(opt_groups=optim_chunks.group_sizes(chunks.opt), opt_temp_factor=optim_chunks.temp_factor(chunks.opt),
                       opt_profiled_chunk=0 if auto else int(float(cfg.optimizer_chunk_mb) * MIB))
-    facts = facts_from_profile(prof, b.param_meta, b.world_size, state, reduce_bytes=reduce_bytes, **opt_kw)
+    profiled = [e.name for e in (b.passes or [])]
+    names = [e.name for e in entries]
+    core = [n for n in names if n != recompute_activations.NAME]   # the passes the runner prices
+    accumulation = cfg.gradient_accumulation_steps
+    fused = cfg.compiler_at(model.dc_state.step) == "inductor"
+    src = None
+    if b.compiled and core[:len(profiled)] == profiled:
+        # the what-if's runner (plan.runner): passes on fast copies of the profiled graphs, the
+        # per-graph static costs worked out once, each candidate priced once
+        from deepcompile.plan.runner import live_source
+
+        src = live_source(dict(b.compiled), b.versions, profiled[-1] if profiled else None, meta=b.param_meta,
+                          world=b.world_size, rank=b.rank, profile=prof, fused=fused, accumulation=accumulation,
+                          facts=None)
+    unmat = None
+    if src is not None and fused and prof is not None:
+        from deepcompile.plan.estimate import unmaterialized_bytes
+
+        unmat = {k: unmaterialized_bytes(src.base[k]["nodes"], [n.name for n in g.nodes])
+                 for k, g in prof.graphs.items() if k in src.base}
+    facts = facts_from_profile(prof, b.param_meta, b.world_size, state, reduce_bytes=reduce_bytes,
+                               unmaterialized=unmat, **opt_kw)
+    if src is not None:
+        src.facts = facts
     mem = agree_memory(local_memory(device, cfg.device_memory_gib), cfg.memory_limit_gib, model.dc_state.group)
     hand = hand_set(entries)
     if cfg.optimizer_chunk_mb != "auto":   # set by hand: planned around, as a pass parameter is
@@ -491,22 +514,13 @@ def plan_model(model, entries: list) -> list:
         chosen = su.choose(ctx(0, "forward", su.NAME, {"budget_mb": budget_mb}))
         return sum(facts.gathered[p] for p in chosen)
 
-    profiled = [e.name for e in (b.passes or [])]
-    names = [e.name for e in entries]
-    core = [n for n in names if n != recompute_activations.NAME]   # the passes the runner prices
     # priced per candidate: the passes after the profiled ones whose parameters the candidates
     # differ in and that re-run on graph copies (PassDef.planned, PassDef.offline)
     extra = [n for n in core[len(profiled):] if PASSES[n].planned and PASSES[n].offline == OFFLINE_RERUN]
-    accumulation = cfg.gradient_accumulation_steps
     block_costs: list = []
-    if b.compiled and core[:len(profiled)] == profiled:
-        # the what-if's runner (plan.runner): passes on fast copies of the profiled graphs, the
-        # per-graph static costs worked out once, each candidate priced once
-        from deepcompile.plan.runner import GraphRunner, live_source
+    if src is not None:
+        from deepcompile.plan.runner import GraphRunner
 
-        src = live_source(dict(b.compiled), b.versions, profiled[-1] if profiled else None, meta=b.param_meta,
-                          world=b.world_size, rank=b.rank, profile=prof,
-                          fused=cfg.compiler_at(model.dc_state.step) == "inductor", accumulation=accumulation, facts=facts)
         timer = GraphRunner(src, extra, {}, ctx_path="plan.{}").step_ms
         time_model = "cost model on the planned graphs"
         if recompute_activations.NAME not in profiled:

@@ -65,6 +65,8 @@ class RecordBase:
     full: dict = field(default_factory=dict)     # run key -> (model versions, shown versions, prediction)
     shapes: dict = field(default_factory=dict)   # model_nodes' cache (values' shapes, targets' names)
     calibration: Any = False                     # _calibration's answer, once worked out (False: not yet)
+    # (gid, kind) -> per profiled node, the bytes a fused compile never writes (estimate.unmaterialized_bytes)
+    unmaterialized: dict | None = None
 
 
 _CACHE: dict = {}
@@ -169,7 +171,15 @@ def _build_base(root: Path, rank: int) -> RecordBase:
     plan = load_json(root / S.rank_dir_name(rank) / S.PLAN, optional=True, root=root)
     pf = (plan or {}).get("facts") or {}
     state = int(pf.get("state_bytes") or sum(2 * m.chunk * m.dtype.itemsize for m in meta.values() if m.requires_grad))
-    facts = facts_from_profile(prof, meta, world, state, reduce_bytes=int(pf.get("reduce_bytes") or 0))
+    fused = cfg.get("compiler", "inductor") == "inductor"
+    unmat = None
+    if fused:
+        from deepcompile.plan.estimate import unmaterialized_bytes
+
+        unmat = {k: unmaterialized_bytes((profiled.get(k) or base[k])["nodes"], [n.name for n in g.nodes])
+                 for k, g in prof.graphs.items() if k in base}
+    facts = facts_from_profile(prof, meta, world, state, reduce_bytes=int(pf.get("reduce_bytes") or 0),
+                               unmaterialized=unmat)
     for k in ("fb_peak", "optimizer_peak", "shard_bytes", "grad_bytes"):
         if pf.get(k):  # the run's own figures (its optimizer's real state, its reduce buckets)
             setattr(facts, k, int(pf[k]))
@@ -177,14 +187,13 @@ def _build_base(root: Path, rank: int) -> RecordBase:
     host, measured = _measured(rec)
     names = [str(e.get("name") if isinstance(e, dict) else e) for e in (cfg.get("passes") or [])]
     prefix = names[:names.index(BASE_PASS) + 1] if BASE_PASS in names else [BASE_PASS]
-    fused = cfg.get("compiler", "inductor") == "inductor"
     static = {}
     for key, d in base.items():
         vs = [x for x in (profiled[key], d) if x is not None]
         static[key] = static_costs(prof, vs, d, fused)
     return RecordBase(str(root), rank, cfg, prof, graphs, base, profiled, scope, meta, world, facts, plan, capacity,
                  fused, int(cfg.get("gradient_accumulation_steps") or 1),
-                 host, measured, time.perf_counter() - t0, prefix, static)
+                 host, measured, time.perf_counter() - t0, prefix, static, unmaterialized=unmat)
 
 
 def _capacity(env: dict) -> int | None:

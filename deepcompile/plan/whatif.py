@@ -503,7 +503,8 @@ def variant(b: RecordBase, *, world: int | None = None, gb_per_s: float | None =
     w = world or b.world
     mf = b.facts
     if prof is not b.profile or w != b.world:
-        mf = facts_from_profile(prof, b.meta, w, b.facts.state_bytes, reduce_bytes=b.facts.reduce_bytes)
+        mf = facts_from_profile(prof, b.meta, w, b.facts.state_bytes, reduce_bytes=b.facts.reduce_bytes,
+                                unmaterialized=b.unmaterialized)
     if facts:  # another run's own figures (a plan.json's "facts")
         mf = dataclasses.replace(mf)
         for k in ("fb_peak", "optimizer_peak", "shard_bytes", "grad_bytes", "state_bytes", "reduce_bytes"):
