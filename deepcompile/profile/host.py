@@ -54,7 +54,7 @@ HOST_US = {"node": 2.6, "matmul": 18.7, "attention": 81.0, "kernel": 4.7, "reduc
            # gradient costs ~0.8 us to add and ~8 us in its bucket's flush and hand-over (coalesced
            # reduce-scatter member, output slice, .grad view), the call itself ~1 us; on 2 H200s under
            # the profiler 40 calls took 12.5 ms a step where 147 reduce_grad calls took 14.4
-           # (results/host_profile_L16_reduce_calls_h200_2gpu.log). So a call is charged 20 us and
+           # (benchmarks/host_profile.py on a BENCH_TRACE of dc_default). So a call is charged 20 us and
            # each gradient it hands over ("per_grad") 50 us.
            "reduce_grads": 20.0, "per_grad": 50.0}
 
