@@ -266,7 +266,7 @@ def unmaterialized_bytes(nodes: list[dict], order: list[str]) -> list[int]:
     node that makes it to its last reader. The profile runs each op alone, so it holds every one
     of them; Inductor computes them inside the kernel that reads them. On the Llama-3-8B shape at
     8k context the profile's peak is in the backward of the cross-entropy over the 128256-wide
-    logits, and counting those values put the planned peak 7.9 GiB over the measured one."""
+    logits, and counting those values puts the planned peak 15% over the measured one."""
     f = _Fusion(nodes, inputs_by_name(nodes))
     at = {name: i for i, name in enumerate(order)}
     delta = [0] * (len(order) + 1)

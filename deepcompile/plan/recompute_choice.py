@@ -13,9 +13,9 @@ forward would drop and the forward nodes backward would run again. The planner p
 
 Blocks are tried cheapest per byte first (alike blocks: the earliest first, whose activations
 are away longest), in growing prefixes of every length: none, one, two, ... all. Every length,
-because one block more than needed is a block's forward time lost in every step (the 8B Llama at
-8k context: ~5 ms a block, and the prefixes by eighths skipped from 24 blocks to 32). The planner
-finds the shortest prefix that fits by bisection (``planner.choose``).
+because one block more than needed costs its recomputation in every step (the 8B Llama at 8k
+context: ~4-5 ms a block, 25 of 32 blocks recomputed under FSDP2's peak). The planner finds the
+shortest prefix that fits by bisection (``planner.choose``).
 """
 from __future__ import annotations
 

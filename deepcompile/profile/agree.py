@@ -40,9 +40,9 @@ def drop_stalls(profile: Profile) -> list[tuple]:
     taken as stalled when it is ``STALL_FACTOR`` times the median of its op family (the same
     op and the same output size: every cast of a same-shaped weight) in the same graph and at least
     ``STALL_MIN_MS``; families of fewer than 4 nodes are left as measured. The family is the op
-    (``NodeProfile.op``), not the name: a re-traced graph names ops freely, and a Llama's gate and
-    up matmuls named ``getitem_85``/``getitem_86`` were taken for stalled getitems and priced at a
-    getitem's 27 us instead of their 3 ms. The size keeps one large op (the vocabulary's matmul)
+    (``NodeProfile.op``), not the name: a re-traced graph names ops freely (a Llama's gate and up
+    matmuls can be ``getitem_85``/``getitem_86``), and by name those matmuls would be stalled
+    getitems, priced at a getitem's microseconds instead of their milliseconds. The size keeps one large op (the vocabulary's matmul)
     out of the family of the model's smaller ones. Records without the op fall back to the name
     without its trailing number. Runs on the agreed values, so every rank replaces the same nodes."""
     import re
