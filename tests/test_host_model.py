@@ -160,8 +160,9 @@ def test_stalled_node_latencies_are_replaced_by_their_family_median():
 
 def test_a_stall_is_judged_among_ops_of_its_own_kind_and_size_not_its_name():
     """Names do not say the op: a re-traced Llama forward names its gate and up matmuls
-    ``getitem_85``/``getitem_86``. Among the graph's real getitems they looked 100x too slow and
-    were priced at a getitem's median, so the cost model lost two of a block's seven matmuls.
+    ``getitem_85``/``getitem_86``. Judged among the graph's real getitems they look 100x too slow
+    and would be priced at a getitem's median: the cost model would lose two of a block's seven
+    matmuls.
     The vocabulary's matmul, 30x the block matmuls, is the only one of its size: kept too."""
     from deepcompile.profile.agree import drop_stalls
     from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
