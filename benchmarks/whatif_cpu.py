@@ -63,7 +63,7 @@ def main() -> None:
 
     from deepcompile.plan.whatif import own_passes, predict_run
     from deepcompile.record.reader import read_run
-    from deepcompile.record.steps import special_steps, steady_median_ms
+    from deepcompile.record.steps import steady_median_ms, steady_ms
 
     work = tempfile.mkdtemp(prefix="whatif_cpu_")
     t0 = time.time()
@@ -78,8 +78,7 @@ def main() -> None:
     for label, d, passes in runs:
         rec = read_run(d)
         measured, n = steady_median_ms(rec.steps, rec.config)
-        special = special_steps(rec.steps, rec.config)
-        steady = sorted(float(s["time_s"]) * 1e3 for s in rec.steps if s.get("step") not in special)
+        steady = sorted(steady_ms(rec.steps, rec.config))
         w = predict_run(base, passes)
         # the fastest tenth of the steady steps beside the median: on a busy 2-core machine a step
         # with many collectives waits for the scheduler at some of them (the spread shows how much)

@@ -287,6 +287,13 @@ def unmaterialized_bytes(nodes: list[dict], order: list[str]) -> list[int]:
     return out
 
 
+def unmaterialized_by_graph(profile, nodes: dict) -> dict:
+    """``unmaterialized_bytes`` of every profiled graph that ``nodes`` ((graph id, kind) -> the
+    graph's node dicts, the version the profile measured) has: what ``facts_from_profile`` takes."""
+    return {k: unmaterialized_bytes(nodes[k], [n.name for n in g.nodes])
+            for k, g in profile.graphs.items() if k in nodes}
+
+
 def estimate(nodes: list[dict], graph_id: int, kind: str, latency_us: dict | None = None,
              comm: Any = None, rate: float | None = None, fused: bool = False,
              fused_cost: dict[str, float] | None = None, host_us: dict | None = None,

@@ -259,9 +259,10 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
     groups: dict[tuple, list[Candidate]] = {}
     for c in cands:
         groups.setdefault((c.kept, c.prefetch_mb, c.fuse_mb), []).append(c)
-    fit, n_fit = [], 0
+    fit, n_fit, roomy = [], 0, True   # roomy: every candidate fits (each group's first level does)
     for g in groups.values():
         if not fits(g[-1]):
+            roomy = False
             continue
         lo, hi = 0, len(g) - 1
         while lo < hi:
@@ -269,7 +270,7 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
             lo, hi = (lo, mid) if fits(g[mid]) else (mid + 1, hi)
         fit.append(g[lo])
         n_fit += len(g) - lo
-    roomy = all(g[0] in fit for g in groups.values())
+        roomy = roomy and lo == 0
     offloading = False
     if not fit and allow_offload:
         # what each would need offloaded: the forward/backward peak down to limit - headroom
@@ -491,10 +492,9 @@ def plan_model(model, entries: list) -> list:
                           facts=None)
     unmat = None
     if src is not None and fused and prof is not None:
-        from deepcompile.plan.estimate import unmaterialized_bytes
+        from deepcompile.plan.estimate import unmaterialized_by_graph
 
-        unmat = {k: unmaterialized_bytes(src.base[k]["nodes"], [n.name for n in g.nodes])
-                 for k, g in prof.graphs.items() if k in src.base}
+        unmat = unmaterialized_by_graph(prof, {k: d["nodes"] for k, d in src.base.items()})
     facts = facts_from_profile(prof, b.param_meta, b.world_size, state, reduce_bytes=reduce_bytes,
                                unmaterialized=unmat, **opt_kw)
     if src is not None:

@@ -174,10 +174,9 @@ def _build_base(root: Path, rank: int) -> RecordBase:
     fused = cfg.get("compiler", "inductor") == "inductor"
     unmat = None
     if fused:
-        from deepcompile.plan.estimate import unmaterialized_bytes
+        from deepcompile.plan.estimate import unmaterialized_by_graph
 
-        unmat = {k: unmaterialized_bytes((profiled.get(k) or base[k])["nodes"], [n.name for n in g.nodes])
-                 for k, g in prof.graphs.items() if k in base}
+        unmat = unmaterialized_by_graph(prof, {k: (profiled.get(k) or d)["nodes"] for k, d in base.items()})
     facts = facts_from_profile(prof, meta, world, state, reduce_bytes=int(pf.get("reduce_bytes") or 0),
                                unmaterialized=unmat)
     for k in ("fb_peak", "optimizer_peak", "shard_bytes", "grad_bytes"):

@@ -37,14 +37,15 @@ def drop_stalls(profile: Profile) -> list[tuple]:
     several. On 2 H200s (953M Llama, 16 layers) one profiling step had six waits at ~40 ms
     (SPIN_MS), one at 144 ms and a ``convert_element_type`` at 654 ms, where the forward's other
     1,756 nodes summed to 35 ms: the cost model predicted 161-192 ms for a 43 ms step. A node is
-    taken as stalled when it is ``STALL_FACTOR`` times the median of its op family (the same
-    op and the same output size: every cast of a same-shaped weight) in the same graph and at least
+    taken as stalled when it is ``STALL_FACTOR`` times the median of its op family (the same op
+    and the same output size: every cast of a same-shaped weight) in the same graph and at least
     ``STALL_MIN_MS``; families of fewer than 4 nodes are left as measured. The family is the op
     (``NodeProfile.op``), not the name: a re-traced graph names ops freely (a Llama's gate and up
     matmuls can be ``getitem_85``/``getitem_86``), and by name those matmuls would be stalled
-    getitems, priced at a getitem's microseconds instead of their milliseconds. The size keeps one large op (the vocabulary's matmul)
-    out of the family of the model's smaller ones. Records without the op fall back to the name
-    without its trailing number. Runs on the agreed values, so every rank replaces the same nodes."""
+    getitems, priced at a getitem's microseconds instead of their milliseconds. The size keeps
+    one large op (the vocabulary's matmul) out of the family of the model's smaller ones. Records
+    without the op fall back to the name without its trailing number. Runs on the agreed values,
+    so every rank replaces the same nodes."""
     import re
     import statistics
 

@@ -45,13 +45,18 @@ def special_steps(steps: list[dict], config: dict | None = None) -> dict[int, st
     return out
 
 
+def steady_ms(steps: list[dict], config: dict | None = None) -> list[float]:
+    """The steady-state steps' times in ms, in step order: every step but those
+    :func:`special_steps` marks (compile, profiling, re-compiles)."""
+    special = special_steps(steps, config)
+    return [float(s["time_s"]) * 1e3 for s in steps
+            if s.get("step") not in special and _finite(s.get("time_s"))]
+
+
 def steady_median_ms(steps: list[dict], config: dict | None = None) -> tuple[float | None, int]:
-    """(median step time in ms, how many steps) over the steady-state steps: every step but those
-    :func:`special_steps` marks (compile, profiling, re-compiles). The one median every view
+    """(median step time in ms, how many steps) over :func:`steady_ms`. The one median every view
     states (the report, ``deepcompile inspect``, the inspector, the what-if's measured side)."""
     import statistics
 
-    special = special_steps(steps, config)
-    ts = [float(s["time_s"]) * 1e3 for s in steps
-          if s.get("step") not in special and _finite(s.get("time_s"))]
+    ts = steady_ms(steps, config)
     return (statistics.median(ts) if ts else None), len(ts)
