@@ -371,7 +371,9 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     shard_group, replicate_group = groups.hybrid_groups(group, cfg.mesh.shard, cfg.collective_timeout_s)
     from deepcompile.plan.device_memory import check_floor
 
-    check_floor(cfg.memory_limit_gib, model, dist.get_world_size(shard_group), make_optimizer)  # model untouched yet
+    streamable = cfg.optimizer_chunk_mb == "auto" or float(cfg.optimizer_chunk_mb) > 0   # runtime.optim_chunks cuts it
+    check_floor(cfg.memory_limit_gib, model, dist.get_world_size(shard_group), make_optimizer,
+                streamable)  # model untouched yet
 
     C = ops.ensure_registered()
     if C.is_initialized():

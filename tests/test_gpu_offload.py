@@ -31,7 +31,7 @@ def _train(rank, world, passes, extra=None):
          "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"}, **(extra or {})})
     g = torch.Generator().manual_seed(rank)
     batches = [torch.randint(0, 32000, (4, 1024), generator=g).cuda() for _ in range(2)]
-    losses, peaks = [], []
+    losses, peaks, step_peaks = [], [], []
     for s in range(STEPS):
         x = batches[s % 2]
         torch.cuda.synchronize()
@@ -40,12 +40,37 @@ def _train(rank, world, passes, extra=None):
         out.loss.backward()
         torch.cuda.synchronize()
         peaks.append(torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
         opt.step()
+        torch.cuda.synchronize()
+        step_peaks.append(torch.cuda.max_memory_allocated())
         opt.zero_grad()
         losses.append(out.loss.item())
-    return {"losses": losses, "peak_fwd_bwd": max(peaks[1:]), "manager": dict(model.dc_state.runtime.optimizer_state.stats),
+    return {"losses": losses, "peak_fwd_bwd": max(peaks[1:]), "peak_step": max(step_peaks[1:]),
+            "largest_shard": max(p.numel() * p.element_size() for p in model.parameters()), "manager": dict(model.dc_state.runtime.optimizer_state.stats),
             "state_bytes": model.dc_state.runtime.optimizer_state.total_bytes(),
             "engine": dict(model.dc_state.runtime.offload.stats)}
+
+
+@needs_two
+def test_streamed_step_keeps_the_state_off_the_step_peak():
+    """The streamed optimizer step never holds all the state: its peak is the resident step's
+    minus the state plus at most three chunks' share (a parameter larger than a chunk is one),
+    and it trains the same."""
+    oo = "offload_optimizer"
+    res = run_ranks(_train, 2, ["zero3", {"name": oo, "params": {"step": "resident"}}], backend="nccl", timeout=900)
+    st = run_ranks(_train, 2, ["zero3", {"name": oo, "params": {"step": "streamed"}}], {"optimizer_chunk_mb": 16},
+                   backend="nccl", timeout=900)
+    gib = 2 ** 30
+    for r in range(2):
+        a, b = res[r], st[r]
+        held = 3 * 2 * max(b["largest_shard"], 16 * 2 ** 20)
+        print(f"rank {r}: optimizer step peak resident {a['peak_step'] / gib:.3f} GiB, streamed "
+              f"{b['peak_step'] / gib:.3f} GiB (state {b['state_bytes'] / gib:.3f} GiB, at most {held / gib:.3f} held)")
+        assert b["manager"]["streamed_steps"] == STEPS and a["manager"]["streamed_steps"] == 0
+        assert b["peak_step"] <= a["peak_step"] - b["state_bytes"] + held
+        assert b["peak_fwd_bwd"] <= a["peak_fwd_bwd"] + 2 ** 20
+        torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(a["losses"]), rtol=1e-4, atol=1e-4)
 
 
 @needs_two

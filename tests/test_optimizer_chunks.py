@@ -127,6 +127,52 @@ def test_offloaded_state_keys_agree_inside_and_outside_the_step():
         m.detach()
 
 
+@pytest.mark.parametrize("kw", [{"foreach": True}, {"fused": True}], ids=["foreach", "fused"])
+def test_streamed_step_is_bitwise_the_resident_one_and_holds_three_chunks(kw):
+    """A streamed step (all state on the host, each chunk's brought in for its own step and sent
+    out after) updates exactly as the plain step, from the step that creates the state on; at any
+    point of the step at most three chunks' state is on the device, and none between steps."""
+    from deepcompile.runtime.optimizer_state import OptimizerStateOffload
+
+    a, oa, _, _ = _train(0, **kw)
+    torch.manual_seed(0)
+    qs = [torch.nn.Parameter(torch.randn(n)) for n in SIZES]
+    opt = torch.optim.AdamW([{"params": qs[:10]}, {"params": qs[10:], "lr": 1e-2}], lr=1e-3, weight_decay=0.1, **kw)
+    ch = OC.OptimizerChunks(opt, 8000)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    m = OptimizerStateOffload()
+    m.attach(opt)
+    m.plan(None, streamed=True)
+    resident, between = [], []
+
+    def on_device() -> int:
+        return sum(t.untyped_storage().nbytes() for st in opt.state.values() for t in st.values()
+                   if isinstance(t, torch.Tensor) and t.numel() > 1)
+    enter = m._enter
+    m._enter = lambda k, groups: (enter(k, groups), resident.append(on_device()))
+    try:
+        for i in range(4):
+            for q in qs:
+                q.grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(100 * i + q.numel()))
+            opt.step()
+            sched.step()
+            between.append(on_device())
+        chunk_state = 2 * max(sum(c) for g in OC.group_sizes(opt) for c in
+                              [g[x:y] for x, y in OC.split(g, 8000)])
+        assert ch.last_chunks > 4 and m.stats["streamed_steps"] == 4
+        total = sum(2 * q.numel() * q.element_size() for q in qs)   # AdamW's two moments
+        assert between == [0, 0, 0, 0] and 0 < max(resident) <= 3 * chunk_state, (max(resident), chunk_state)
+        assert max(resident) < total / 2
+        assert len(opt.param_groups) == 2 and type(opt.param_groups) is list
+        assert all(torch.equal(x, y) for x, y in zip(a, qs))
+        sa, sb = oa.state_dict(), opt.state_dict()   # its pre-hook brings the state back
+        for k in sa["state"]:
+            for n in sa["state"][k]:
+                assert torch.equal(sa["state"][k][n], sb["state"][k][n]), (k, n)
+    finally:
+        m.detach()
+
+
 def test_install_and_config():
     from deepcompile import Config, ConfigError
 
@@ -327,6 +373,41 @@ def test_planner_chunks_only_under_a_limit_the_whole_group_step_exceeds():
     assert hand.chosen.chunk_mb == 64.0
     with pytest.raises(P.PlanError, match=rf"optimizer step alone peaks at 7.\d\d GiB in chunks of {levels[-1]:g} MiB"):
         _choose(7.0)
+
+
+# the 8B Llama on 2 ranks in shape: fp32 shards and gradients 14.96 GiB each, AdamW state 29.92 GiB
+# in 290 parameters, the fused step (no temporaries that scale); forward/backward 68 GiB with it all
+GROUP8 = [int(14.96 * GIB / 290)] * 290
+FACTS8 = MemoryFacts(fb_peak=int(68 * GIB), optimizer_peak=4 * sum(GROUP8) + int(0.2 * GIB), shard_bytes=sum(GROUP8),
+                     grad_bytes=sum(GROUP8), state_bytes=2 * sum(GROUP8), gathered={i: 448 * MIB for i in range(64)},
+                     opt_groups=[GROUP8], opt_temp_factor=0.0, opt_streamable=True)
+
+
+def test_planner_streams_the_step_only_where_the_resident_step_cannot_fit():
+    from dataclasses import replace
+
+    from deepcompile.plan.memory import STREAM_CHUNK_MB, streamed_optimizer_peak
+
+    held = 3 * 2 * OC.largest_chunk([GROUP8], int(STREAM_CHUNK_MB * MIB))
+    assert abs(streamed_optimizer_peak(FACTS8, STREAM_CHUNK_MB) - (FACTS8.optimizer_peak - FACTS8.state_bytes + held)) <= 1
+    roomy = _choose(75.0, facts=FACTS8)     # everything fits on the device: nothing offloaded
+    assert roomy.chosen.offload_limit_mb is None and not roomy.chosen.streamed
+    tight = _choose(40.0, facts=FACTS8)     # below shards + gradients + state (59.9): the step streams
+    c = tight.chosen
+    assert c.streamed and c.offloaded == FACTS8.state_bytes and c.chunk_mb == STREAM_CHUNK_MB
+    assert c.memory.peak <= 40 * GIB and c.memory.optimizer_peak < 34 * GIB and c.memory.fb_peak <= 39 * GIB
+    p = c.params()["offload_optimizer"]
+    assert p["step"] == "streamed" and p["final_reload"] == "fit" and p["limit_mb"] == 40 * 1024
+    assert "streams it through in chunks of 512 MiB" in tight.summary_line() and "streams the state" in tight.why
+    # the streamed copies are priced: a whole direction of the state over the host link
+    from deepcompile.plan.estimate import HOST_BYTES_PER_US
+
+    assert c.step_ms >= FACTS8.state_bytes / HOST_BYTES_PER_US / 1e3
+    with pytest.raises(P.PlanError, match=r"streamed through the step in chunks of 512 MiB.*GiB missing"):
+        _choose(30.0, facts=FACTS8)         # not even shards + gradients
+    # an optimizer runtime.optim_chunks cannot cut cannot stream: the resident step's floor stands
+    with pytest.raises(P.PlanError, match=r"which offloading cannot take off the step"):
+        _choose(40.0, facts=replace(FACTS8, opt_streamable=False))
 
 
 def test_lr_scheduler_wraps_the_accumulating_and_chunked_step():

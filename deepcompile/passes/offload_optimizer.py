@@ -56,6 +56,13 @@ class OffloadOptimizerParams:
                                   "there (overlapped, but the end of backward holds the gradients: the profiled peak "
                                   "returns); 'fit' only what fits under limit - headroom, the optimizer step's pre-hook "
                                   "brings the rest once backward has freed its memory (exposed copies, within the limit)")
+    step: str = spec("resident", choices=("resident", "streamed"),
+                     help="the optimizer step: 'resident' brings the offloaded state back before it and offloads "
+                          "after it; 'streamed' keeps all of it on the host and brings it back one param group "
+                          "(optimizer_chunk_mb chunk) at a time inside the step, each group's copies beside the "
+                          "others' kernels, so the step holds shards, gradients and ~3 groups of state instead "
+                          "of all of it (for state larger than the room beside shards and gradients); set by "
+                          "the planner")
     reload_points: int = spec(16, min=1, max=256,
                               help="with a profile: places in each backward graph where the state that fits in the "
                                    "free memory starts coming back")
@@ -114,6 +121,8 @@ def plan_bytes(ctx: PassContext, device: torch.device) -> tuple[int | None, str]
     """How many bytes of optimizer state to offload, and why (for the record)."""
     mgr = manager(ctx)
     limit = device_limit_bytes(ctx.params, device)
+    if ctx.params.step == "streamed":
+        return None, "streamed optimizer step: all state on the host, each param group's back for its own step"
     if ctx.profile is None or not ctx.profile.graphs:
         return None, "no profile yet: offload all optimizer state"
     if limit is None:
@@ -150,10 +159,13 @@ def reload_positions(gm: fx.GraphModule, ctx: PassContext, device: torch.device)
     out = next(n for n in gm.graph.nodes if n.op == "output")
     gp = ctx.profile.get(ctx.graph_id, ctx.kind) if ctx.profile is not None else None
     if gp is None or device_limit_bytes(ctx.params, device) is None or not nodes:
-        return [(out, -1)]
+        # nothing known of the room: a streamed step brings the state back itself, group by group
+        return [] if ctx.params.step == "streamed" else [(out, -1)]
     k = min(ctx.params.reload_points, len(nodes))
     parts = _reserves(nodes, gp.by_name(), [j * len(nodes) // k for j in range(k)])
-    parts.append((out, -1 if ctx.params.final_reload == "all" else 0))
+    # a streamed step brings back what backward could not: the end of backward takes only what fits
+    everything = ctx.params.final_reload == "all" and ctx.params.step != "streamed"
+    parts.append((out, -1 if everything else 0))
     return parts
 
 
@@ -223,7 +235,7 @@ def _place(gm: fx.GraphModule, positions: list[tuple[fx.Node, int]], op) -> list
 @register_pass(NAME, OffloadOptimizerParams,
                graph_only=False,                # it plans the runtime's offload (ctx.runtime.optimizer_state)
                offline=OFFLINE_MEMORY,          # its run-time decisions read the allocator, which a record lacks
-               planned=("limit_mb", "plan_extra_mb", "final_reload"),
+               planned=("limit_mb", "plan_extra_mb", "final_reload", "step"),
                planner_adds=True,               # added by the planner only when nothing fits without it
                plan_cacheable=False)            # sized from the optimizer state, which step 0 does not have yet
 def offload_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -234,10 +246,12 @@ def offload_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             check_supported(device)
         nbytes, why = plan_bytes(ctx, device)
         mgr = manager(ctx)
-        mgr.plan(nbytes)
+        streamed = ctx.params.step == "streamed"
+        mgr.plan(nbytes, streamed=streamed)
         amount = "all" if nbytes is None else f"{nbytes / MIB:.1f} MiB"
         ctx.notes.append(f"optimizer state to offload: {amount} ({why})")
-        if ctx.kind == "forward" and nbytes != 0:
+        # a streamed step frees each group's device copy itself: nothing is left for the forward to free
+        if ctx.kind == "forward" and nbytes != 0 and not streamed:
             placed = _place(gm, release_positions(gm, ctx, device), DC.release_optimizer_state.default)
             if placed:
                 mgr.room = device_limit_bytes(ctx.params, device) - int(ctx.params.headroom_mb * MIB)

@@ -83,13 +83,15 @@ def agree_memory(local: tuple[int, int], limit_gib: float | None, group=None, de
 TWO_MOMENTS = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax")
 
 
-def check_floor(limit_gib: float | None, model, world: int, make_optimizer) -> None:
+def check_floor(limit_gib: float | None, model, world: int, make_optimizer, streamable: bool = True) -> None:
     """Refuse a ``memory_limit_gib`` under what the optimizer step needs on the device whatever the
     plan: this rank's parameter shards (1/``world`` of each parameter), their gradients and, for
-    the Adam family, two moments per trainable shard (state the step reads on the device;
-    offloading moves it off only during forward and backward). Checked in ``initialize`` before
-    the model is touched; the optimizer's kind comes from ``make_optimizer`` on a one-element
-    probe. Same numbers on every rank (equal shards, the config's limit): every rank raises alike."""
+    the Adam family, its two moments per trainable shard that the step reads on the device: all of
+    them, or with ``streamable`` (the step can stream the state through in chunks,
+    runtime.optimizer_state) those of the three largest parameters, the smallest chunks there can
+    be. Checked in ``initialize`` before the model is touched; the optimizer's kind comes from
+    ``make_optimizer`` on a one-element probe. Same numbers on every rank (equal shards, the
+    config's limit): every rank raises alike."""
     if not limit_gib:
         return
     import torch
@@ -100,20 +102,27 @@ def check_floor(limit_gib: float | None, model, world: int, make_optimizer) -> N
     from deepcompile.plan.pricing import PlanError
     from deepcompile.vocab.memory import fmt_bytes
 
-    seen, shard, trainable = set(), 0, 0
+    seen, shard, trainable, sizes = set(), 0, 0, []
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         b = -(-p.numel() // world) * p.element_size()
         shard += b
-        trainable += b if p.requires_grad else 0
-    floor = shard + 3 * trainable
+        if p.requires_grad:
+            trainable += b
+            sizes.append(b)
+    from deepcompile.plan.memory import STREAM_DEPTH
+
+    state = 2 * (sum(sorted(sizes)[-STREAM_DEPTH:]) if streamable else trainable)
+    floor = shard + trainable + state
     limit = int(limit_gib * GIB)
     if floor > limit:
         raise PlanError(
             f"deepcompile: memory_limit_gib {limit_gib:g} is below what the optimizer step needs on the device "
             f"whatever the plan: {fmt_bytes(shard)} of parameter shards, {fmt_bytes(trainable)} of gradients and "
-            f"{fmt_bytes(2 * trainable)} of {type(probe).__name__} state per rank ({fmt_bytes(floor)} in all, "
+            f"{fmt_bytes(state)} of {type(probe).__name__} state per rank"
+            + (" (the largest parameters' share of it: the step can stream the rest through)" if streamable else "")
+            + f" ({fmt_bytes(floor)} in all, "
             f"{(floor - limit) / GIB:.2f} GiB missing). To fit: raise memory_limit_gib or spread the model over "
             f"more ranks (each holds 1/{world} of shards, gradients and state now).")

@@ -17,7 +17,10 @@ optimizer step's peak. A plan differs from the profiled one only in what it adds
   to prefetch; adding the whole budget there over-predicted keep 448 MiB + prefetch 512 MiB by
   5.5% on 2 H200s (10.32 GiB against 9.78 measured; 9.82 with the bound);
 - optimizer state offloaded (``offload_optimizer``): off the device during forward and backward,
-  back for the step, so it lowers the forward/backward peak, not the step's;
+  back for the step, so it lowers the forward/backward peak, not the step's; unless the step is
+  streamed (``offload_optimizer.step`` 'streamed', :mod:`deepcompile.runtime.optimizer_state`):
+  then all of it is off in forward and backward, and the step holds ``STREAM_DEPTH`` chunks of
+  it (the largest chunk's share of the state) instead of the whole;
 - the optimizer step in chunks (``optimizer_chunk_mb``, :mod:`deepcompile.runtime.optim_chunks`):
   the step's peak is shards + gradients + state + temporaries, and torch's foreach Adam/AdamW
   allocates ``temp_factor`` state-sized copies of a whole param group at once (the profile measured
@@ -38,6 +41,13 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from deepcompile.vocab.memory import GIB, MIB, categories_at_peak
+
+# a streamed optimizer step holds three chunks' state at once: the one stepped, the next coming
+# in and the previous going out (runtime.optimizer_state)
+STREAM_DEPTH = 3
+# its chunk size where the planner chooses it: large enough that a chunk's copy (~14 ms each way)
+# dwarfs the per-group host time, small beside the state it streams (30 GiB for the 8B Llama)
+STREAM_CHUNK_MB = 512.0
 
 
 @dataclass
@@ -62,6 +72,8 @@ class MemoryFacts:
     opt_groups: list[list[int]] = field(default_factory=list)
     opt_temp_factor: float = 0.0
     opt_profiled_chunk: int = 0
+    # whether the step can be streamed: a per-group torch optimizer runtime.optim_chunks can cut
+    opt_streamable: bool = False
     # (position in the step, profiled peak there, gathered bytes its graph waits for after it) of
     # every profiled node, in step order (plan.recompute_choice.timeline_positions): where a plan
     # recomputes blocks, what it saves depends on where in the step a node is
@@ -133,13 +145,27 @@ def optimizer_peak(facts: MemoryFacts, chunk_mb: float | None = None) -> int:
     return int(facts.optimizer_peak - scales + scales * g1 / g0)
 
 
+def streamed_optimizer_peak(facts: MemoryFacts, chunk_mb: float) -> int:
+    """The optimizer step's peak when it streams the state through in chunks of ``chunk_mb`` MiB:
+    the resident step's, with ``STREAM_DEPTH`` chunks' share of the state in place of all of it (a
+    parameter larger than the chunk is a chunk of its own)."""
+    from deepcompile.runtime.optim_chunks import largest_chunk
+
+    params = sum(sum(g) for g in facts.opt_groups) or facts.shard_bytes
+    chunk = largest_chunk(facts.opt_groups, int(chunk_mb * MIB)) if facts.opt_groups else params
+    held = min(facts.state_bytes, int(STREAM_DEPTH * facts.state_bytes * chunk / max(1, params)))
+    return optimizer_peak(facts, chunk_mb) - facts.state_bytes + held
+
+
 def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0,
-                chunk_mb: float | None = None, recompute: tuple = ()) -> PlanMemory:
+                chunk_mb: float | None = None, recompute: tuple = (),
+                streamed_chunk_mb: float | None = None) -> PlanMemory:
     """The predicted memory of a plan that keeps ``kept`` bytes gathered, prefetches up to
     ``prefetch`` bytes, offloads ``offloaded`` bytes of optimizer state, steps the optimizer in
     chunks of ``chunk_mb`` MiB (None: as profiled; see the module doc) and recomputes the blocks
     ``recompute`` (plan.recompute_choice.BlockCost: their bytes are off the device between
-    their drop in forward and their recomputation in backward)."""
+    their drop in forward and their recomputation in backward). ``streamed_chunk_mb``: the
+    optimizer step streams the (offloaded) state through in chunks of that size."""
     offloaded = max(0, min(offloaded, facts.state_bytes))
     at, ahead = facts.fb_peak, prefetch
     if recompute and facts.timeline:
@@ -149,7 +175,10 @@ def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0
         shift = facts.fb_peak - max(p for p, _ in facts.ahead)
         at, ahead = max(((p + shift, min(prefetch, r)) for p, r in facts.ahead), key=lambda x: x[0] + x[1])
     fb = at + kept + ahead - offloaded
-    opt = optimizer_peak(facts, chunk_mb)
+    if streamed_chunk_mb is not None:
+        opt = streamed_optimizer_peak(facts, streamed_chunk_mb)
+    else:
+        opt = optimizer_peak(facts, chunk_mb)
     grads = facts.grad_bytes + facts.reduce_bytes
     known = facts.shard_bytes + facts.state_bytes + grads
     return PlanMemory(parameter_shards=facts.shard_bytes, optimizer_state=facts.state_bytes - offloaded,
@@ -182,7 +211,8 @@ def _with_recompute(facts: MemoryFacts, prefetch: int, recompute: tuple) -> tupl
 
 def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, grad_bytes: int | None = None,
                        reduce_bytes: int = 0, opt_groups: list[list[int]] | None = None, opt_temp_factor: float = 0.0,
-                       opt_profiled_chunk: int = 0, unmaterialized: dict | None = None) -> MemoryFacts:
+                       opt_profiled_chunk: int = 0, unmaterialized: dict | None = None,
+                       opt_streamable: bool = False) -> MemoryFacts:
     """MemoryFacts of a run: the agreed profile's peaks, the parameters' sizes (``param_meta``:
     id -> ParamMeta) and the optimizer's state bytes. The plan's own offload points
     (``reload_optimizer_state``) are left out of the peak, as ``offload_optimizer`` does.
@@ -233,7 +263,8 @@ def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, 
                        fb_peak_at=where, ahead=_frontier([(p + extra, r) for p, r in points]),
                        timeline=[(i, p + extra, r) for i, p, r in timeline],
                        opt_groups=[list(map(int, g)) for g in (opt_groups or [])],
-                       opt_temp_factor=float(opt_temp_factor), opt_profiled_chunk=int(opt_profiled_chunk))
+                       opt_temp_factor=float(opt_temp_factor), opt_profiled_chunk=int(opt_profiled_chunk),
+                       opt_streamable=bool(opt_streamable))
 
 
 def _waits(name: str) -> bool:

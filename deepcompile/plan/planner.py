@@ -40,9 +40,10 @@ from typing import Callable
 from deepcompile.passes import PASSES, offload_optimizer, prefetch, recompute_activations, zero3
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_RERUN, PassEntry, absent_params, planned_params
-from deepcompile.plan.device_memory import DeviceMemory, agree_memory, local_memory
+from deepcompile.plan.device_memory import TWO_MOMENTS, DeviceMemory, agree_memory, local_memory
 from deepcompile.plan.estimate import offload_ms
-from deepcompile.plan.memory import GIB, MIB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory, prefetch_bytes
+from deepcompile.plan.memory import (GIB, MIB, STREAM_CHUNK_MB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory,
+                                     prefetch_bytes, streamed_optimizer_peak)
 from deepcompile.plan.pricing import PlanError, SplitTimer, no_gc, price
 from deepcompile.plan.recompute_choice import blocks_param
 from deepcompile.vocab.memory import fmt_bytes
@@ -78,6 +79,7 @@ class Candidate:
     step_ms: float = math.inf
     chunk_mb: float | None = None    # optimizer.step() chunk size (0: whole groups; None: as profiled)
     recompute: tuple = ()            # plan.recompute_choice.BlockCost of the blocks backward recomputes
+    streamed: bool = False           # all optimizer state offloaded, streamed through the step in chunks
 
     def params(self) -> dict[str, dict]:
         out = {su.NAME: {"budget_mb": self.keep_mb},
@@ -87,7 +89,8 @@ class Candidate:
         if self.offload_limit_mb is not None:
             out[offload_optimizer.NAME] = {"limit_mb": self.offload_limit_mb,
                                         "plan_extra_mb": round((self.kept + self.prefetch) / MIB, 3),
-                                        "final_reload": "fit"}  # the limit holds at the end of backward too
+                                        "final_reload": "fit",  # the limit holds at the end of backward too
+                                        "step": "streamed" if self.streamed else "resident"}
         return out
 
     def summary(self) -> dict:
@@ -135,7 +138,9 @@ class Plan:
              f"{prefetch.NAME}.budget_mb {p[prefetch.NAME]['budget_mb']:g}, fuse_mb {p[prefetch.NAME]['fuse_mb']:g}")
         if c.offload_limit_mb is not None:
             s += f", offload {fmt_bytes(c.offloaded)} of optimizer state (limit_mb {c.offload_limit_mb:g})"
-        if c.chunk_mb:
+        if c.streamed:
+            s += f", the optimizer step streams it through in chunks of {c.chunk_mb:g} MiB"
+        elif c.chunk_mb:
             s += f", optimizer.step in chunks of {c.chunk_mb:g} MiB (optimizer_chunk_mb)"
         if c.recompute:
             s += (f", recompute {len(c.recompute)} block(s) in backward ({fmt_bytes(sum(x.nbytes for x in c.recompute))} "
@@ -207,6 +212,18 @@ def chunk_for(facts: MemoryFacts, limit: int, hand: dict | None = None) -> float
     return None
 
 
+def stream_chunk_mb(facts: MemoryFacts, hand: dict | None = None) -> float | None:
+    """The chunk size (MiB) a streamed optimizer step would use: the hand-set ``optimizer_chunk_mb``
+    if any, else ``STREAM_CHUNK_MB``; None where the step cannot be streamed (an optimizer
+    runtime.optim_chunks cannot cut, or chunking set off by hand)."""
+    if not facts.opt_streamable:
+        return None
+    h = (hand or {}).get("optimizer", {})
+    if "chunk_mb" in h:
+        return float(h["chunk_mb"]) if float(h["chunk_mb"]) > 0 else None
+    return STREAM_CHUNK_MB
+
+
 def chunk_levels(facts: MemoryFacts) -> list[float]:
     """Chunk sizes (MiB) to try, largest first: halves of the largest param group down to 1/64
     (the 953M Llama's 1.78 GiB group on 2 ranks: 909 MiB ... 28 MiB); none where the model knows
@@ -276,14 +293,24 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
         # what each would need offloaded: the forward/backward peak down to limit - headroom
         headroom = hand.get(offload_optimizer.NAME, {}).get("headroom_mb", offload_headroom_mb) * MIB
         room = mem.limit - headroom
+        stream_mb = stream_chunk_mb(facts, hand)
         for c in map(measure, cands):
             need = c.memory.fb_peak - room
+            limit_mb = hand.get(offload_optimizer.NAME, {}).get("limit_mb", round(mem.limit / MIB, 3))
             if 0 < need <= facts.state_bytes and c.memory.optimizer_peak <= mem.limit + ALLOCATOR_SLACK:
                 c.offloaded = int(need)
-                c.offload_limit_mb = hand.get(offload_optimizer.NAME, {}).get("limit_mb", round(mem.limit / MIB, 3))
+                c.offload_limit_mb = limit_mb
                 c.memory = plan_memory(facts, c.kept, c.prefetch, c.offloaded, chunk_mb=c.chunk_mb,
                                        recompute=c.recompute)
                 fit.append(c)
+            elif stream_mb is not None and need <= facts.state_bytes:
+                # the step itself is above the limit: only a step that never holds all the state fits
+                s = Candidate(c.keep_mb, c.prefetch_mb, c.fuse_mb, limit_mb, c.kept, c.prefetch, facts.state_bytes,
+                              chunk_mb=stream_mb, recompute=c.recompute, streamed=True)
+                s.memory = plan_memory(facts, s.kept, s.prefetch, s.offloaded, recompute=s.recompute,
+                                       streamed_chunk_mb=stream_mb)
+                if s.memory.peak <= mem.limit + ALLOCATOR_SLACK:
+                    fit.append(s)
         n_fit = len(fit)
         offloading = True
     if not fit:
@@ -309,8 +336,10 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
     runner = fit[1] if len(fit) > 1 else None
     why = (f"fastest predicted of {n_fit} plans within the limit (of {len(cands)} considered"
            + (f"; {priced} priced, the rest cut by the coarse-to-fine search" if priced < len(fit) else "") + ")"
-           + ("; none fit without offloading optimizer state" if offloading else ""))
-    if chunk:
+           + ("; none fit without offloading optimizer state" if offloading else "")
+           + (f"; the optimizer step streams the state through in chunks of {best.chunk_mb:g} MiB: with it all "
+              f"on the device the step would peak at {fmt_bytes(optimizer_peak(facts, 0.0))}" if best.streamed else ""))
+    if chunk and not best.streamed:
         why += (f"; optimizer.step in chunks of {chunk:g} MiB: its whole-group peak "
                 f"{fmt_bytes(optimizer_peak(facts, 0.0))} is above the limit, chunked {fmt_bytes(best.memory.optimizer_peak)}")
     if best.recompute:
@@ -362,12 +391,18 @@ def _nothing_fits(facts: MemoryFacts, mem: DeviceMemory, cands: list[Candidate],
         chunked = f" in chunks of {chunk_levels(facts)[-1]:g} MiB"
     elif smallest.chunk_mb:
         chunked = f" in chunks of {smallest.chunk_mb:g} MiB"
+    state_says = "which offloading cannot take off the step"
+    stream_mb = stream_chunk_mb(facts)
+    if stream_mb is not None and streamed_optimizer_peak(facts, stream_mb) < opt_peak:
+        opt_peak = streamed_optimizer_peak(facts, stream_mb)
+        chunked = ""
+        state_says = f"streamed through the step in chunks of {stream_mb:g} MiB, three chunks' share at a time"
     need = max(min(smallest.memory.peak, max(fb_min, opt_peak)), opt_peak)
     short = need - mem.limit
     act = smallest.memory.activations
     if opt_peak > mem.limit:
         where = (f"the optimizer step alone peaks at {opt_peak / GIB:.2f} GiB{chunked} (shards, gradients and "
-                 f"{facts.state_bytes / GIB:.2f} GiB of state, which offloading cannot take off the step), and "
+                 f"{facts.state_bytes / GIB:.2f} GiB of state, {state_says}), and "
                  f"forward/backward needs {fb_min / GIB:.2f} GiB at least")
         knob = ("spread the model over more ranks (smaller shards and state) or raise memory_limit_gib"
                 + ("; a smaller micro-batch lowers forward/backward" if fb_min > mem.limit else ""))
@@ -402,7 +437,7 @@ def analytic_step_ms(c: Candidate, facts: MemoryFacts, comm, compute_ms: float, 
     exposed_ms = us / 1e3 - min(hide * us / 1e3, compute_ms)
     kept_ms = (comm.allgather_us(c.kept) / 1e3) if c.kept else 0.0
     return (accumulation * (compute_ms + exposed_ms) + kept_ms + optimizer_ms
-            + offload_ms(c.offloaded, accumulation * compute_ms))
+            + offload_ms(c.offloaded, accumulation * compute_ms, c.streamed))
 
 
 def _split_kept(facts: MemoryFacts, kept: int) -> tuple[list[int], list[int]]:
@@ -475,7 +510,9 @@ def plan_model(model, entries: list) -> list:
         # come after the one profiling step (a re-plan must not read back its own earlier choice)
         auto = cfg.optimizer_chunk_mb == "auto"
         opt_kw = dict(opt_groups=optim_chunks.group_sizes(chunks.opt), opt_temp_factor=optim_chunks.temp_factor(chunks.opt),
-                      opt_profiled_chunk=0 if auto else int(float(cfg.optimizer_chunk_mb) * MIB))
+                      opt_profiled_chunk=0 if auto else int(float(cfg.optimizer_chunk_mb) * MIB),
+                      # the state streams where it is a torch Adam's: two moments per parameter
+                      opt_streamable=optim_chunks.torch_kind(chunks.opt, TWO_MOMENTS) is not None)
     profiled = [e.name for e in (b.passes or [])]
     names = [e.name for e in entries]
     core = [n for n in names if n != recompute_activations.NAME]   # the passes the runner prices

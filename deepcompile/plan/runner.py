@@ -224,7 +224,7 @@ class GraphRunner:
             model.append({"graph_id": gid, "kind": kind, "after": "whatif", "nodes": final})
         return model, shown
 
-    def gpu_ms(self, p: dict, kept: int, offloaded: int) -> float:
+    def gpu_ms(self, p: dict, kept: int, offloaded: int, streamed: bool = False) -> float:
         """The step on the GPU's timeline: the graphs once per micro-batch (kept parameters
         gathered once per optimizer step), the optimizer step, the offload copies not hidden."""
         from deepcompile.plan.estimate import offload_ms
@@ -234,7 +234,7 @@ class GraphRunner:
         comm = getattr(b.profile, "comm", None)
         again = (b.accumulation - 1) * (comm.allgather_us(kept) / 1e3 if (comm and kept) else 0.0)
         return (b.accumulation * graphs_ms - again + p["optimizer_ms"]
-                + offload_ms(offloaded, b.accumulation * graphs_ms))
+                + offload_ms(offloaded, b.accumulation * graphs_ms, streamed))
 
     def step_ms(self, cand) -> float:
         """The planner's callable: a candidate's predicted GPU step (priced once per source and
@@ -243,7 +243,7 @@ class GraphRunner:
         p = self.b.times.get(self.key(params))
         if p is None:
             p = self.evaluate(params, False)[2]
-        return self.gpu_ms(p, cand.kept, cand.offloaded)
+        return self.gpu_ms(p, cand.kept, cand.offloaded, cand.streamed)
 
     step_ms.coarse_to_fine = True  # priced by running the passes: planner.price searches coarse to fine
 

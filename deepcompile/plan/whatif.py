@@ -46,7 +46,7 @@ from deepcompile.passes import PASSES, offload_optimizer, prefetch, recompute_ac
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_MEMORY, OFFLINE_RERUN, absent_params
 from deepcompile.plan.device_memory import DEFAULT_LIMIT_FRACTION
-from deepcompile.plan.memory import GIB, MIB, PlanMemory, plan_memory, prefetch_bytes
+from deepcompile.plan.memory import GIB, MIB, STREAM_CHUNK_MB, PlanMemory, plan_memory, prefetch_bytes
 from deepcompile.plan.pricing import no_gc
 from deepcompile.plan.rebuild import WhatIfError, param_meta, rebuild
 from deepcompile.plan.record_base import BASE_PASS, RecordBase, _measured, clear_cache, load_base
@@ -378,20 +378,22 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     kept, kept_ids = runner.kept(su_mb) if su_mb > 0 else (0, [])
     pf = full.get(prefetch.NAME)
     ahead = prefetch_bytes(facts, kept, pf["budget_mb"], pf["fuse_mb"]) if pf else 0
-    offloaded = 0
+    offloaded, streamed = 0, False
     oo = offload_optimizer.NAME   # priced by the memory model (OFFLINE_MEMORY)
     if oo in full or oo in params:
         o = full.get(oo) or params[oo]
         lim = int(o.get("limit_mb", 0) * MIB) or (b.capacity or limit)
         room = lim - int(o.get("headroom_mb", 1024.0) * MIB)
         need = facts.fb_peak + kept + ahead - room
-        offloaded = max(0, min(int(need), facts.state_bytes))
+        streamed = o.get("step") == "streamed"
+        offloaded = facts.state_bytes if streamed else max(0, min(int(need), facts.state_bytes))
         notes.append(f"offload_optimizer: {offloaded / GIB:.2f} GiB of {facts.state_bytes / GIB:.2f} GiB optimizer "
                      f"state predicted off the device in forward/backward (limit {lim / GIB:.2f} GiB)")
     recomputed = _recomputed(b, params, notes)
-    pm = plan_memory(facts, kept, ahead, offloaded, recompute=recomputed)
+    pm = plan_memory(facts, kept, ahead, offloaded, recompute=recomputed,
+                     streamed_chunk_mb=STREAM_CHUNK_MB if streamed else None)
     mv, shown, p = runner.evaluate(params, True)
-    gpu_ms = runner.gpu_ms(p, kept, offloaded) + b.accumulation * sum(c.ms for c in recomputed)
+    gpu_ms = runner.gpu_ms(p, kept, offloaded, streamed) + b.accumulation * sum(c.ms for c in recomputed)
     for v in shown:
         notes += [f"g{v['graph_id']} {v['kind']} {v['after']}: {n}" for n in v["notes"]]
     memory, where = _memory(pm)

@@ -17,6 +17,22 @@ One step's lifecycle:
 * ``optimizer.step()`` begins: a pre-step hook makes compute wait for the copies (starting any the
   graph did not start, so a graph without the op is still correct, only slower).
 
+A *streamed* step (``plan(None, streamed=True)``) never holds all the state on the device: the
+step's peak would otherwise be shards + gradients + all of the state, which is what stops a model
+whose state alone is larger than the limit (the 8B Llama on 2 ranks: 30 GiB of AdamW moments
+beside 30 GiB of fp32 shards and gradients). For the step's duration the optimizer's
+``param_groups`` become a view (:class:`_StreamedGroups`) whose iteration brings each group's
+state back just before the optimizer reads it, starts the next group's copy beside that group's
+kernels, and sends the group's state out right after them; a group's device copy is freed one
+group later, once its copy out has run beside the next group's step. So about three groups' worth
+of state is on the device at once, and the copies in both directions overlap each other and the
+step's kernels. The chunk size is the optimizer's param groups as :mod:`runtime.optim_chunks` cuts
+them (the planner sets it). Adam creates its state in its first step: a streamed step sends each
+group's new state out as it goes, so the state is never all on the device at once, even then.
+The hook into the iteration is the one place torch's optimizers are relied on beyond their public
+API: their ``step`` reads each group's state while iterating ``param_groups`` (checked in torch
+2.11 and 2.13 for Adam and AdamW, single-tensor, foreach and fused).
+
 The plan is a byte count set by the pass at compile time (``None``: everything); which tensors
 make it up is decided when the state exists (Adam creates it in its first step), largest first.
 The master weights are the optimizer's parameters (this rank's shard) and stay on the device:
@@ -49,17 +65,21 @@ class OptimizerStateOffload:
         # step's dozens of graph points look at each tensor once, not once per point
         self._next_release = self._next_reload = 0
         self.is_boundary: Callable[[], bool] = lambda: True
+        self.streamed = False                # state comes back group by group inside the step (see the module doc)
+        self._pos: dict[int, tuple[int, int]] = {}   # id(param) -> (user group, index): the state's keys
+        self._sent: list[tuple[tuple, torch.Tensor]] = []     # sent out during this streamed step, in order
+        self._copying: list[list[tuple[tuple, torch.Tensor]]] = []   # groups whose copy out may still run
         self._hooks: list = []
         self.stats = {"steps_offloaded": 0, "last_offloaded_bytes": 0, "graph_reloads": 0, "late_reloads": 0,
-                      "released_bytes": 0, "kept_on_device_bytes": 0}
+                      "released_bytes": 0, "kept_on_device_bytes": 0, "streamed_steps": 0}
 
     # ------------------------------------------------------------ wiring
     def attach(self, opt: torch.optim.Optimizer, is_boundary: Callable[[], bool] | None = None) -> None:
         self.detach()
         self.opt = opt
         self.is_boundary = is_boundary or (lambda: True)
-        self._hooks = [opt.register_step_pre_hook(lambda *_: self.bring_back()),
-                       opt.register_step_post_hook(lambda *_: self.send_out()),
+        self._hooks = [opt.register_step_pre_hook(lambda *_: self.before_step()),
+                       opt.register_step_post_hook(lambda *_: self.after_step()),
                        # a checkpoint must see the real values, not freed storage
                        opt.register_state_dict_pre_hook(lambda *_: self.bring_back()),
                        opt.register_load_state_dict_pre_hook(lambda *_: self.bring_back())]
@@ -69,13 +89,20 @@ class OptimizerStateOffload:
             self.bring_back()
         for h in self._hooks:
             h.remove()
+        if self.opt is not None:
+            _unwrap(self.opt)
         self._hooks, self.opt, self.target, self.room, self.defer = [], None, 0, None, False
+        self.streamed = False
         self.stats = {k: 0 for k in self.stats}
 
-    def plan(self, nbytes: int | None) -> None:
+    def plan(self, nbytes: int | None, streamed: bool = False) -> None:
         """Bytes of state to keep on the host between steps (``None``: all of it). Takes effect
-        at the end of the next optimizer step."""
+        at the end of the next optimizer step. ``streamed`` (with ``None``): the step itself
+        brings the state back group by group (see the module doc)."""
+        if streamed and nbytes is not None:
+            raise ValueError("a streamed optimizer step keeps all of the state on the host: plan(None, streamed=True)")
         self.target = None if nbytes is None else max(0, int(nbytes))
+        self.streamed = bool(streamed)
         if not self.target and nbytes is not None:
             self.defer = False
 
@@ -124,6 +151,67 @@ class OptimizerStateOffload:
         return [items[i] for i in sorted(chosen)]
 
     # ------------------------------------------------------------ the step's lifecycle
+    def before_step(self) -> None:
+        if not self.streamed or self.opt is None:
+            self.bring_back()
+            return
+        opt = self.opt
+        _unwrap(opt)   # a step that raised last time left its view behind
+        groups = getattr(opt, "dc_user_param_groups", None) or opt.param_groups
+        self._pos = {id(p): (gi, pi) for gi, g in enumerate(groups) for pi, p in enumerate(g["params"])}
+        self._sent, self._copying = [], []
+        opt.param_groups = _StreamedGroups(opt.param_groups, self)
+
+    def after_step(self) -> None:
+        if self.streamed and self.opt is not None:
+            _unwrap(self.opt)
+            return
+        self.send_out()
+
+    def _group_state(self, group: dict) -> list[tuple[tuple, torch.Tensor]]:
+        out = []
+        for p in group["params"]:
+            pos, st = self._pos.get(id(p)), self.opt.state.get(p)
+            if pos is None or not st:
+                continue
+            for name in sorted(st):
+                v = st[name]
+                if isinstance(v, torch.Tensor) and v.numel() > 1:
+                    out.append((("opt", pos[0], pos[1], name), v))
+        return out
+
+    def _enter(self, k: int, groups: list[dict]) -> None:
+        """Group ``k`` is next: its state must be on the device; group ``k + 1``'s starts coming."""
+        for key, t in self._group_state(groups[k]):
+            self.engine.wait(t, key)
+        if k + 1 < len(groups):
+            for key, t in self._group_state(groups[k + 1]):
+                p = self.engine.find(t, key)
+                if p is not None and p.state == "offloaded":
+                    self.engine.reload(t, key)
+
+    def _leave(self, group: dict) -> None:
+        """The optimizer has queued ``group``'s kernels: send its state out (the copy waits for
+        them), and free the previous group's device copy (its copy ran beside these kernels)."""
+        sent = [(key, t) for key, t in self._group_state(group)
+                if self.engine.find(t, key) is None and self.engine.offload(t, key, defer_free=True)]
+        self._sent.extend(sent)
+        self._copying.append(sent)
+        while len(self._copying) > 1:
+            for key, t in self._copying.pop(0):
+                self.engine.release(t, key)
+
+    def _finish(self) -> None:
+        for chunk in self._copying:
+            for key, t in chunk:
+                self.engine.release(t, key)
+        self._copying = []
+        self.offloaded, self._sent = self._sent, []
+        self._next_release = self._next_reload = 0
+        self.stats["steps_offloaded"] += 1
+        self.stats["streamed_steps"] += 1
+        self.stats["last_offloaded_bytes"] = self.offloaded_bytes()
+
     def send_out(self) -> None:
         if self.target == 0:
             return
@@ -188,6 +276,31 @@ class OptimizerStateOffload:
             self.stats["late_reloads"] += 1
         self.offloaded = []
         self._next_release = self._next_reload = 0
+
+
+class _StreamedGroups(list):
+    """The optimizer's param groups for the duration of one streamed step (the same dicts, in
+    order): iterating them brings each group's state in before the optimizer reads it and sends it
+    out after. An iteration that stops early (torch's capturable check reads the first group
+    only) only brings state in, which the full iteration then finds there."""
+
+    def __init__(self, groups: list, owner: OptimizerStateOffload):
+        super().__init__(groups)
+        self.base = groups
+        self.owner = owner
+
+    def __iter__(self):
+        groups = list(list.__iter__(self))
+        for k, g in enumerate(groups):
+            self.owner._enter(k, groups)
+            yield g
+            self.owner._leave(g)
+        self.owner._finish()
+
+
+def _unwrap(opt: torch.optim.Optimizer) -> None:
+    if isinstance(opt.param_groups, _StreamedGroups):
+        opt.param_groups = opt.param_groups.base
 
 
 def _allocated() -> int:
