@@ -52,17 +52,17 @@ def _train(rank, world, passes, extra=None):
             "engine": dict(model.dc_state.runtime.offload.stats)}
 
 
-@needs_two
+@needs_one
 def test_streamed_step_keeps_the_state_off_the_step_peak():
     """The streamed optimizer step never holds all the state: its peak is the resident step's
     minus the state plus at most three chunks' share (a parameter larger than a chunk is one),
     and it trains the same."""
-    oo = "offload_optimizer"
-    res = run_ranks(_train, 2, ["zero3", {"name": oo, "params": {"step": "resident"}}], backend="nccl", timeout=900)
-    st = run_ranks(_train, 2, ["zero3", {"name": oo, "params": {"step": "streamed"}}], {"optimizer_chunk_mb": 16},
+    oo, world = "offload_optimizer", min(2, torch.cuda.device_count())
+    res = run_ranks(_train, world, ["zero3", {"name": oo, "params": {"step": "resident"}}], backend="nccl", timeout=900)
+    st = run_ranks(_train, world, ["zero3", {"name": oo, "params": {"step": "streamed"}}], {"optimizer_chunk_mb": 16},
                    backend="nccl", timeout=900)
     gib = 2 ** 30
-    for r in range(2):
+    for r in range(world):
         a, b = res[r], st[r]
         held = 3 * 2 * max(b["largest_shard"], 16 * 2 ** 20)
         print(f"rank {r}: optimizer step peak resident {a['peak_step'] / gib:.3f} GiB, streamed "
