@@ -388,8 +388,14 @@ def test_planner_streams_the_step_only_where_the_resident_step_cannot_fit():
 
     from deepcompile.plan.memory import STREAM_CHUNK_MB, streamed_optimizer_peak
 
-    held = 3 * 2 * OC.largest_chunk([GROUP8], int(STREAM_CHUNK_MB * MIB))
+    held = 3 * 2 * OC.largest_chunk([GROUP8], int(STREAM_CHUNK_MB * MIB))   # equal chunks: any three
     assert abs(streamed_optimizer_peak(FACTS8, STREAM_CHUNK_MB) - (FACTS8.optimizer_peak - FACTS8.state_bytes + held)) <= 1
+    # the largest parameters at the two ends of the order (embedding, output projection): the step holds
+    # one of them beside two 512 MiB chunks of the small ones, not three of them
+    g = [GIB] + [64 * MIB] * 100 + [GIB]
+    ends = replace(FACTS8, opt_groups=[g], shard_bytes=sum(g), grad_bytes=sum(g), state_bytes=2 * sum(g),
+                   optimizer_peak=4 * sum(g))
+    assert streamed_optimizer_peak(ends, STREAM_CHUNK_MB) == 2 * sum(g) + 2 * (GIB + 2 * 512 * MIB)
     roomy = _choose(75.0, facts=FACTS8)     # everything fits on the device: nothing offloaded
     assert roomy.chosen.offload_limit_mb is None and not roomy.chosen.streamed
     tight = _choose(40.0, facts=FACTS8)     # below shards + gradients + state (59.9): the step streams

@@ -88,8 +88,8 @@ def check_floor(limit_gib: float | None, model, world: int, make_optimizer, stre
     plan: this rank's parameter shards (1/``world`` of each parameter), their gradients and, for
     the Adam family, its two moments per trainable shard that the step reads on the device: all of
     them, or with ``streamable`` (the step can stream the state through in chunks,
-    runtime.optimizer_state) those of the three largest parameters, the smallest chunks there can
-    be. Checked in ``initialize`` before the model is touched; the optimizer's kind comes from
+    runtime.optimizer_state) those of the largest parameter, which one chunk holds whatever the
+    chunk size. Checked in ``initialize`` before the model is touched; the optimizer's kind comes from
     ``make_optimizer`` on a one-element probe. Same numbers on every rank (equal shards, the
     config's limit): every rank raises alike."""
     if not limit_gib:
@@ -112,9 +112,7 @@ def check_floor(limit_gib: float | None, model, world: int, make_optimizer, stre
         if p.requires_grad:
             trainable += b
             sizes.append(b)
-    from deepcompile.plan.memory import STREAM_DEPTH
-
-    state = 2 * (sum(sorted(sizes)[-STREAM_DEPTH:]) if streamable else trainable)
+    state = 2 * (max(sizes, default=0) if streamable else trainable)
     floor = shard + trainable + state
     limit = int(limit_gib * GIB)
     if floor > limit:
@@ -122,7 +120,7 @@ def check_floor(limit_gib: float | None, model, world: int, make_optimizer, stre
             f"deepcompile: memory_limit_gib {limit_gib:g} is below what the optimizer step needs on the device "
             f"whatever the plan: {fmt_bytes(shard)} of parameter shards, {fmt_bytes(trainable)} of gradients and "
             f"{fmt_bytes(state)} of {type(probe).__name__} state per rank"
-            + (" (the largest parameters' share of it: the step can stream the rest through)" if streamable else "")
+            + (" (the largest parameter's: the step can stream the rest through)" if streamable else "")
             + f" ({fmt_bytes(floor)} in all, "
             f"{(floor - limit) / GIB:.2f} GiB missing). To fit: raise memory_limit_gib or spread the model over "
             f"more ranks (each holds 1/{world} of shards, gradients and state now).")

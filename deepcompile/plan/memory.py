@@ -147,13 +147,16 @@ def optimizer_peak(facts: MemoryFacts, chunk_mb: float | None = None) -> int:
 
 def streamed_optimizer_peak(facts: MemoryFacts, chunk_mb: float) -> int:
     """The optimizer step's peak when it streams the state through in chunks of ``chunk_mb`` MiB:
-    the resident step's, with ``STREAM_DEPTH`` chunks' share of the state in place of all of it (a
-    parameter larger than the chunk is a chunk of its own)."""
-    from deepcompile.runtime.optim_chunks import largest_chunk
+    the resident step's, with the state of the ``STREAM_DEPTH`` consecutive chunks (in step order)
+    that hold the most of it in place of all of it. A parameter larger than the chunk is a chunk of
+    its own: the Llama's embedding and output projection (1 GiB each per rank for the 8B on 2
+    ranks) sit at the two ends of the order, each beside small chunks."""
+    from deepcompile.runtime.optim_chunks import split
 
     params = sum(sum(g) for g in facts.opt_groups) or facts.shard_bytes
-    chunk = largest_chunk(facts.opt_groups, int(chunk_mb * MIB)) if facts.opt_groups else params
-    held = min(facts.state_bytes, int(STREAM_DEPTH * facts.state_bytes * chunk / max(1, params)))
+    sizes = [sum(g[a:b]) for g in facts.opt_groups for a, b in split(g, int(chunk_mb * MIB))] or [params]
+    window = max(sum(sizes[i:i + STREAM_DEPTH]) for i in range(len(sizes)))
+    held = min(facts.state_bytes, int(facts.state_bytes * window / max(1, params)))
     return optimizer_peak(facts, chunk_mb) - facts.state_bytes + held
 
 
