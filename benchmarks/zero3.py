@@ -31,7 +31,8 @@ Systems:
 --slow-links sets NCCL_P2P_DISABLE=1 before NCCL starts (NCCL's traffic goes through host shared memory:
 a stand-in for the slower links between nodes) and records it; --append never mixes the two regimes.
 dc_default, dc_default_fsdp_limit and dc_default_limit record the planner's choice ("plan") and its predicted peak
-next to the measured one ("predicted_plan_peak_gib", "predicted_plan_peak_error").
+next to the measured one ("predicted_plan_peak_gib", "predicted_plan_peak_error"), and its predicted
+step ("predicted_plan_step_ms", "predicted_plan_step_error").
 
 Every deepcompile system also records the cost model's predicted step time and peak memory next to
 the measured ones ("predicted", "predicted_step_error", "predicted_peak_error").
@@ -1119,6 +1120,12 @@ def summarise(name, per_rank, args, world) -> dict:
         entry["plan"] = entry["predicted"]["plan"].get("summary")
         if entry.get("peak_mem_gib"):
             entry["predicted_plan_peak_error"] = plan_peak / entry["peak_mem_gib"] - 1.0
+        # the plan's step (with what the plan adds beside the graphs: the offload copies, the
+        # recomputation) against the measured one; "predicted_step_error" prices the graphs alone
+        plan_ms = ((entry["predicted"]["plan"].get("chosen") or {}).get("step_ms"))
+        if plan_ms and entry.get("step_s"):
+            entry["predicted_plan_step_ms"] = plan_ms
+            entry["predicted_plan_step_error"] = plan_ms / (entry["step_s"] * 1e3) - 1.0
     entry["process_rank0"] = {k: r0.get(k) for k in ("process_before", "process_after_train")}
     return entry
 

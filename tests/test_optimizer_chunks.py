@@ -402,6 +402,12 @@ def test_planner_streams_the_step_only_where_the_resident_step_cannot_fit():
     c = tight.chosen
     assert c.streamed and c.offloaded == FACTS8.state_bytes and c.chunk_mb == STREAM_CHUNK_MB
     assert c.memory.peak <= 40 * GIB and c.memory.optimizer_peak < 34 * GIB and c.memory.fb_peak <= 39 * GIB
+    # where the step is the peak: three chunks' state on the device, the rest on the host
+    at_step = replace(c.memory, fb_peak=0, peak=c.memory.optimizer_peak)
+    cats, where = at_step.by_category()
+    assert where == "optimizer step" and cats["optimizer_state"] == c.memory.step_state == 6 * 9 * GROUP8[0]
+    assert cats["offloaded"] == FACTS8.state_bytes - cats["optimizer_state"] and sum(
+        v for k, v in cats.items() if k != "offloaded") == at_step.peak
     p = c.params()["offload_optimizer"]
     assert p["step"] == "streamed" and p["final_reload"] == "fit" and p["limit_mb"] == 40 * 1024
     assert "streams it through in chunks of 512 MiB" in tight.summary_line() and "streams the state" in tight.why

@@ -97,6 +97,8 @@ class PlanMemory:
     fb_peak: int                  # forward/backward peak of this plan
     optimizer_peak: int           # optimizer step peak of this plan
     peak: int                     # max of the two
+    step_state: int | None = None  # state on the device at the optimizer step's peak (None: all of it;
+                                   # a streamed step holds its three largest consecutive chunks' share)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -178,8 +180,10 @@ def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0
         shift = facts.fb_peak - max(p for p, _ in facts.ahead)
         at, ahead = max(((p + shift, min(prefetch, r)) for p, r in facts.ahead), key=lambda x: x[0] + x[1])
     fb = at + kept + ahead - offloaded
+    step_state = None
     if streamed_chunk_mb is not None:
         opt = streamed_optimizer_peak(facts, streamed_chunk_mb)
+        step_state = opt - optimizer_peak(facts, streamed_chunk_mb) + facts.state_bytes
     else:
         opt = optimizer_peak(facts, chunk_mb)
     grads = facts.grad_bytes + facts.reduce_bytes
@@ -187,7 +191,7 @@ def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0
     return PlanMemory(parameter_shards=facts.shard_bytes, optimizer_state=facts.state_bytes - offloaded,
                       gradients=grads, gathered_kept=kept, gathered_prefetch=ahead,
                       activations=max(0, at - known), offloaded=offloaded,
-                      fb_peak=fb, optimizer_peak=opt, peak=max(fb, opt))
+                      fb_peak=fb, optimizer_peak=opt, peak=max(fb, opt), step_state=step_state)
 
 
 def _with_recompute(facts: MemoryFacts, prefetch: int, recompute: tuple) -> tuple[int, int]:

@@ -24,15 +24,18 @@ def categories_at_peak(m: dict) -> tuple[dict[str, int], str]:
     At a forward/backward peak: the shards, the kept and prefetched gathered parameters, the
     gradients (with the reduce buckets), the optimizer state left on the device, activations (the
     rest of the peak) and what was offloaded to the host. At an optimizer-step peak: shards,
-    gradients, all of the state (offloaded state is back for the step), nothing gathered (kept
+    gradients, all of the state (offloaded state is back for the step) or, for a step that streams
+    it (``step_state``), the share it holds at once, the rest offloaded; nothing gathered (kept
     copies are dropped before the step), and as "activations" the rest (the optimizer's
     temporaries). The device categories sum to ``peak``."""
     g = lambda k: max(0, int(m.get(k) or 0))  # noqa: E731
     peak = g("peak")
     if g("optimizer_peak") > g("fb_peak"):
+        state = g("optimizer_state") + g("offloaded")
+        held = state if m.get("step_state") is None else min(state, g("step_state"))
         known = {"parameter_shards": g("parameter_shards"), "gathered": 0, "gradients": g("gradients"),
-                 "optimizer_state": g("optimizer_state") + g("offloaded")}
-        where, offloaded = "optimizer step", 0
+                 "optimizer_state": held}
+        where, offloaded = "optimizer step", state - held
     else:
         known = {"parameter_shards": g("parameter_shards"),
                  "gathered": g("gathered_kept") + g("gathered_prefetch"), "gradients": g("gradients"),
