@@ -43,7 +43,7 @@ from deepcompile.passes.registry import OFFLINE_RERUN, PassEntry, absent_params,
 from deepcompile.plan.device_memory import TWO_MOMENTS, DeviceMemory, agree_memory, local_memory
 from deepcompile.plan.estimate import offload_ms
 from deepcompile.plan.memory import (GIB, MIB, STREAM_CHUNK_MB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory,
-                                     prefetch_bytes, streamed_optimizer_peak)
+                                     prefetch_bytes, streamed_optimizer_peak, with_reloads)
 from deepcompile.plan.pricing import PlanError, SplitTimer, no_gc, price
 from deepcompile.plan.recompute_choice import blocks_param
 from deepcompile.vocab.memory import fmt_bytes
@@ -300,15 +300,15 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
             if 0 < need <= facts.state_bytes and c.memory.optimizer_peak <= mem.limit + ALLOCATOR_SLACK:
                 c.offloaded = int(need)
                 c.offload_limit_mb = limit_mb
-                c.memory = plan_memory(facts, c.kept, c.prefetch, c.offloaded, chunk_mb=c.chunk_mb,
-                                       recompute=c.recompute)
+                c.memory = with_reloads(plan_memory(facts, c.kept, c.prefetch, c.offloaded, chunk_mb=c.chunk_mb,
+                                                    recompute=c.recompute), room)
                 fit.append(c)
             elif stream_mb is not None and need <= facts.state_bytes:
                 # the step itself is above the limit: only a step that never holds all the state fits
                 s = Candidate(c.keep_mb, c.prefetch_mb, c.fuse_mb, limit_mb, c.kept, c.prefetch, facts.state_bytes,
                               chunk_mb=stream_mb, recompute=c.recompute, streamed=True)
-                s.memory = plan_memory(facts, s.kept, s.prefetch, s.offloaded, recompute=s.recompute,
-                                       streamed_chunk_mb=stream_mb)
+                s.memory = with_reloads(plan_memory(facts, s.kept, s.prefetch, s.offloaded, recompute=s.recompute,
+                                                    streamed_chunk_mb=stream_mb), room)
                 if s.memory.peak <= mem.limit + ALLOCATOR_SLACK:
                     fit.append(s)
         n_fit = len(fit)

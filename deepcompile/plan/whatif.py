@@ -46,7 +46,7 @@ from deepcompile.passes import PASSES, offload_optimizer, prefetch, recompute_ac
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_MEMORY, OFFLINE_RERUN, absent_params
 from deepcompile.plan.device_memory import DEFAULT_LIMIT_FRACTION
-from deepcompile.plan.memory import GIB, MIB, STREAM_CHUNK_MB, PlanMemory, plan_memory, prefetch_bytes
+from deepcompile.plan.memory import GIB, MIB, STREAM_CHUNK_MB, PlanMemory, plan_memory, prefetch_bytes, with_reloads
 from deepcompile.plan.pricing import no_gc
 from deepcompile.plan.rebuild import WhatIfError, param_meta, rebuild
 from deepcompile.plan.record_base import BASE_PASS, RecordBase, _measured, clear_cache, load_base
@@ -378,7 +378,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     kept, kept_ids = runner.kept(su_mb) if su_mb > 0 else (0, [])
     pf = full.get(prefetch.NAME)
     ahead = prefetch_bytes(facts, kept, pf["budget_mb"], pf["fuse_mb"]) if pf else 0
-    offloaded, streamed = 0, False
+    offloaded, streamed, room = 0, False, None
     oo = offload_optimizer.NAME   # priced by the memory model (OFFLINE_MEMORY)
     if oo in full or oo in params:
         o = full.get(oo) or params[oo]
@@ -392,6 +392,8 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     recomputed = _recomputed(b, params, notes)
     pm = plan_memory(facts, kept, ahead, offloaded, recompute=recomputed,
                      streamed_chunk_mb=STREAM_CHUNK_MB if streamed else None)
+    if offloaded and room is not None:
+        pm = with_reloads(pm, room)
     mv, shown, p = runner.evaluate(params, True)
     gpu_ms = runner.gpu_ms(p, kept, offloaded, streamed) + b.accumulation * sum(c.ms for c in recomputed)
     for v in shown:
