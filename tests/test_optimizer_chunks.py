@@ -228,8 +228,10 @@ def _ranks(rank: int, world: int):
     from tests.workloads import make_model, rank_step
 
     out = {}
-    for passes in (["zero3"], ["zero3", "offload_optimizer"]):
-        for chunk in (0, 0.004):   # 0.004 MiB: ~1000 floats, every GPT block split in several chunks
+    streamed = ["zero3", {"name": "offload_optimizer", "params": {"step": "streamed"}}]
+    # 0.004 MiB: ~1000 floats, every GPT block split in several chunks
+    for passes, chunks in ((["zero3"], (0, 0.004)), (["zero3", "offload_optimizer"], (0, 0.004)), (streamed, (0.004,))):
+        for chunk in chunks:
             model, opt = deepcompile.initialize(
                 make_model(), lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, foreach=True),
                 {"compiler": "aot_eager", "passes": passes, "optimizer_chunk_mb": chunk})
@@ -243,9 +245,11 @@ def _ranks(rank: int, world: int):
                     set_state_dict(model, opt, msd, osd)
             ch = model.dc_state.optim_chunks
             _, osd = get_state_dict(model, opt)
-            out[(len(passes), chunk)] = {
+            key = "streamed" if passes is streamed else len(passes)
+            out[(key, chunk)] = {
                 "losses": losses, "chunks": ch.last_chunks if ch else len(opt.param_groups),
                 "offloaded_steps": model.dc_state.runtime.optimizer_state.stats["steps_offloaded"],
+                "streamed_steps": model.dc_state.runtime.optimizer_state.stats["streamed_steps"],
                 "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                 "osd_groups": osd["param_groups"],
                 "osd_state": {k: {n: _local(v) for n, v in d.items()} for k, d in osd["state"].items()},
@@ -262,13 +266,17 @@ def _local(v):
 
 
 def test_zero3_two_ranks_match_unchunked_bitwise():
-    """ZeRO-3 and ZeRO-3 with offloaded optimizer state, each chunked and not, LR scheduler and a
-    DCP state-dict round trip on the way: the same losses, parameters and state, bit for bit."""
+    """ZeRO-3 and ZeRO-3 with offloaded optimizer state, each chunked and not, and with the state
+    streamed through the chunked step; LR scheduler and a DCP state-dict round trip on the way:
+    the same losses, parameters and state, bit for bit."""
     for r in run_ranks(_ranks, 2, timeout=240):
-        for n in (1, 2):
-            a, b = r[(n, 0)], r[(n, 0.004)]
+        for n in (1, 2, "streamed"):
+            a, b = r[(1 if n == "streamed" else n, 0)], r[(n, 0.004)]   # streamed: against plain ZeRO-3
             assert a["chunks"] == 1 and b["chunks"] > 4
-            assert (a["offloaded_steps"] > 0) == (b["offloaded_steps"] > 0) == (n == 2)
+            if n == "streamed":   # the round trip's state dict took a streamed step's state back from the host
+                assert b["streamed_steps"] == 4 and a["offloaded_steps"] == 0
+            else:
+                assert (a["offloaded_steps"] > 0) == (b["offloaded_steps"] > 0) == (n == 2)
             assert a["losses"] == b["losses"]
             assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
             assert a["groups"] == b["groups"] and a["osd_groups"] == b["osd_groups"]

@@ -166,3 +166,17 @@ def test_measured_side_is_the_one_steady_median():
     med, n = steady_median_ms(steps, cfg)
     assert out["steady"] and out["steps"] == n == 4
     assert out["step_ms"] == pytest.approx(med) == pytest.approx(127.5)
+
+
+def test_a_what_if_on_another_compiler_counts_the_values_it_writes():
+    """The memory model leaves out the values only a fused compile never writes: a what-if that
+    switches the recorded Inductor run to an unfused compiler counts them again, and switching
+    back leaves them out as the record does."""
+    from deepcompile.plan.whatif import load_base, variant
+
+    b = load_base(str(Path(__file__).resolve().parents[1] / "benchmarks/results/zero3_h200_2gpu_dc_default_record"))
+    assert b.fused and b.unmaterialized and any(any(v) for v in b.unmaterialized.values())
+    eager = variant(b, compiler="aot_eager")
+    assert not eager.fused and eager.unmaterialized is None and eager.facts.fb_peak >= b.facts.fb_peak
+    back = variant(eager, compiler="inductor")
+    assert back.unmaterialized == b.unmaterialized and back.facts.fb_peak == b.facts.fb_peak

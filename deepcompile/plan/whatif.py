@@ -506,18 +506,24 @@ def variant(b: RecordBase, *, world: int | None = None, gb_per_s: float | None =
             prof.optimizer_peak_bytes = int(optimizer_peak_gib * GIB)
     w = world or b.world
     mf = b.facts
-    if prof is not b.profile or w != b.world:
+    fused = b.fused if compiler is None else compiler == "inductor"
+    unmat = b.unmaterialized
+    if fused != b.fused:   # only a fused compile leaves values unwritten (estimate.unmaterialized_bytes)
+        from deepcompile.plan.estimate import unmaterialized_by_graph
+
+        unmat = unmaterialized_by_graph(prof, {k: (b.profiled.get(k) or d)["nodes"] for k, d in b.base.items()}) \
+            if fused else None
+    if prof is not b.profile or w != b.world or fused != b.fused:
         mf = facts_from_profile(prof, b.meta, w, b.facts.state_bytes, reduce_bytes=b.facts.reduce_bytes,
-                                unmaterialized=b.unmaterialized)
+                                unmaterialized=unmat)
     if facts:  # another run's own figures (a plan.json's "facts")
         mf = dataclasses.replace(mf)
         for k in ("fb_peak", "optimizer_peak", "shard_bytes", "grad_bytes", "state_bytes", "reduce_bytes"):
             if facts.get(k) is not None:
                 setattr(mf, k, int(facts[k]))
-    fused = b.fused if compiler is None else compiler == "inductor"
     static = b.static if fused == b.fused else {
         k: static_costs(prof, [x for x in (b.profiled[k], d) if x is not None], d, fused) for k, d in b.base.items()}
-    return dataclasses.replace(b, profile=prof, world=w, facts=mf, fused=fused, static=static,
+    return dataclasses.replace(b, profile=prof, world=w, facts=mf, fused=fused, static=static, unmaterialized=unmat,
                                accumulation=accumulation or b.accumulation,
                                capacity=int(capacity_gib * GIB) if capacity_gib else b.capacity,
                                times={}, full={})

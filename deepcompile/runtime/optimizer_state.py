@@ -31,7 +31,9 @@ them (the planner sets it). Adam creates its state in its first step: a streamed
 group's new state out as it goes, so the state is never all on the device at once, even then.
 The hook into the iteration is the one place torch's optimizers are relied on beyond their public
 API: their ``step`` reads each group's state while iterating ``param_groups`` (checked in torch
-2.11 and 2.13 for Adam and AdamW, single-tensor, foreach and fused).
+2.11 and 2.13 for Adam and AdamW, single-tensor, foreach and fused). A state dict (a checkpoint)
+brings all the state back to the device, as for the resident step: under a limit that the state
+cannot fit in beside the shards and gradients, that transient is over the limit (not the device).
 
 The plan is a byte count set by the pass at compile time (``None``: everything); which tensors
 make it up is decided when the state exists (Adam creates it in its first step), largest first.
