@@ -432,7 +432,8 @@ def test_planner_streams_the_step_only_where_the_resident_step_cannot_fit():
     with pytest.raises(P.PlanError, match=r"streamed through the step in chunks of 512 MiB.*GiB missing"):
         _choose(30.0, facts=FACTS8)         # not even shards + gradients
     # an optimizer runtime.optim_chunks cannot cut cannot stream: the resident step's floor stands
-    with pytest.raises(P.PlanError, match=r"which offloading cannot take off the step"):
+    with pytest.raises(P.PlanError, match=r"which offloading cannot take off the step.*optimizer_chunk_mb 'auto' lets "
+                                          r"the step stream its state from the host"):
         _choose(40.0, facts=replace(FACTS8, opt_streamable=False))
 
 
@@ -452,3 +453,19 @@ def test_lr_scheduler_wraps_the_accumulating_and_chunked_step():
     assert opt.state[q]["step"].item() == 2 and opt._opt_called   # every 2nd call steps; the scheduler saw it
     sched.step()
     assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_the_floor_counts_a_streamed_step():
+    """``memory_limit_gib`` under shards + gradients + all of AdamW's state is refused only where the
+    step cannot stream the state (chunking off); with it the floor keeps the largest parameter's."""
+    from deepcompile.plan.device_memory import check_floor
+    from deepcompile.plan.pricing import PlanError
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(8)])   # 8 x 1 MiB
+    adamw = lambda ps: torch.optim.AdamW(ps)  # noqa: E731
+    limit = 24 * MIB / GIB      # shards 8 + gradients 8 + state 16 MiB resident; 8 + 8 + 2 streamed
+    check_floor(limit, model, 1, adamw, streamable=True)
+    with pytest.raises(PlanError, match=r"2.0 MiB of AdamW state per rank \(the largest parameter's"):
+        check_floor(17 * MIB / GIB, model, 1, adamw, streamable=True)
+    with pytest.raises(PlanError, match=r"16.0 MiB of AdamW state.*optimizer_chunk_mb 'auto' \(or a size\) lets the step"):
+        check_floor(limit, model, 1, adamw, streamable=False)

@@ -123,4 +123,6 @@ def check_floor(limit_gib: float | None, model, world: int, make_optimizer, stre
             + (" (the largest parameter's: the step can stream the rest through)" if streamable else "")
             + f" ({fmt_bytes(floor)} in all, "
             f"{(floor - limit) / GIB:.2f} GiB missing). To fit: raise memory_limit_gib or spread the model over "
-            f"more ranks (each holds 1/{world} of shards, gradients and state now).")
+            f"more ranks (each holds 1/{world} of shards, gradients and state now)"
+            + ("" if streamable else "; optimizer_chunk_mb 'auto' (or a size) lets the step stream the state from "
+                                     "the host, leaving only the largest parameter's on the device") + ".")

@@ -405,6 +405,8 @@ def _nothing_fits(facts: MemoryFacts, mem: DeviceMemory, cands: list[Candidate],
                  f"{facts.state_bytes / GIB:.2f} GiB of state, {state_says}), and "
                  f"forward/backward needs {fb_min / GIB:.2f} GiB at least")
         knob = ("spread the model over more ranks (smaller shards and state) or raise memory_limit_gib"
+                + ("" if facts.opt_streamable or not facts.state_bytes else
+                   "; a torch Adam/AdamW with optimizer_chunk_mb 'auto' lets the step stream its state from the host")
                 + ("; a smaller micro-batch lowers forward/backward" if fb_min > mem.limit else ""))
     else:
         where = (f"forward/backward peaks at {fb_min / GIB:.2f} GiB even with nothing kept gathered, no prefetch "
