@@ -19,8 +19,10 @@ optimizer step's peak. A plan differs from the profiled one only in what it adds
 - optimizer state offloaded (``offload_optimizer``): off the device during forward and backward,
   back for the step, so it lowers the forward/backward peak, not the step's; unless the step is
   streamed (``offload_optimizer.step`` 'streamed', :mod:`deepcompile.runtime.optimizer_state`):
-  then all of it is off in forward and backward, and the step holds ``STREAM_DEPTH`` chunks of
-  it (the largest chunk's share of the state) instead of the whole;
+  then all of it is off in forward and backward, and the step holds the state of the
+  ``STREAM_DEPTH`` consecutive chunks that hold the most of it instead of the whole; backward's
+  reload points bring state back early as far as the room under the limit allows
+  (:func:`with_reloads`);
 - the optimizer step in chunks (``optimizer_chunk_mb``, :mod:`deepcompile.runtime.optim_chunks`):
   the step's peak is shards + gradients + state + temporaries, and torch's foreach Adam/AdamW
   allocates ``temp_factor`` state-sized copies of a whole param group at once (the profile measured
