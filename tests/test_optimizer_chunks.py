@@ -469,3 +469,9 @@ def test_the_floor_counts_a_streamed_step():
         check_floor(17 * MIB / GIB, model, 1, adamw, streamable=True)
     with pytest.raises(PlanError, match=r"16.0 MiB of AdamW state.*optimizer_chunk_mb 'auto' \(or a size\) lets the step"):
         check_floor(limit, model, 1, adamw, streamable=False)
+
+    class MyAdamW(torch.optim.AdamW):   # a user's subclass holds AdamW's two moments too
+        pass
+    with pytest.raises(PlanError, match=r"16.0 MiB of AdamW state"):
+        check_floor(limit, model, 1, lambda ps: MyAdamW(ps), streamable=False)
+    check_floor(limit, model, 1, lambda ps: torch.optim.SGD(ps, lr=0.1), streamable=False)   # no moments: no floor

@@ -96,8 +96,11 @@ def check_floor(limit_gib: float | None, model, world: int, make_optimizer, stre
         return
     import torch
 
+    from deepcompile.runtime.optim_chunks import torch_kind
+
     probe = make_optimizer([torch.nn.Parameter(torch.zeros(1))])
-    if type(probe).__name__ not in TWO_MOMENTS:
+    kind = torch_kind(probe, TWO_MOMENTS)   # a user's subclass of AdamW keeps AdamW's state
+    if kind is None:
         return
     from deepcompile.plan.pricing import PlanError
     from deepcompile.vocab.memory import fmt_bytes
@@ -119,7 +122,7 @@ def check_floor(limit_gib: float | None, model, world: int, make_optimizer, stre
         raise PlanError(
             f"deepcompile: memory_limit_gib {limit_gib:g} is below what the optimizer step needs on the device "
             f"whatever the plan: {fmt_bytes(shard)} of parameter shards, {fmt_bytes(trainable)} of gradients and "
-            f"{fmt_bytes(state)} of {type(probe).__name__} state per rank"
+            f"{fmt_bytes(state)} of {kind} state per rank"
             + (" (the largest parameter's: the step can stream the rest through)" if streamable else "")
             + f" ({fmt_bytes(floor)} in all, "
             f"{(floor - limit) / GIB:.2f} GiB missing). To fit: raise memory_limit_gib or spread the model over "
