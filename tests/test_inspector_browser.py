@@ -550,8 +550,10 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
             # another machine, in effect: it is measured again (at most MAX_RUNS runs in all).
             OTHERS_APART, MAX_RUNS = 0.3, 4
             # the 20% bound is asserted only where other processes used at most this many cores
-            # during both runs: a timing on a shared machine (CI's parallel workers) measures the neighbours
-            QUIET_OTHERS = 0.5
+            # during both runs: a timing on a shared machine (CI's parallel workers) measures the
+            # neighbours. On 2 cores, beside this test's own JupyterLab and Chromium, 0.33 cores of
+            # other processes already moved the edit's median by a quarter (+26.4%)
+            QUIET_OTHERS = 0.15
 
             def fmt_cores(c):
                 return "? cores" if c is None else ", ".join(f"{k} {v:.2f}" for k, v in c.items()) + " cores"
