@@ -36,7 +36,6 @@ def one(n_layer: int, config: dict, steps: int) -> dict:
 
     cfx.compile_fx_inner = stub
     import deepcompile
-    from deepcompile.compile import blocks
     from tests import workloads as W
 
     model, opt = deepcompile.initialize(W.make_model(n_layer=n_layer), W.make_optimizer,
@@ -51,7 +50,7 @@ def one(n_layer: int, config: dict, steps: int) -> dict:
         losses.append(loss.item())
     return {"layers": n_layer, "blocks": model.dc_backend.blocks, "config": config, "compile_calls": len(calls),
             "nodes_lowered": sum(calls), "losses": losses,
-            "graphs": [{k: v for k, v in e.items() if k not in ("seconds", "labels")} for e in blocks.STATS]}
+            "graphs": [{k: v for k, v in e.items() if k not in ("seconds", "labels")} for e in model.dc_state.runtime.block_compiles]}
 
 
 def main() -> None:

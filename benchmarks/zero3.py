@@ -543,8 +543,8 @@ def dc_prediction(model, opt, res) -> None:
     res["trace_once"] = getattr(model, "dc_trace_once", None)
     # graphs taken from AOTAutograd's cache (config aot_cache, a plan-cache hit): no trace, no passes
     res["aot_cache_hits"] = len(getattr(model.dc_backend, "aot_cache_hits", []))
-    from deepcompile.compile import blocks  # config blocks (BENCH_DC_CONFIG='{"blocks": true}'): regions per graph, compiled / reused, kernel wait
-    res["blocks"] = [{k: v for k, v in s.items() if k != "labels"} for s in blocks.STATS]
+    # config blocks (BENCH_DC_CONFIG='{"blocks": true}'): regions per graph, compiled / reused, kernel wait
+    res["blocks"] = [{k: v for k, v in s.items() if k != "labels"} for s in model.dc_state.runtime.block_compiles]
     res["nested_calls"] = model.dc_backend.nested_calls  # config trace_blocks: region calls flattened
     prof = model.dc_profile
     # the final graphs are Inductor's unless the run chose another compiler: fused pointwise ops

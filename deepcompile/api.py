@@ -21,6 +21,7 @@ from deepcompile.compat import dynamo as dynamo_compat
 from deepcompile.compile import blocks, nested
 from deepcompile.compile.dynamic import DynamicDims
 from deepcompile.config import Config
+from deepcompile.params import ConfigError
 from deepcompile.profile.profiler import StepTimer
 from deepcompile.runtime import graphcheck, groups, ops, optim_chunks, optim_fused, seqcheck, state
 from deepcompile.runtime.accumulation import wrap_for_accumulation
@@ -68,7 +69,7 @@ class ModelState:
     forwards_in_step: int = 0       # and how many forwards that step ran
     profile_t0: float | None = None  # the profiling step's start (perf_counter), until it is agreed
     opt_timer: StepTimer | None = None  # the profiling step's optimizer.step() timer
-    blocks_seen: int = 0            # block-region compiles already reported (compile.blocks.STATS)
+    blocks_seen: int = 0            # block-region compiles already reported (runtime.block_compiles)
     ckpt_mesh: Any = None           # the device mesh checkpoints wrap shards on (deepcompile.checkpoint)
 
 
@@ -246,10 +247,10 @@ class DeepCompileModel(nn.Module):
             return
         phases = self.dc_backend.phases.get(self.dc_state.step) or {}
         total = sum(phases.values())
-        # the graphs this step compiled as block regions (config blocks; blocks.STATS is this process's)
-        seen = self.dc_state.blocks_seen
-        cut = blocks.STATS[seen:]
-        self.dc_state.blocks_seen = len(blocks.STATS)
+        # the graphs this step compiled as block regions (config blocks)
+        done = self.dc_state.runtime.block_compiles
+        cut = done[self.dc_state.blocks_seen:]
+        self.dc_state.blocks_seen = len(done)
         if total <= 0 or total < PROGRESS_MIN_S:   # (<= 0: nothing ran, even with a threshold of 0)
             return
         parts = ", ".join(f"{k} {v:.1f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 0.05)

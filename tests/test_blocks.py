@@ -73,7 +73,7 @@ def _rank(rank, world):
         hit = re.match(r"blocks\.(\d+)\.", m.name)
         if hit:
             layer[pid] = int(hit.group(1))
-    return {"losses": out["losses"], "state": out["state"], "stats": list(blocks.STATS),
+    return {"losses": out["losses"], "state": out["state"], "stats": list(state.current().block_compiles),
             "calls": calls, "placed": placed, "layer": layer,
             "reduce_ops": st["reduce_ops"], "reduce_calls": st["reduce_calls"],
             "live": out["live_after_fwd"] + out["live_after_bwd"], "progress": err.getvalue()}

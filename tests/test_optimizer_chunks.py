@@ -212,6 +212,19 @@ def test_fused_kernel_choice():
         OF.install(cpu, True)
     with pytest.raises(ValueError, match=r"LBFGS has no fused kernel"):
         OF.install(torch.optim.LBFGS(p), True)
+    # through initialize: the error names the key path and the fix (not a NameError)
+    import torch.distributed as dist
+
+    import deepcompile
+    from tests.workloads import make_model
+
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+    try:
+        with pytest.raises(ConfigError, match=r"config.optimizer_fused: true, but param group 0 cannot use torch's "
+                                              r"fused kernel: a parameter on cpu.*set optimizer_fused to 'auto'"):
+            deepcompile.initialize(make_model(), lambda ps: torch.optim.AdamW(ps), {"optimizer_fused": True})
+    finally:
+        dist.destroy_process_group()
     mine = torch.optim.AdamW(p, foreach=False)
     assert OF.install(mine, False) == [] and OF.why_not(mine, mine.param_groups[0]) is not None
     if torch.cuda.is_available():

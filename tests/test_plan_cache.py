@@ -26,7 +26,6 @@ def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None, n_layer
     import warnings
 
     import deepcompile
-    from deepcompile.compile import blocks
     from deepcompile.compat import dynamo as dynamo_compat
     from deepcompile.record.writer import RunRecorder
 
@@ -59,7 +58,8 @@ def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None, n_layer
                            if v.step == 0 and v.kind != "dynamo"],
            "step0_notes": [v.notes for v in model.dc_graphs if v.step == 0 and v.kind != "dynamo"],
            "aot_seed": dict(model.dc_backend.aot_seed_log), "aot_hits": list(model.dc_backend.aot_cache_hits),
-           "blocks": list(blocks.STATS), "blocks_loaded": list(blocks.LOADED)}
+           "blocks": list(model.dc_state.runtime.block_compiles),
+           "blocks_loaded": list(model.dc_state.runtime.blocks_loaded)}
     deepcompile.destroy(model)
     return out
 

@@ -110,12 +110,11 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
     full = deepcompile.full_state_dict(model)
     rt = model.dc_state.runtime
     shard_numel = sum(p.numel() for p in model.parameters())
-    from deepcompile.compile import blocks
     return {
         "losses": losses,
         "state": full,
-        "blocks": list(blocks.STATS),
-        "blocks_loaded": list(blocks.LOADED),
+        "blocks": list(rt.block_compiles),
+        "blocks_loaded": list(rt.blocks_loaded),
         "shard_numel": shard_numel,
         "live_after_fwd": live_after_fwd,
         "live_after_bwd": live_after_bwd,

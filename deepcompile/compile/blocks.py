@@ -106,14 +106,15 @@ import torch.fx as fx
 
 from deepcompile.compile import block_regions
 from deepcompile.compile.kernel_wait import blocks_deferred_kernel_wait
+from deepcompile.runtime import state
 
 _BLOCK_RE = re.compile(r"^(.*?)(?:\.(\d+)|\[(\d+)\]|\['(\d+)'\])$")
 
-# one entry per graph compiled by regions (this process): regions, how many were compiled and
-# how many reused an identical block's artifact, seconds; for tests and the compile breakdown
-STATS: list[dict[str, Any]] = []
-# regions per cached driver loaded (this process): a re-run that took a graph from AOTAutograd's cache
-LOADED: list[int] = []
+
+def _record():
+    """The runtime state that keeps what block compiles did (``RuntimeState.block_compiles``,
+    ``blocks_loaded``), or None outside ``deepcompile.initialize`` (nothing to keep it for)."""
+    return state.current() if state.active() else None
 
 
 def resolve(config, device_type: str) -> str | None:
@@ -424,7 +425,9 @@ def driver_source(plan: Plan, sources: list[str], checks: list[tuple[list[int], 
 
 def load_driver(plan: Plan, sources: list[str], checks: list[tuple[list[int], list[int]]]):
     """Called by a cached driver's module when Inductor loads it (an AOTAutograd cache hit)."""
-    LOADED.append(len(plan.steps))
+    rec = _record()
+    if rec is not None:
+        rec.blocks_loaded.append(len(plan.steps))
     return run_plan(plan, [block_regions.blocks_region_callable(src, *chk) for src, chk in zip(sources, checks)])
 
 
@@ -520,12 +523,15 @@ def _compile_graph(gm: fx.GraphModule, example_inputs, compile_one: Callable, **
         artifacts, lambda srcs, chks: driver_source(plan, srcs, chks), out_vals, example_inputs)
     if graph is not None:
         graph.current_callable, fn = fn, graph
-    STATS.append({"kind": "backward" if kw.get("is_backward") else "forward", "regions": len(regions),
-                  "compiled": n_compiled, "reused": n_reused, "pinned": n_pinned,
-                  "nodes": sum(len(r.nodes) for r in regions), "nodes_compiled": nodes_compiled,
-                  "labels": [r.label[1] if r.label is not _OUTSIDE else None for r in regions],
-                  "kernel_waits_deferred": waits.deferred, "kernel_wait_s": round(waits.wait_s, 3),
-                  "cached": True if graph is not None else cached,
-                  "seconds": time.perf_counter() - t0})
+    rec = _record()
+    if rec is not None:
+        rec.block_compiles.append({
+            "kind": "backward" if kw.get("is_backward") else "forward", "regions": len(regions),
+            "compiled": n_compiled, "reused": n_reused, "pinned": n_pinned,
+            "nodes": sum(len(r.nodes) for r in regions), "nodes_compiled": nodes_compiled,
+            "labels": [r.label[1] if r.label is not _OUTSIDE else None for r in regions],
+            "kernel_waits_deferred": waits.deferred, "kernel_wait_s": round(waits.wait_s, 3),
+            "cached": True if graph is not None else cached,
+            "seconds": time.perf_counter() - t0})
     return fn
 

@@ -79,6 +79,11 @@ class RuntimeState:
     # memory split by category (profile.memory_split.StepMemory; set by profile.memory_split.track_memory)
     host_ops: dict[str, list[float]] = field(default_factory=dict)
     step_memory: object | None = None
+    # config blocks (compile.blocks): one entry per graph compiled as block regions (regions, how
+    # many compiled and how many reused an identical block's artifact, seconds), and the regions
+    # of each driver loaded from AOTAutograd's cache: the compile breakdown and the tests read them
+    block_compiles: list[dict] = field(default_factory=list)
+    blocks_loaded: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.optimizer_state is None:
@@ -97,6 +102,8 @@ class RuntimeState:
         self.op_nodes.clear()
         self.host_ops.clear()
         self.step_memory = None
+        self.block_compiles.clear()
+        self.blocks_loaded.clear()
         self.model = None
 
 
