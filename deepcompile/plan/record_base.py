@@ -172,11 +172,7 @@ def _build_base(root: Path, rank: int) -> RecordBase:
     pf = (plan or {}).get("facts") or {}
     state = int(pf.get("state_bytes") or sum(2 * m.chunk * m.dtype.itemsize for m in meta.values() if m.requires_grad))
     fused = cfg.get("compiler", "inductor") == "inductor"
-    unmat = None
-    if fused:
-        from deepcompile.plan.estimate import unmaterialized_by_graph
-
-        unmat = unmaterialized_by_graph(prof, {k: (profiled.get(k) or d)["nodes"] for k, d in base.items()})
+    unmat = record_unmaterialized(prof, base, profiled) if fused else None
     facts = facts_from_profile(prof, meta, world, state, reduce_bytes=int(pf.get("reduce_bytes") or 0),
                                unmaterialized=unmat)
     for k in ("fb_peak", "optimizer_peak", "shard_bytes", "grad_bytes"):
@@ -193,6 +189,14 @@ def _build_base(root: Path, rank: int) -> RecordBase:
     return RecordBase(str(root), rank, cfg, prof, graphs, base, profiled, scope, meta, world, facts, plan, capacity,
                  fused, int(cfg.get("gradient_accumulation_steps") or 1),
                  host, measured, time.perf_counter() - t0, prefix, static, unmaterialized=unmat)
+
+
+def record_unmaterialized(prof, base: dict, profiled: dict) -> dict:
+    """A record's ``estimate.unmaterialized_by_graph``: per graph the version the profile measured
+    (``profiled``), else the base graph."""
+    from deepcompile.plan.estimate import unmaterialized_by_graph
+
+    return unmaterialized_by_graph(prof, {k: (profiled.get(k) or d)["nodes"] for k, d in base.items()})
 
 
 def _capacity(env: dict) -> int | None:

@@ -509,10 +509,9 @@ def variant(b: RecordBase, *, world: int | None = None, gb_per_s: float | None =
     fused = b.fused if compiler is None else compiler == "inductor"
     unmat = b.unmaterialized
     if fused != b.fused:   # only a fused compile leaves values unwritten (estimate.unmaterialized_bytes)
-        from deepcompile.plan.estimate import unmaterialized_by_graph
+        from deepcompile.plan.record_base import record_unmaterialized
 
-        unmat = unmaterialized_by_graph(prof, {k: (b.profiled.get(k) or d)["nodes"] for k, d in b.base.items()}) \
-            if fused else None
+        unmat = record_unmaterialized(prof, b.base, b.profiled) if fused else None
     if prof is not b.profile or w != b.world or fused != b.fused:
         mf = facts_from_profile(prof, b.meta, w, b.facts.state_bytes, reduce_bytes=b.facts.reduce_bytes,
                                 unmaterialized=unmat)
