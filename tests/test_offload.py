@@ -75,6 +75,65 @@ def test_offload_matches_unsharded(stage, compiler):
         assert st["offloads"] - st["reloads"] == 2 * 25, st  # AdamW: 2 moments x 25 trainable shards
 
 
+def test_offload_by_block_beside_recompute_matches_unsharded():
+    """The planner's form of the two activation levers: block 0's activations offloaded to host
+    (``offload_activations.blocks``), block 1's recomputed; the unsharded reference's numbers,
+    and block 0's values are the only ones that move."""
+    rc = {"name": "recompute_activations", "params": {"blocks": "1"}}
+    off = {"name": "offload_activations", "params": {"blocks": "0", "min_mb": 0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        results = _compare(2, 1, {"compiler": "aot_eager", "passes": [rc, "zero3", "prefetch", off]})
+    for r in results:
+        st = r["offload_stats"]
+        assert st["offloads"] > 0 and st["offloads"] % STEPS == 0 and st["skipped"] == 0, st
+        assert st["drops"] > 0 and st["drops_skipped"] == 0, st
+        _check_placement(r["graphs"])
+        fw = [nodes for _, k, a, nodes in r["graphs"] if k == "forward" and a == "offload_activations"]
+        by_name = {n["name"]: n for n in fw[0]}
+        moved = [by_name[n["args"][0]["node"]] for n in fw[0] if n.get("target") == "dc.offload_activation"]
+        dropped = {n["args"][0]["node"] for n in fw[0] if n.get("target") == "dc.drop_activation"}
+        assert moved and not {m["name"] for m in moved} & dropped
+        scopes = {m.get("scope", "") for m in moved}
+        assert all(".0." in sc or sc.endswith(".0") for sc in scopes), scopes
+
+
+def _offload_options(rank, world):
+    import deepcompile
+    from deepcompile.plan.offload_choice import offload_costs, schedule
+    from tests.workloads import global_batch, make_model, make_optimizer
+
+    model, opt = deepcompile.initialize(make_model(), make_optimizer, {"compiler": "aot_eager", "plan_cache": False})
+    for step in range(3):   # the default schedule: step 1 profiles, step 2 runs the plan
+        x, y = global_batch(step, 0, world)
+        n = x.shape[0] // world
+        model(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]).backward()
+        opt.step()
+        opt.zero_grad()
+    b = model.dc_backend
+    costs, tl = offload_costs(dict(b.compiled), b.profile, {}, 0.0)
+    ms, away = schedule(tuple(costs), 1e3, tl)   # 1 MB/ms: slow enough to show in a tiny model
+    return {"costs": [c.to_dict() for c in costs], "n_blocks": model.module.config.n_layer, "ms": ms,
+            "away": [(w.start, w.end) for w in away], "end": len(tl.start_ms) - 1}
+
+
+def test_the_planner_finds_each_blocks_offloadable_activations_in_the_profiled_graphs():
+    """The planner's view of the lever (plan.offload_choice) on a real profiled run: every block
+    has activations to offload, done with in forward before backward reads them, and the
+    copies' windows lie inside the step."""
+    r = run_ranks(_offload_options, 2, timeout=300)[0]
+    costs = r["costs"]
+    assert sorted(c["block"] for c in costs) == list(range(r["n_blocks"])), costs
+    for c in costs:
+        assert c["nbytes"] > 0
+        assert c["ready_ms"] <= c["bwd_start_ms"] <= c["need_ms"], c
+        assert 0 <= c["ready_pos"] < c["need_pos"] <= r["end"], c
+    # earlier blocks are done with earlier and read later
+    by = sorted(costs, key=lambda c: c["block"])
+    assert all(a["ready_pos"] < b["ready_pos"] and a["need_pos"] > b["need_pos"] for a, b in zip(by, by[1:]))
+    assert all(s <= e for s, e in r["away"]) and r["ms"] >= 0.0
+
+
 def test_streamed_optimizer_step_matches_unsharded():
     """ZeRO-3 with the optimizer step streaming the state through in chunks (offload_optimizer
     step 'streamed'), with gradient accumulation: the unsharded reference's losses and weights;

@@ -511,6 +511,94 @@ def test_the_planner_recomputes_the_fewest_blocks_that_fit_at_any_count():
     assert len(counts) >= 2 and counts - {0, 1, 2, 4, 6, 8}, counts   # counts between the eighths too
 
 
+# The same step on a clock: forward nodes 1 ms each (0-100 ms), backward nodes 2 ms (100-300 ms);
+# each block's 1 GiB of activations done with at the end of its forward, read again at its backward
+def _offload(gib_per_ms: float) -> "P.ActivationOffload":
+    from deepcompile.plan.offload_choice import OffloadCost, Timeline
+
+    starts = [float(i) for i in range(100)] + [100.0 + 2 * i for i in range(101)]
+    costs = []
+    for b in range(4):
+        ready, need = 20 * (b + 1) - 1, 200 - 20 * (b + 1)
+        costs.append(OffloadCost(b, GIB, starts[ready + 1], starts[need], 100.0, ready, need))
+    a = P.ActivationOffload.of(costs, Timeline(starts), {c.block: c.ms for c in _blocks()})
+    a.bytes_per_ms = gib_per_ms * GIB
+    from deepcompile.plan import offload_choice
+
+    a.levels = offload_choice.levels(a.costs, a.bytes_per_ms, a.timeline, a.recompute_ms)
+    return a
+
+
+def _off_plan(limit_gib: float, gib_per_ms: float) -> P.Plan:
+    from deepcompile.plan.recompute_choice import levels
+
+    def t(c):
+        return P.analytic_step_ms(c, RC_FACTS, COMM, compute_ms=20.0, optimizer_ms=10.0)
+    return P.choose(RC_FACTS, mem(limit_gib), kept_bytes, t, {}, "analytic", recompute_levels=levels(_blocks()),
+                    offload=_offload(gib_per_ms))
+
+
+def test_the_planner_offloads_activations_where_the_copies_hide_and_recomputes_where_they_would_not():
+    from deepcompile.plan.offload_choice import schedule
+
+    fast, slow = _offload(0.1), _offload(0.002)   # 1 GiB in 10 ms / in 500 ms
+    # copies that fit beside the compute add nothing; copies slower than the compute make it wait
+    assert schedule(tuple(fast.costs), fast.bytes_per_ms, fast.timeline)[0] == 0.0
+    assert schedule(tuple(slow.costs[:1]), slow.bytes_per_ms, slow.timeline)[0] > 100.0
+    # roomy: nothing moves
+    roomy = _off_plan(126.9, 0.1).chosen
+    assert not roomy.offload_act and not roomy.recompute
+    # 9.5 GiB with fast copies: the earliest blocks' activations go to host instead of recomputing
+    # any (their copies cost nothing; recomputing costs 2-5 ms a block), and the room they make keeps
+    # more parameters gathered: faster than the recomputing plan
+    fast_plan = _off_plan(9.5, 0.1)
+    c = fast_plan.chosen
+    n = len(c.offload_act)
+    assert n and [x.block for x in c.offload_act] == list(range(n)) and not c.recompute, fast_plan.why
+    assert c.memory.peak <= 9.5 * GIB + P.ALLOCATOR_SLACK
+    assert c.step_ms < _rc_plan(9.5).chosen.step_ms
+    assert c.params()["offload_activations"]["blocks"] == ",".join(map(str, range(n)))
+    assert "offloaded to host" in fast_plan.why and f"offload {n} block(s)' activations" in fast_plan.summary_line()
+    # with slow copies the same limit recomputes, as without the lever
+    slow_plan = _off_plan(9.5, 0.002).chosen
+    assert not slow_plan.offload_act and slow_plan.recompute
+    assert [x.block for x in slow_plan.recompute] == [x.block for x in _rc_plan(9.5).chosen.recompute]
+    # copies half hidden (1 GiB in 50 ms): at any limit the plan is the fastest of every fitting
+    # combination of keep, prefetch, offload and recompute, and no block is both offloaded and recomputed
+    from deepcompile.plan.recompute_choice import levels
+
+    def t(c):
+        return P.analytic_step_ms(c, RC_FACTS, COMM, compute_ms=20.0, optimizer_ms=10.0)
+    half = _offload(1 / 50)
+    every = P.candidates(RC_FACTS, kept_bytes, {}, levels(_blocks()), half)
+    assert any(c.offload_act and c.recompute for c in every)
+    assert not any({x.block for x in c.offload_act} & {x.block for x in c.recompute} for c in every)
+    for limit_gib in (9.5, 8.3, 7.3):
+        chosen = _off_plan(limit_gib, 1 / 50).chosen
+        fitting = [c for c in every if plan_memory(RC_FACTS, c.kept, c.prefetch, chunk_mb=0.0, recompute=c.away).peak
+                   <= limit_gib * GIB + P.ALLOCATOR_SLACK]
+        best = min(t(c) + sum(x.ms for x in c.recompute) + c.act_exposed_ms for c in fitting)
+        assert chosen.step_ms == pytest.approx(best) and chosen.memory.peak <= limit_gib * GIB + P.ALLOCATOR_SLACK
+    # the pass list: offload_activations appended after the passes it needs
+    from deepcompile.passes.registry import PassEntry
+
+    out = P.apply([PassEntry("zero3"), PassEntry("prefetch")], fast_plan)
+    assert [e.name for e in out] == ["zero3", "prefetch", "offload_activations"]
+
+
+def test_offloaded_bytes_leave_when_their_copy_ends_and_return_when_their_reload_starts():
+    from deepcompile.plan.offload_choice import schedule
+
+    a = _offload(1 / 30)   # 1 GiB in 30 ms: block 0's copy ends at 50 ms, block 1's queues behind it
+    ms, away = schedule(tuple(a.costs[:2]), a.bytes_per_ms, a.timeline)
+    assert ms == 0.0
+    assert away[0].start == 50 and away[1].start == 80   # out: 20 + 30 ms; then 50 + 30 ms (queued)
+    # back, latest deadline first: block 1 is read at 220 ms, block 0 at 260 ms, so block 0's
+    # reload starts at 230 ms and block 1's at 190 ms
+    assert a.timeline.start_ms[away[0].end] <= 230 and a.timeline.start_ms[away[1].end] <= 190
+    assert away[0].end == a.timeline.pos_at(230) and away[1].end == a.timeline.pos_at(190)
+
+
 def test_a_recomputing_plan_puts_its_pass_before_zero3():
     from deepcompile.passes.registry import PassEntry
 

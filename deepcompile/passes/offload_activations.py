@@ -7,8 +7,10 @@ Backward: ``dc.reload_activation`` starts the copy back ahead of the first use, 
 the measured compute in between covers the transfer (``lookahead_nodes`` nodes ahead without a
 profile), and ``dc.wait_activation`` makes compute wait for it at the first use.
 
-Which ones: the earliest-produced first (backward needs them last, so their reload has the most
-time), until what stays on the device is at most ``keep_mb``. Tensors that share storage with
+Which ones: the saved activations the decoder blocks ``blocks`` produce (the planner's choice,
+``plan/offload_choice.py``), or, without ``blocks``, the earliest-produced first (backward needs
+them last, so their reload has the most time) until what stays on the device is at most
+``keep_mb``. A value ``recompute_activations`` drops is never chosen: it has no bytes to copy. Tensors that share storage with
 another output, a view, or a graph input are never chosen: freeing their storage would destroy
 the others (the runtime checks the storage again before freeing it). Sharing is decided by
 storages (``passes/alias.py``), not by schemas alone: ``_unsafe_view(mm)`` shares ``mm``'s storage
@@ -34,6 +36,7 @@ from deepcompile.compat import fx as fx_compat
 from deepcompile.params import spec
 from deepcompile.passes.registry import OFFLINE_RERUN, PassContext, register_pass
 from deepcompile.passes.alias import alias_closure, is_view, storage_keys
+from deepcompile.passes.block_list import node_block, parse_blocks
 
 DC = torch.ops.dc
 NAME = "offload_activations"
@@ -53,6 +56,11 @@ class OffloadActivationsParams:
                            help="host-to-device bandwidth (GB/s) assumed when timing reloads against the profile")
     lookahead_nodes: int = spec(8, min=0, max=100000,
                                 help="without a profile: how many backward nodes ahead of its first use a reload starts")
+    blocks: str = spec("", help="decoder blocks (their index in the model's block list) whose saved activations are "
+                                "offloaded: comma-separated indices or 'all'; '' offloads by keep_mb instead")
+
+    def validate(self, path: str) -> None:
+        parse_blocks(self.blocks, f"{path}.blocks")
 
 
 def _nbytes(n: fx.Node) -> int:
@@ -92,6 +100,22 @@ def storage_group(g: fx.Graph, n: fx.Node) -> list[fx.Node]:
     return group
 
 
+def value_group(g: fx.Graph, n: fx.Node) -> list[fx.Node]:
+    """``storage_group`` of a saved value, without the other blocks' nodes where ``n`` is a
+    block's: blocks traced once (``compile/nested.py``) share fake storages with each other's
+    nodes although their real tensors never do (the runtime checks the real storage again)."""
+    b = node_block(n)
+    if b is None:
+        return storage_group(g, n)
+    mine = set(alias_closure(n))
+    return [m for m in storage_group(g, n) if m in mine or node_block(m) == b]
+
+
+def _storage_key(k, o: fx.Node):
+    """A storage as ``eligible`` counts its outputs: per block (see ``value_group``)."""
+    return (k, node_block(o))
+
+
 def _root(n: fx.Node) -> fx.Node:
     while is_view(n) and n.args and isinstance(n.args[0], fx.Node):
         n = n.args[0]
@@ -126,18 +150,24 @@ def runtime_storages(g: fx.Graph) -> set:
     return keys
 
 
-def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str]:
+def eligible(gm: fx.GraphModule, min_mb: float) -> list[fx.Node] | None:
+    """The saved activations of a forward graph this pass may offload, in graph order (see the
+    module doc); None when saved values cannot be told from user outputs."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     outs = list(out.args[0]) if isinstance(out.args[0], (list, tuple)) else [out.args[0]]
     start = aot_compat.saved_outputs_start(gm)
     if start is None:
-        return [], "cannot tell saved activations from user outputs: nothing offloaded"
+        return None
+    dropped = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is DC.drop_activation.default:
+            dropped |= {_storage_key(k, n.args[0]) for k in storage_keys(n.args[0]) or ()}
     # how many outputs (user outputs included) each storage backs, by storage where known
     storage_outputs: dict = {}
     for o in outs:
         if isinstance(o, fx.Node):
             for k in (storage_keys(o) or {("root", _root(o))}):
-                storage_outputs[k] = storage_outputs.get(k, 0) + 1
+                storage_outputs[_storage_key(k, o)] = storage_outputs.get(_storage_key(k, o), 0) + 1
     inputs = set()
     for p in gm.graph.nodes:
         if p.op in ("placeholder", "get_attr"):
@@ -151,12 +181,14 @@ def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str
         v = o.meta.get("val")
         keys = storage_keys(o)
         if (o.op != "call_function" or is_view(o) or not isinstance(v, torch.Tensor)
-                or _nbytes(o) < ctx.params.min_mb * MIB):
+                or _nbytes(o) < min_mb * MIB):
             continue
+        if keys and {_storage_key(k, o) for k in keys} & dropped:
+            continue  # recompute_activations frees it: backward computes it again
         if keys is None:  # no fake value: fall back to the view chain
-            if storage_outputs.get(("root", o), 0) != 1:
+            if storage_outputs.get(_storage_key(("root", o), o), 0) != 1:
                 continue
-        elif len(keys) != 1 or storage_outputs.get(next(iter(keys)), 0) != 1 or keys & inputs:
+        elif len(keys) != 1 or storage_outputs.get(_storage_key(next(iter(keys)), o), 0) != 1 or keys & inputs:
             continue  # another output or a graph input lives in the same storage
         if runtime_source(o) is not None or (keys and keys & runtime):
             continue  # gathered and persistent parameters (items of multi-output ops too) belong to the runtime
@@ -165,6 +197,28 @@ def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str
         chosen.append(o)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     chosen.sort(key=order.__getitem__)
+    return chosen
+
+
+def by_block(nodes: list[fx.Node]) -> dict[int, list[fx.Node]]:
+    """``nodes`` by the decoder block that produced them (those outside any block left out)."""
+    out: dict[int, list[fx.Node]] = {}
+    for n in nodes:
+        b = node_block(n)
+        if b is not None:
+            out.setdefault(b, []).append(n)
+    return out
+
+
+def candidates(gm: fx.GraphModule, ctx: PassContext) -> tuple[list[fx.Node], str]:
+    chosen = eligible(gm, ctx.params.min_mb)
+    if chosen is None:
+        return [], "cannot tell saved activations from user outputs: nothing offloaded"
+    if ctx.params.blocks.strip():
+        wanted = parse_blocks(ctx.params.blocks)
+        picked = [n for b, ns in sorted(by_block(chosen).items()) if wanted == "all" or b in wanted for n in ns]
+        return picked, (f"{len(picked)} of {len(chosen)} saved activations >= {ctx.params.min_mb:g} MiB "
+                        f"(blocks {ctx.params.blocks})")
     keep = ctx.params.keep_mb * MIB
     total = sum(_nbytes(n) for n in chosen)
     picked = []
@@ -218,7 +272,7 @@ def offload_nodes(gm: fx.GraphModule, picked: list[fx.Node], ctx: PassContext) -
             raise AssertionError(
                 f"offload_activations: {n.name} is a buffer the runtime keeps ({where}); freeing it "
                 "would free the runtime's gathered parameter")
-        last, readers = last_reader(storage_group(g, n), order, DC.offload_activation.default)
+        last, readers = last_reader(value_group(g, n), order, DC.offload_activation.default)
         with g.inserting_after(last):
             op = g.call_function(DC.offload_activation.default, (n, readers, aid))
         op.meta["val"] = None
@@ -227,51 +281,68 @@ def offload_nodes(gm: fx.GraphModule, picked: list[fx.Node], ctx: PassContext) -
     return plan, nbytes
 
 
-def _reload_point(nodes: list[fx.Node], first: int, nbytes: int, ctx: PassContext) -> int:
-    """Index in ``nodes`` before which the reload goes."""
+def _reload_points(nodes: list[fx.Node], firsts: list[int], sizes: list[int], ctx: PassContext) -> list[int]:
+    """Per reload (its first use's index in ``nodes`` and its bytes), the index in ``nodes``
+    before which it starts. With a profile: the reloads share one copy stream, so they are
+    placed as late as each can start and still end before its first use once the later ones
+    are done (latest deadline first, backwards from the last use): a reload placed only by its own
+    copy time would queue behind the one before it and make compute wait."""
     gp = ctx.profile.get(ctx.graph_id, ctx.kind) if ctx.profile is not None else None
     if gp is None:
-        return max(0, first - ctx.params.lookahead_nodes)
-    need_ms = nbytes / (ctx.params.h2d_gbps * 1e9) * 1e3
+        return [max(0, f - ctx.params.lookahead_nodes) for f in firsts]
     lat = gp.by_name()
-    i, covered = first, 0.0
-    while i > 0 and covered < need_ms:
-        i -= 1
-        p = lat.get(nodes[i].name)
-        covered += p.latency_ms if p is not None else 0.0
-    return i
+    starts_ms, t = [], 0.0
+    for n in nodes:
+        starts_ms.append(t)
+        p = lat.get(n.name)
+        t += p.latency_ms if p is not None else 0.0
+    starts_ms.append(t)
+    bytes_per_ms = ctx.params.h2d_gbps * 1e6
+    out = [0] * len(firsts)
+    free_by = float("inf")   # the copy stream must be free of this reload by then (the next one starts)
+    for k in sorted(range(len(firsts)), key=lambda k: -firsts[k]):
+        end = min(starts_ms[firsts[k]], free_by)
+        start = end - sizes[k] / bytes_per_ms
+        i = firsts[k]
+        while i > 0 and starts_ms[i] > start:
+            i -= 1
+        out[k] = i
+        free_by = start
+    return out
 
 
 def reload_backward(gm: fx.GraphModule, ctx: PassContext) -> None:
     g = gm.graph
     plan = ctx.handoff.get(NAME, {})
     placeholders = {n.name: n for n in g.nodes if n.op == "placeholder"}
-    found = 0
+    nodes = [n for n in g.nodes if n.op == "call_function"]
+    index = {n: i for i, n in enumerate(nodes)}
+    out = next(n for n in g.nodes if n.op == "output")
+    found = []  # (placeholder, activation id, index of its first use)
     for name, aid in plan.items():
         p = placeholders.get(name)
         if p is None:
             continue
-        nodes = [n for n in g.nodes if n.op == "call_function"]
-        index = {n: i for i, n in enumerate(nodes)}
         users = [u for a in alias_closure(p) for u in a.users if u.op == "call_function" and u is not a]
-        users = [u for u in users if u in index]
-        out = next(n for n in g.nodes if n.op == "output")
-        first = min((index[u] for u in users), default=None)
-        at_first = nodes[first] if first is not None else out
+        first = min((index[u] for u in users if u in index), default=len(nodes))
+        found.append((p, aid, first))
+    starts = _reload_points(nodes, [f for _, _, f in found], [_nbytes(p) for p, _, _ in found], ctx)
+    for (p, aid, first), start in zip(found, starts):
+        at_first = nodes[first] if first < len(nodes) else out
         with g.inserting_before(at_first):
             w = g.call_function(DC.wait_activation.default, (p, aid))
         w.meta["val"] = None
-        start = _reload_point(nodes, first if first is not None else len(nodes), _nbytes(p), ctx)
-        before = nodes[start] if start < len(nodes) and (first is None or start < first) else w
+        before = nodes[start] if start < first else w
         with g.inserting_before(before):
             r = g.call_function(DC.reload_activation.default, (p, aid))
         r.meta["val"] = None
-        found += 1
-    ctx.notes.append(f"reloads: {found} of {len(plan)} offloaded activations "
+    ctx.notes.append(f"reloads: {len(found)} of {len(plan)} offloaded activations "
                      f"({'profile-guided' if ctx.profile is not None else f'{ctx.params.lookahead_nodes} nodes ahead'})")
 
 
-@register_pass(NAME, OffloadActivationsParams, graph_only=False, offline=OFFLINE_RERUN)
+@register_pass(NAME, OffloadActivationsParams, graph_only=False, offline=OFFLINE_RERUN,
+               planned=("blocks", "h2d_gbps"),
+               planner_adds=True)   # added by the planner where offloading blocks beats recomputing them
 def offload_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Offload large saved activations to host memory between their forward and backward uses."""
     if ctx.kind == "forward":

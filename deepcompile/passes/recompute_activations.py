@@ -33,9 +33,9 @@ import torch
 import torch.fx as fx
 
 from deepcompile.compat import aot as aot_compat
-from deepcompile.compile.blocks import block_label
-from deepcompile.params import ConfigError, spec
+from deepcompile.params import spec
 from deepcompile.passes.alias import alias_closure, is_view, storage_keys
+from deepcompile.passes.block_list import block_of, parse_blocks  # noqa: F401  (parse_blocks: the pass's API)
 from deepcompile.passes.offload_activations import (_nbytes, _root, last_reader, owns_storage, runtime_storages,
                                                     storage_group)
 from deepcompile.passes.registry import OFFLINE_NONE, PassContext, register_pass
@@ -67,27 +67,6 @@ class Recipe:
 
 # The forward run leaves its recipes in ``ctx.handoff[NAME]`` for the same graph's backward run
 # (AOTAutograd names backward's saved-value inputs after the forward nodes that produced them).
-
-
-def parse_blocks(text: str, path: str = f"passes.{NAME}.params.blocks") -> set[int] | str:
-    """``'all'``, or the set of block indices in ``text`` (``'0,2,5'``); raises ConfigError naming
-    the key and the bad entry."""
-    t = str(text).strip()
-    if t == "all":
-        return "all"
-    out = set()
-    for part in filter(None, (p.strip() for p in t.split(","))):
-        if not part.isdigit():
-            raise ConfigError(f"{path}: {part!r} is not a block index; give comma-separated indices "
-                             "such as '0,1,2', 'all', or '' for none")
-        out.add(int(part))
-    return out
-
-
-def block_of(n: fx.Node) -> int | None:
-    """The decoder block index ``n`` was traced in (``compile.blocks.block_label``), or None."""
-    lab = block_label(n)
-    return lab[1] if lab is not None and len(lab) == 3 else None
 
 
 def _is_unshard(n: fx.Node) -> bool:

@@ -37,14 +37,15 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from deepcompile.passes import PASSES, offload_optimizer, prefetch, recompute_activations, zero3
+from deepcompile.passes import PASSES, offload_activations, offload_optimizer, prefetch, recompute_activations, zero3
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_RERUN, PassEntry, absent_params, planned_params
 from deepcompile.plan.device_memory import TWO_MOMENTS, DeviceMemory, agree_memory, local_memory
-from deepcompile.plan.estimate import offload_ms
+from deepcompile.plan.estimate import HOST_BYTES_PER_US, offload_ms
 from deepcompile.plan.memory import (GIB, MIB, STREAM_CHUNK_MB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory,
                                      prefetch_bytes, streamed_optimizer_peak, with_reloads)
 from deepcompile.plan.pricing import PlanError, SplitTimer, no_gc, price
+from deepcompile.plan import offload_choice
 from deepcompile.plan.recompute_choice import blocks_param
 from deepcompile.vocab.memory import fmt_bytes
 
@@ -80,12 +81,23 @@ class Candidate:
     chunk_mb: float | None = None    # optimizer.step() chunk size (0: whole groups; None: as profiled)
     recompute: tuple = ()            # plan.recompute_choice.BlockCost of the blocks backward recomputes
     streamed: bool = False           # all optimizer state offloaded, streamed through the step in chunks
+    offload_act: tuple = ()          # plan.offload_choice.OffloadCost of the blocks whose activations go to host
+    act_away: tuple = ()             # and when their bytes are off the device (plan.offload_choice.schedule)
+    act_exposed_ms: float = 0.0      # what their copies add to a micro-batch
+
+    @property
+    def away(self) -> tuple:
+        """Activation bytes off the device and when (recomputed and offloaded blocks), for plan_memory."""
+        return tuple(self.recompute) + tuple(self.act_away)
 
     def params(self) -> dict[str, dict]:
         out = {su.NAME: {"budget_mb": self.keep_mb},
                prefetch.NAME: {"budget_mb": self.prefetch_mb, "fuse_mb": self.fuse_mb}}
         if self.recompute:
             out[recompute_activations.NAME] = {"blocks": blocks_param(self.recompute)}
+        if self.offload_act:
+            out[offload_activations.NAME] = {"blocks": offload_choice.blocks_param(self.offload_act),
+                                             "h2d_gbps": HOST_BYTES_PER_US / 1e3}
         if self.offload_limit_mb is not None:
             out[offload_optimizer.NAME] = {"limit_mb": self.offload_limit_mb,
                                         "plan_extra_mb": round((self.kept + self.prefetch) / MIB, 3),
@@ -99,7 +111,10 @@ class Candidate:
                 "memory": self.memory.to_dict(), "kept_bytes": self.kept, "offloaded_bytes": self.offloaded,
                 "recomputed_blocks": sorted(c.block for c in self.recompute),
                 "recomputed_bytes": sum(c.nbytes for c in self.recompute),
-                "recompute_ms": round(sum(c.ms for c in self.recompute), 3)}
+                "recompute_ms": round(sum(c.ms for c in self.recompute), 3),
+                "offloaded_act_blocks": sorted(c.block for c in self.offload_act),
+                "offloaded_act_bytes": sum(c.nbytes for c in self.offload_act),
+                "offload_act_exposed_ms": round(self.act_exposed_ms, 3)}
 
 
 @dataclass
@@ -115,6 +130,7 @@ class Plan:
     why: str = ""
     passes: list = field(default_factory=list)   # the pass list compiled with the plan
     block_costs: list = field(default_factory=list)  # plan.recompute_choice.BlockCost of every recomputable block
+    offload_costs: list = field(default_factory=list)  # plan.offload_choice.OffloadCost of every offloadable block
 
     def to_dict(self) -> dict:
         f = asdict(self.facts)
@@ -129,7 +145,8 @@ class Plan:
                 "facts": f, "hand_set": self.hand_set, "time_model": self.time_model,
                 "considered": self.considered, "fitting": self.fitting, "why": self.why,
                 "passes": self.passes, "summary": self.summary_line(),
-                "recompute_options": [c.to_dict() for c in self.block_costs]}
+                "recompute_options": [c.to_dict() for c in self.block_costs],
+                "offload_options": [c.to_dict() for c in self.offload_costs]}
 
     def summary_line(self) -> str:
         c = self.chosen
@@ -145,6 +162,9 @@ class Plan:
         if c.recompute:
             s += (f", recompute {len(c.recompute)} block(s) in backward ({fmt_bytes(sum(x.nbytes for x in c.recompute))} "
                   f"of activations, +{sum(x.ms for x in c.recompute):.1f} ms)")
+        if c.offload_act:
+            s += (f", offload {len(c.offload_act)} block(s)' activations to host "
+                  f"({fmt_bytes(sum(x.nbytes for x in c.offload_act))}, +{c.act_exposed_ms:.1f} ms exposed)")
         return s + (f"; predicted {c.step_ms:.1f} ms, peak {fmt_bytes(c.memory.peak)} "
                     f"of a {fmt_bytes(self.memory.limit)} limit ({self.memory.source})")
 
@@ -172,26 +192,56 @@ def keep_levels(facts: MemoryFacts) -> list[float]:
 
 
 def candidates(facts: MemoryFacts, kept_bytes: Callable[[float], int], hand: dict,
-               recompute_levels: list[tuple] | None = None) -> list[Candidate]:
-    """Every keep x prefetch x recompute combination, hand-set values held fixed."""
+               recompute_levels: list[tuple] | None = None, offload: "ActivationOffload | None" = None) -> list[Candidate]:
+    """Every keep x prefetch x activation offload x recompute combination, hand-set values held
+    fixed. A block whose activations are offloaded is not recomputed too."""
     hk = hand.get(su.NAME, {})
     hp = hand.get(prefetch.NAME, {})
     keeps = [hk["budget_mb"]] if "budget_mb" in hk else keep_levels(facts)
     out, seen = [], set()
-    for rc in (recompute_levels or [()]):
+    combos = []
+    for off in (offload.levels if offload is not None else [()]):
+        moved = {c.block for c in off}
+        exposed, away = offload.schedule(off) if off else (0.0, ())
+        for rc in (recompute_levels or [()]):
+            combos.append((off, exposed, away, tuple(c for c in rc if c.block not in moved)))
+    for off, exposed, away, rc in combos:
         for keep_mb in keeps:
             kept = kept_bytes(keep_mb)
             rest = facts.gathered_total - kept
             levels = [hp["budget_mb"]] if "budget_mb" in hp else (PREFETCH_LEVELS_MB if rest > 0 else (0.0,))
             for pf in levels:
                 fuse = hp.get("fuse_mb", min(FUSE_MB, pf))
-                key = (kept, pf, fuse, tuple(c.block for c in rc))
+                key = (kept, pf, fuse, tuple(c.block for c in off), tuple(c.block for c in rc))
                 if key in seen:
                     continue
                 seen.add(key)
                 out.append(Candidate(keep_mb, pf, fuse, None, kept, prefetch_bytes(facts, kept, pf, fuse), 0,
-                                     recompute=tuple(rc)))
+                                     recompute=tuple(rc), offload_act=tuple(off), act_away=away,
+                                     act_exposed_ms=exposed))
     return out
+
+
+@dataclass
+class ActivationOffload:
+    """The activation-offload lever as the planner sees it: the block sets to try and how each
+    runs on the step's timeline (:mod:`deepcompile.plan.offload_choice`)."""
+    costs: list                                  # OffloadCost of every offloadable block
+    timeline: "offload_choice.Timeline | None"   # None: positions only (a record's plan.json)
+    bytes_per_ms: float = HOST_BYTES_PER_US * 1e3
+    levels: list = field(default_factory=list)
+    recompute_ms: dict = field(default_factory=dict)   # block -> what recomputing it would cost instead
+
+    def schedule(self, chosen: tuple) -> tuple[float, tuple]:
+        return offload_choice.schedule(chosen, self.bytes_per_ms, self.timeline)
+
+    @classmethod
+    def of(cls, costs: list, timeline, recompute_ms: dict | None = None) -> "ActivationOffload | None":
+        if not costs:
+            return None
+        a = cls(list(costs), timeline, recompute_ms=dict(recompute_ms or {}))
+        a.levels = offload_choice.levels(a.costs, a.bytes_per_ms, timeline, recompute_ms)
+        return a
 
 
 def chunk_for(facts: MemoryFacts, limit: int, hand: dict | None = None) -> float | None:
@@ -247,22 +297,25 @@ def chunk_ms(facts: MemoryFacts, chunk_mb: float | None) -> float:
 def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], int],
            step_ms: Callable[[Candidate], float], hand: dict | None = None, time_model: str = "",
            offload_headroom_mb: float = 1024.0, allow_offload: bool = True,
-           recompute_levels: list[tuple] | None = None, accumulation: int = 1) -> Plan:
+           recompute_levels: list[tuple] | None = None, accumulation: int = 1,
+           offload: ActivationOffload | None = None) -> Plan:
     """The fastest predicted candidate whose predicted peak is within ``mem.limit``; blocks
     recomputed in backward where that is the fastest way to fit (``recompute_levels``: the
     block sets to try, :func:`deepcompile.plan.recompute_choice.levels`; each costs its blocks'
     recomputation per micro-batch); offload only when no candidate fits without it; the
     optimizer step in chunks only when its unchunked peak is above the limit
-    (:func:`chunk_for`). Raises PlanError when nothing fits."""
+    (:func:`chunk_for`); the activations of the earliest blocks offloaded to host where their copies
+    cost less than recomputing them (``offload``, priced by the copies the compute does not cover).
+    Raises PlanError when nothing fits."""
     hand = hand or {}
-    cands = candidates(facts, kept_bytes, hand, recompute_levels)
+    cands = candidates(facts, kept_bytes, hand, recompute_levels, offload)
     chunk = chunk_for(facts, mem.limit, hand)
 
     def measure(c: Candidate) -> Candidate:
         if c.memory is None:
             c.chunk_mb = chunk
             c.memory = plan_memory(facts, c.kept, c.prefetch, chunk_mb=0.0 if chunk is None else chunk,
-                                   recompute=c.recompute)
+                                   recompute=c.away)
         return c
 
     def fits(c: Candidate) -> bool:
@@ -275,7 +328,7 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
     # level (the 8B Llama at 8k context: 33 levels, ~6 memory models a group instead of 33).
     groups: dict[tuple, list[Candidate]] = {}
     for c in cands:
-        groups.setdefault((c.kept, c.prefetch_mb, c.fuse_mb), []).append(c)
+        groups.setdefault((c.kept, c.prefetch_mb, c.fuse_mb, tuple(x.block for x in c.offload_act)), []).append(c)
     fit, n_fit, roomy = [], 0, True   # roomy: every candidate fits (each group's first level does)
     for g in groups.values():
         if not fits(g[-1]):
@@ -301,13 +354,14 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
                 c.offloaded = int(need)
                 c.offload_limit_mb = limit_mb
                 c.memory = with_reloads(plan_memory(facts, c.kept, c.prefetch, c.offloaded, chunk_mb=c.chunk_mb,
-                                                    recompute=c.recompute), room)
+                                                    recompute=c.away), room)
                 fit.append(c)
             elif stream_mb is not None and need <= facts.state_bytes:
                 # the step itself is above the limit: only a step that never holds all the state fits
                 s = Candidate(c.keep_mb, c.prefetch_mb, c.fuse_mb, limit_mb, c.kept, c.prefetch, facts.state_bytes,
-                              chunk_mb=stream_mb, recompute=c.recompute, streamed=True)
-                s.memory = with_reloads(plan_memory(facts, s.kept, s.prefetch, s.offloaded, recompute=s.recompute,
+                              chunk_mb=stream_mb, recompute=c.recompute, streamed=True, offload_act=c.offload_act,
+                              act_away=c.act_away, act_exposed_ms=c.act_exposed_ms)
+                s.memory = with_reloads(plan_memory(facts, s.kept, s.prefetch, s.offloaded, recompute=s.away,
                                                     streamed_chunk_mb=stream_mb), room)
                 if s.memory.peak <= mem.limit + ALLOCATOR_SLACK:
                     fit.append(s)
@@ -330,7 +384,10 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
         # among ties, recomputing nothing first: the cost model prices recomputation, but a
         # lower peak bought with it is worth nothing where every plan fits
         rc_ms = sum(x.ms for x in c.recompute)
-        return (not tied, -c.kept if tied else round(c.step_ms, 6), rc_ms if tied else 0.0, c.memory.peak, -c.keep_mb)
+        # and, at one predicted time, the fewest blocks offloaded: copies the model counts as
+        # hidden still take host memory and the device's memory bandwidth
+        return (not tied, -c.kept if tied else round(c.step_ms, 6), rc_ms if tied else 0.0, len(c.offload_act),
+                c.memory.peak, -c.keep_mb)
     fit.sort(key=rank)
     best = fit[0]
     runner = fit[1] if len(fit) > 1 else None
@@ -346,10 +403,16 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
         why += (f"; {len(best.recompute)} block(s) recomputed in backward: the fastest plan within the limit "
                 f"(+{accumulation * sum(x.ms for x in best.recompute):.1f} ms of compute for "
                 f"{fmt_bytes(sum(x.nbytes for x in best.recompute))} of activations)")
+    if best.offload_act:
+        why += (f"; the activations of {len(best.offload_act)} block(s) offloaded to host "
+                f"({fmt_bytes(sum(x.nbytes for x in best.offload_act))}): their copies add "
+                f"{accumulation * best.act_exposed_ms:.1f} ms where recomputing them would add "
+                f"{accumulation * sum(offload.recompute_ms.get(x.block, 0.0) for x in best.offload_act):.1f} ms")
     if runner is not None:
         why += (f"; runner-up {runner.step_ms:.1f} ms at {fmt_bytes(runner.memory.peak)} "
                 f"(keep {runner.keep_mb:g} MiB, prefetch {runner.prefetch_mb:g} MiB"
-                + (f", recompute {len(runner.recompute)} block(s)" if runner.recompute else "") + ")")
+                + (f", recompute {len(runner.recompute)} block(s)" if runner.recompute else "")
+                + (f", offload {len(runner.offload_act)} block(s)' activations" if runner.offload_act else "") + ")")
     return Plan(best, runner, mem, facts, dict(hand),
                 time_model, len(cands), n_fit, why)
 
@@ -358,7 +421,7 @@ def _with_recompute(step_ms: Callable[[Candidate], float], accumulation: int) ->
     """``step_ms`` plus the recomputed blocks' compute, once per micro-batch; keeps the timer's
     ``coarse_to_fine`` and ``many`` (:class:`SplitTimer`)."""
     def extra(c: Candidate) -> float:
-        return accumulation * sum(x.ms for x in c.recompute)
+        return accumulation * (sum(x.ms for x in c.recompute) + c.act_exposed_ms)
 
     def timed(c: Candidate) -> float:
         return float(step_ms(c)) + extra(c)
@@ -517,7 +580,8 @@ def plan_model(model, entries: list) -> list:
                       opt_streamable=optim_chunks.torch_kind(chunks.opt, TWO_MOMENTS) is not None)
     profiled = [e.name for e in (b.passes or [])]
     names = [e.name for e in entries]
-    core = [n for n in names if n != recompute_activations.NAME]   # the passes the runner prices
+    # the passes the runner prices; the block levers are priced from their block costs
+    core = [n for n in names if n != recompute_activations.NAME]
     accumulation = cfg.gradient_accumulation_steps
     fused = cfg.compiler_at(model.dc_state.step) == "inductor"
     src = None
@@ -557,6 +621,7 @@ def plan_model(model, entries: list) -> list:
     # differ in and that re-run on graph copies (PassDef.planned, PassDef.offline)
     extra = [n for n in core[len(profiled):] if PASSES[n].planned and PASSES[n].offline == OFFLINE_RERUN]
     block_costs: list = []
+    off_costs, off_timeline = [], None
     if src is not None:
         from deepcompile.plan.runner import GraphRunner
 
@@ -566,6 +631,15 @@ def plan_model(model, entries: list) -> list:
             from deepcompile.plan.recompute_choice import block_costs as find_block_costs
 
             block_costs, _notes = find_block_costs(dict(b.compiled), prof, src.static)
+        if offload_activations.NAME not in names and device.type == "cuda":
+            # (a hand-listed offload_activations keeps its own rule and is priced with the core passes;
+            # on the CPU the "host" is the device: a copy there frees nothing)
+            from deepcompile.plan.offload_choice import offload_costs
+
+            off_costs, off_timeline = offload_costs(dict(b.compiled), prof, src.static,
+                                                    PASSES[offload_activations.NAME].params_cls().min_mb)
+            hand_rc = recompute_activations.parse_blocks(hand.get(recompute_activations.NAME, {}).get("blocks", ""))
+            off_costs = [c for c in off_costs if not (hand_rc == "all" or c.block in hand_rc)]
         if model.dc_state.group is not None:
             import torch.distributed as dist
 
@@ -586,11 +660,13 @@ def plan_model(model, entries: list) -> list:
     # (PassDef.absent: selective_unshard keeps nothing, prefetch prefetches nothing)
     fixed = {**hand, **absent_params(names)}
     rc_levels = recompute_levels(block_costs, hand)
+    offload = ActivationOffload.of(off_costs, off_timeline, {c.block: c.ms for c in block_costs})
     with no_gc():
         plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom,
-                      recompute_levels=rc_levels, accumulation=accumulation)
+                      recompute_levels=rc_levels, accumulation=accumulation, offload=offload)
     plan.hand_set = hand
     plan.block_costs = block_costs
+    plan.offload_costs = off_costs
     if chunks is not None and cfg.optimizer_chunk_mb == "auto":
         chunks.set_chunk_mb(plan.chosen.chunk_mb or 0.0)   # from the next optimizer.step()
     out = apply(entries, plan)

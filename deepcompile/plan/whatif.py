@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 
 from deepcompile.params import ConfigError
-from deepcompile.passes import PASSES, offload_optimizer, prefetch, recompute_activations
+from deepcompile.passes import PASSES, offload_activations, offload_optimizer, prefetch, recompute_activations
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_MEMORY, OFFLINE_RERUN, absent_params
 from deepcompile.plan.device_memory import DEFAULT_LIMIT_FRACTION
@@ -311,7 +311,10 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     if before != b.prefix and b.config.get("passes"):
         notes.append(f"the passes up to {BASE_PASS} {before} differ from the record's {b.prefix}: the graphs are the "
                      f"record's (a change before {BASE_PASS} needs a new trace: use Run)")
-    graph_names = [n for n in after if n in GRAPH_PASSES]
+    # offload_activations by block (the planner's lever) is priced from the run's block costs, as
+    # recompute is; by its own keep_mb rule it is re-run on the graphs
+    by_blocks = bool(_offload_blocks(explicit)) and bool(_offload_costs(b))
+    graph_names = [n for n in after if n in GRAPH_PASSES and not (n == offload_activations.NAME and by_blocks)]
     skipped = [n for n in after if PASSES[n].offline not in (OFFLINE_RERUN, OFFLINE_MEMORY)]
     if skipped:
         notes.append(f"{', '.join(skipped)}: not re-run offline (no graph rewrite to price); its effect is not predicted")
@@ -357,7 +360,9 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         planned_hand = {**hand, **absent_params(names)}
         plan = P.choose(facts, mem, lambda mb: runner.kept(mb)[0], runner.step_ms, planned_hand,
                         "cost model on the record's graphs (what-if)",
-                        recompute_levels=P.recompute_levels(_block_costs(b), explicit), accumulation=b.accumulation)
+                        recompute_levels=P.recompute_levels(_block_costs(b), explicit), accumulation=b.accumulation,
+                        offload=None if offload_activations.NAME in names else P.ActivationOffload.of(
+                            _offload_costs(b), None, {c.block: c.ms for c in _block_costs(b)}))
         plan_d = plan.to_dict()
         chosen = plan.chosen.params()
         for name, keys in auto.items():
@@ -390,12 +395,13 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         notes.append(f"offload_optimizer: {offloaded / GIB:.2f} GiB of {facts.state_bytes / GIB:.2f} GiB optimizer "
                      f"state predicted off the device in forward/backward (limit {lim / GIB:.2f} GiB)")
     recomputed = _recomputed(b, params, notes)
-    pm = plan_memory(facts, kept, ahead, offloaded, recompute=recomputed,
+    act_ms, act_away = _offloaded(b, params, notes)
+    pm = plan_memory(facts, kept, ahead, offloaded, recompute=recomputed + act_away,
                      streamed_chunk_mb=STREAM_CHUNK_MB if streamed else None)
     if offloaded and room is not None:
         pm = with_reloads(pm, room)
     mv, shown, p = runner.evaluate(params, True)
-    gpu_ms = runner.gpu_ms(p, kept, offloaded, streamed) + b.accumulation * sum(c.ms for c in recomputed)
+    gpu_ms = runner.gpu_ms(p, kept, offloaded, streamed) + b.accumulation * (sum(c.ms for c in recomputed) + act_ms)
     for v in shown:
         notes += [f"g{v['graph_id']} {v['kind']} {v['after']}: {n}" for n in v["notes"]]
     memory, where = _memory(pm)
@@ -481,6 +487,44 @@ def _recomputed(b: RecordBase, params: dict, notes: list) -> tuple:
                  f"{sum(c.nbytes for c in costs) / GIB:.2f} GiB of activations off the device, "
                  f"+{b.accumulation * sum(c.ms for c in costs):.1f} ms a step")
     return tuple(costs)
+
+
+def _offload_blocks(params: dict) -> str:
+    text = str(params.get(offload_activations.NAME, {}).get("blocks", "")).strip()
+    return "" if text == AUTO else text
+
+
+def _offload_costs(b: RecordBase) -> list:
+    """What offloading each block's activations moves and when, as the run's planner found it
+    (plan.json's ``offload_options``); empty where the record lacks them."""
+    from deepcompile.plan.offload_choice import OffloadCost
+
+    try:
+        return [OffloadCost(int(d["block"]), int(d["nbytes"]), float(d["ready_ms"]), float(d["need_ms"]),
+                            float(d["bwd_start_ms"]), int(d["ready_pos"]), int(d["need_pos"]))
+                for d in (b.plan or {}).get("offload_options") or []]
+    except (KeyError, TypeError, ValueError):
+        return []
+
+
+def _offloaded(b: RecordBase, params: dict, notes: list) -> tuple[float, tuple]:
+    """(ms the copies add to a micro-batch, the bytes' windows off the device) of the blocks whose
+    activations ``params`` offload (``offload_activations.blocks``), from the run's block costs."""
+    from deepcompile.plan.planner import ActivationOffload
+
+    text = _offload_blocks(params)
+    if not text:
+        return 0.0, ()
+    wanted = recompute_activations.parse_blocks(text, f"passes.{offload_activations.NAME}.params.blocks")
+    costs = tuple(c for c in _offload_costs(b) if wanted == "all" or c.block in wanted)
+    if not costs:
+        notes.append(f"{offload_activations.NAME}: the record has no offload costs per block; its effect is not predicted")
+        return 0.0, ()
+    ms, away = ActivationOffload(list(costs), None).schedule(costs)
+    notes.append(f"{offload_activations.NAME}: the activations of blocks {sorted(c.block for c in costs)} offloaded "
+                 f"to host, {sum(c.nbytes for c in costs) / GIB:.2f} GiB off the device, "
+                 f"+{b.accumulation * ms:.1f} ms a step of copies the compute does not cover")
+    return ms, away
 
 
 # ------------------------------------------------------------------------------------ the planner offline

@@ -1,0 +1,190 @@
+"""What offloading each decoder block's saved activations to host memory would save and cost.
+
+The third way, beside keeping and recomputing, to take a block's activations off the device
+between forward and backward (``passes/offload_activations.py`` with ``blocks``): copy them to
+pinned host memory after their last forward reader and back before backward's first reader.
+It costs no compute, only copies, each direction on its own stream at ``bytes_per_ms``
+(``plan.estimate.HOST_BYTES_PER_US``), beside the compute, so what it costs the step is the part
+of the copies the compute cannot cover. That part is found by running the copies on the
+profiled step's timeline (:func:`schedule`):
+
+- **out**: block by block, each block's copy starting when its last value is done with and the
+  copy stream is free. The bytes leave the device when their copy ends (the runtime frees a
+  storage after its copy), so a copy queue that falls behind the forward frees memory late;
+- **back**: latest deadline first, as the pass places them: each reload as late as it can start
+  and still end before its first reader once the later reloads are done, but never before its
+  copy out has ended nor before its backward graph starts. Where a reload ends after its
+  reader would start, compute waits, and everything after waits with it.
+
+Blocks are offloaded earliest first (their activations wait for backward longest, so their
+copies are hidden best), and the recomputed blocks are chosen from the rest
+(``plan.recompute_choice.levels``). The planner tries prefixes of a few lengths: the longest
+whose copies the compute hides, fractions of it, and the longest that still costs less than
+recomputing those blocks would. On the CPU there is no device memory to save (the runtime's copy
+is a memcpy within the same memory): the planner offers this lever only on CUDA.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from deepcompile.plan.recompute_choice import _cost_us, chrono_key
+
+# a prefix whose copies add at most this much to the step counts as hidden
+HIDDEN_MS = 0.5
+OFFLOAD_FRACTIONS = (0.25, 0.5, 0.75, 1.0)   # of the longest hidden prefix, tried as levels
+
+
+@dataclass(frozen=True)
+class OffloadCost:
+    block: int
+    nbytes: int        # the saved activations of the block the pass would offload
+    ready_ms: float    # step time at which the last of them is done with in forward
+    need_ms: float     # step time at which backward first reads one of them
+    bwd_start_ms: float  # step time at which that backward graph starts (no reload before)
+    ready_pos: int     # timeline positions (plan.memory): the last forward reader,
+    need_pos: int      # the first backward reader
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Away:
+    """Bytes off the device between two timeline positions (what ``plan.memory`` subtracts)."""
+    nbytes: int
+    start: int
+    end: int
+
+
+@dataclass
+class Timeline:
+    """The profiled step's nodes in step order with their predicted start times (ms)."""
+    start_ms: list      # per timeline position; one more entry: the step's end
+
+    def pos_at(self, ms: float) -> int:
+        """The last position that starts at or before ``ms`` (0 before the first)."""
+        lo, hi = 0, len(self.start_ms) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.start_ms[mid] <= ms else (lo, mid - 1)
+        return lo
+
+
+def profiled_timeline(profile, static: dict) -> tuple[Timeline, dict, dict]:
+    """(the step's timeline, (graph id, kind) -> its start (ms), (graph id, kind, node name) ->
+    position), node times as the recompute model counts them (profiled latency; Inductor's fused
+    estimate where it has one), positions as ``recompute_choice.timeline_positions`` numbers them."""
+    starts, pos, t = [], {}, 0.0
+    graph_start: dict = {}
+    for (gid, kind), g in sorted(profile.graphs.items(), key=lambda kv: chrono_key(*kv[0])):
+        graph_start[(gid, kind)] = t
+        st = static.get((gid, kind))
+        for n in g.nodes:
+            pos[(gid, kind, n.name)] = len(starts)
+            starts.append(t)
+            c = _cost_us(n.name, st)
+            t += (c if c else n.latency_ms * 1e3) / 1e3
+    starts.append(t)
+    return Timeline(starts), graph_start, pos
+
+
+def offload_costs(compiled: dict, profile, static: dict, min_mb: float) -> tuple[list[OffloadCost], Timeline]:
+    """Per block of the profiled graphs (``compiled``: (gid, kind) -> GraphModule after ``zero3``),
+    what offloading its saved activations would move, and when."""
+    from deepcompile.passes.alias import alias_closure
+    from deepcompile.passes.offload_activations import _nbytes, by_block, eligible, last_reader, value_group
+
+    tl, graph_start, pos = profiled_timeline(profile, static)
+    out = []
+    for (gid, kind), gm in sorted(compiled.items()):
+        if kind != "forward" or (gid, "backward") not in compiled:
+            continue
+        nodes = eligible(gm, min_mb)
+        if not nodes:
+            continue
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        bw = compiled[(gid, "backward")]
+        placeholders = {n.name: n for n in bw.graph.nodes if n.op == "placeholder"}
+        for b, vals in sorted(by_block(nodes).items()):
+            ready, need, nbytes = [], [], 0
+            for v in vals:
+                p = placeholders.get(v.name)
+                if p is None:
+                    continue
+                last, _ = last_reader(value_group(gm.graph, v), order, None)
+                r = pos.get((gid, "forward", last.name))
+                readers = [u for a in alias_closure(p) for u in a.users if u.op == "call_function" and u is not a]
+                firsts = [pos[(gid, "backward", u.name)] for u in readers if (gid, "backward", u.name) in pos]
+                if r is None or not firsts:
+                    continue
+                ready.append(r)
+                need.append(min(firsts))
+                nbytes += _nbytes(v)
+            if ready and nbytes:
+                rp, np_ = max(ready), min(need)
+                out.append(OffloadCost(b, nbytes, tl.start_ms[rp + 1], tl.start_ms[np_],
+                                       graph_start[(gid, "backward")], rp, np_))
+    return out, tl
+
+
+def schedule(chosen: tuple, bytes_per_ms: float, tl: Timeline | None) -> tuple[float, tuple]:
+    """(ms the copies add to one micro-batch's step, the bytes' ``Away`` windows) for offloading
+    the blocks ``chosen`` (OffloadCost); see the module doc."""
+    if not chosen:
+        return 0.0, ()
+    out_end: dict[int, float] = {}
+    free = 0.0
+    for c in sorted(chosen, key=lambda c: c.ready_ms):
+        free = max(free, c.ready_ms) + c.nbytes / bytes_per_ms
+        out_end[c.block] = free
+    # back: latest deadline first, as passes/offload_activations._reload_points places them
+    planned: dict[int, float] = {}
+    free_by = float("inf")
+    for c in sorted(chosen, key=lambda c: -c.need_ms):
+        end = min(c.need_ms, free_by)
+        planned[c.block] = end - c.nbytes / bytes_per_ms
+        free_by = planned[c.block]
+    # then as they run: compute waits where a reload ends late, and shifts everything after it
+    delay, h2d_free = 0.0, 0.0
+    back_start: dict[int, float] = {}
+    for c in sorted(chosen, key=lambda c: c.need_ms):
+        issue = max(planned[c.block], c.bwd_start_ms) + delay
+        start = max(issue, out_end[c.block], h2d_free)
+        h2d_free = start + c.nbytes / bytes_per_ms
+        back_start[c.block] = start
+        if h2d_free > c.need_ms + delay:
+            delay = h2d_free - c.need_ms
+    windows = []
+    for c in chosen:
+        if tl is None:
+            start, end = c.ready_pos, c.need_pos
+        else:  # (positions on the profiled timeline: the compute's delays are not in it)
+            start = max(c.ready_pos, tl.pos_at(out_end[c.block]))
+            # (a copy out that ends after the reload must start leaves the bytes on the device)
+            end = max(start, min(c.need_pos, tl.pos_at(back_start[c.block])))
+        windows.append(Away(c.nbytes, start, end))
+    return delay, tuple(windows)
+
+
+def levels(costs: list[OffloadCost], bytes_per_ms: float, tl: Timeline | None,
+           recompute_ms: dict[int, float] | None = None) -> list[tuple]:
+    """The block sets to offload: none, and prefixes of the blocks earliest first; their lengths:
+    fractions of the longest prefix whose copies stay hidden (``HIDDEN_MS``), and the longest
+    whose copies cost less than recomputing the same blocks (``recompute_ms``: block -> ms)."""
+    order = sorted((c for c in costs if c.nbytes > 0), key=lambda c: (c.ready_ms, c.block))
+    if not order:
+        return [()]
+    exposed = [schedule(tuple(order[:k]), bytes_per_ms, tl)[0] for k in range(len(order) + 1)]
+    hidden = max(k for k in range(len(order) + 1) if exposed[k] <= HIDDEN_MS)
+    lengths = {0} | {max(1, round(hidden * f)) for f in OFFLOAD_FRACTIONS if hidden}
+    if recompute_ms:
+        cheaper = [k for k in range(1, len(order) + 1)
+                   if exposed[k] < sum(recompute_ms.get(c.block, 0.0) for c in order[:k])]
+        if cheaper:
+            lengths.add(max(cheaper))
+    return [tuple(order[:k]) for k in sorted(lengths)]
+
+
+def blocks_param(chosen: tuple) -> str:
+    """``offload_activations.blocks`` for a chosen set."""
+    return ",".join(str(b) for b in sorted(c.block for c in chosen))
