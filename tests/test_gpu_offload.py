@@ -92,6 +92,24 @@ def test_offload_lowers_peak_memory():
         torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-4, atol=1e-4)
 
 
+@needs_one
+def test_offload_by_block_lowers_the_peak_by_the_blocks_bytes_and_keeps_the_numbers():
+    """``offload_activations.blocks`` (the planner's form) with a profile, so reloads are placed
+    latest-deadline-first on the profiled timeline: the first four blocks' activations are off
+    the device at the forward/backward peak, and training is the same."""
+    off = {"name": "offload_activations", "params": {"blocks": "0,1,2,3"}}
+    base = run_ranks(_train, 1, ["zero3"], {"profile_step": 1}, backend="nccl", timeout=900)[0]
+    act = run_ranks(_train, 1, ["zero3", off], {"profile_step": 1}, backend="nccl", timeout=900)[0]
+    gib = 2 ** 30
+    e = act["engine"]
+    per_step = e["offloaded_bytes"] / STEPS   # (at most: a step before the plan may offload less)
+    print(f"peak fwd+bwd zero3 {base['peak_fwd_bwd'] / gib:.3f} GiB, +offload_activations blocks 0-3 "
+          f"{act['peak_fwd_bwd'] / gib:.3f} GiB ({per_step / gib:.3f} GiB a step offloaded); engine {e}")
+    assert e["offloads"] > 0 and e["skipped"] == 0 and e["offloads"] == e["reloads"], e
+    assert act["peak_fwd_bwd"] <= base["peak_fwd_bwd"] - 0.5 * per_step
+    torch.testing.assert_close(torch.tensor(act["losses"]), torch.tensor(base["losses"]), rtol=1e-4, atol=1e-4)
+
+
 @needs_two
 def test_profiled_offload_frees_lazily_and_keeps_the_numbers():
     # with a profile the copies out are deferred and freed by the forward's release points; a
