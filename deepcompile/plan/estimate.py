@@ -571,8 +571,12 @@ def matched_latency_us(gp: Any, versions: list[dict], final: dict) -> tuple[dict
             memory_bound_rate(profiled["nodes"], lat))
 
 
-# pinned host <-> device, both ranks of a host copying at once (2 H200s: 37.9 GB/s each)
+# pinned host <-> device, both ranks of a host copying at once, both directions at once (2 H200s:
+# 37.9 GB/s each; benchmarks/results/copy_bw_h200_2gpu.json)
 HOST_BYTES_PER_US = 38e3
+# ... one direction at a time (55.2 GB/s each, same file): activation offload copies out in the
+# forward and back in the backward
+HOST_ONE_WAY_BYTES_PER_US = 55e3
 
 
 def offload_ms(offloaded: int, overlap_ms: float, streamed: bool = False) -> float:

@@ -41,7 +41,7 @@ from deepcompile.passes import PASSES, offload_activations, offload_optimizer, p
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_RERUN, PassEntry, absent_params, planned_params
 from deepcompile.plan.device_memory import TWO_MOMENTS, DeviceMemory, agree_memory, local_memory
-from deepcompile.plan.estimate import HOST_BYTES_PER_US, offload_ms
+from deepcompile.plan.estimate import HOST_ONE_WAY_BYTES_PER_US, offload_ms
 from deepcompile.plan.memory import (GIB, MIB, STREAM_CHUNK_MB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory,
                                      prefetch_bytes, streamed_optimizer_peak, with_reloads)
 from deepcompile.plan.pricing import PlanError, SplitTimer, no_gc, price
@@ -97,7 +97,7 @@ class Candidate:
             out[recompute_activations.NAME] = {"blocks": blocks_param(self.recompute)}
         if self.offload_act:
             out[offload_activations.NAME] = {"blocks": offload_choice.blocks_param(self.offload_act),
-                                             "h2d_gbps": HOST_BYTES_PER_US / 1e3}
+                                             "h2d_gbps": HOST_ONE_WAY_BYTES_PER_US / 1e3}
         if self.offload_limit_mb is not None:
             out[offload_optimizer.NAME] = {"limit_mb": self.offload_limit_mb,
                                         "plan_extra_mb": round((self.kept + self.prefetch) / MIB, 3),
@@ -228,7 +228,7 @@ class ActivationOffload:
     runs on the step's timeline (:mod:`deepcompile.plan.offload_choice`)."""
     costs: list                                  # OffloadCost of every offloadable block
     timeline: "offload_choice.Timeline | None"   # None: positions only (a record's plan.json)
-    bytes_per_ms: float = HOST_BYTES_PER_US * 1e3
+    bytes_per_ms: float = HOST_ONE_WAY_BYTES_PER_US * 1e3
     levels: list = field(default_factory=list)
     recompute_ms: dict = field(default_factory=dict)   # block -> what recomputing it would cost instead
 
