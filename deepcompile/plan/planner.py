@@ -233,7 +233,7 @@ class ActivationOffload:
     recompute_ms: dict = field(default_factory=dict)   # block -> what recomputing it would cost instead
 
     def schedule(self, chosen: tuple) -> tuple[float, tuple]:
-        return offload_choice.schedule(chosen, self.bytes_per_ms, self.timeline)
+        return offload_choice.price(chosen, self.bytes_per_ms, self.timeline)
 
     @classmethod
     def of(cls, costs: list, timeline, recompute_ms: dict | None = None) -> "ActivationOffload | None":
