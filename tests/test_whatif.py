@@ -180,3 +180,29 @@ def test_a_what_if_on_another_compiler_counts_the_values_it_writes():
     assert not eager.fused and eager.unmaterialized is None and eager.facts.fb_peak >= b.facts.fb_peak
     back = variant(eager, compiler="inductor")
     assert back.unmaterialized == b.unmaterialized and back.facts.fb_peak == b.facts.fb_peak
+
+
+def test_a_what_if_prices_offloaded_blocks_from_the_runs_offload_options():
+    """A plan that offloads blocks' activations (``offload_activations.blocks``) is priced from the
+    run's recorded per-block options, as the planner priced it: the bytes are off the device at
+    the peak, the step pays the copies' overhead, and the pass is not re-run on the graphs."""
+    import dataclasses
+
+    from deepcompile.plan.offload_choice import COPY_OVERHEAD, OffloadCost
+    from deepcompile.plan.whatif import load_base, predict_base
+
+    b = load_base(str(Path(__file__).resolve().parents[1] / "benchmarks/results/zero3_h200_2gpu_dc_default_record"))
+    n = len(b.facts.timeline)
+    nbytes = 512 * 2 ** 20
+    # (the record's peak is backward's last node: the block's bytes come back only after it)
+    opt = OffloadCost(0, nbytes, ready_ms=1.0, need_ms=200.0, bwd_start_ms=40.0, ready_pos=10, need_pos=n)
+    b = dataclasses.replace(b, plan={"offload_options": [opt.to_dict()]})
+    base = [{"name": "zero3"}, {"name": "prefetch", "params": {"budget_mb": 0.0, "fuse_mb": 0.0}},
+            {"name": "selective_unshard", "params": {"budget_mb": 0.0}}]
+    off = base + [{"name": "offload_activations", "params": {"blocks": "0", "h2d_gbps": 55.0}}]
+    w0, w1 = predict_base(b, base), predict_base(b, off)
+    assert w0.peak_bytes - nbytes <= w1.peak_bytes < w0.peak_bytes, (w0.peak_bytes, w1.peak_bytes)
+    copy_ms = nbytes / 55e6
+    assert w1.step_ms == pytest.approx(w0.step_ms + COPY_OVERHEAD * copy_ms, rel=1e-6, abs=1e-3)
+    assert any("offload_activations: the activations of blocks [0]" in x for x in w1.notes), w1.notes
+    assert not any(v.get("after") == "offload_activations" for v in w1.versions)

@@ -523,7 +523,8 @@ def _offloaded(b: RecordBase, params: dict, notes: list) -> tuple[float, tuple]:
     ms, away = ActivationOffload(list(costs), None).schedule(costs)
     notes.append(f"{offload_activations.NAME}: the activations of blocks {sorted(c.block for c in costs)} offloaded "
                  f"to host, {sum(c.nbytes for c in costs) / GIB:.2f} GiB off the device, "
-                 f"+{b.accumulation * ms:.1f} ms a step of copies the compute does not cover")
+                 f"+{b.accumulation * ms:.1f} ms a step for the copies (what the compute does not cover, and what covered "
+                 f"copies cost it)")
     return ms, away
 
 
