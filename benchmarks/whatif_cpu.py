@@ -23,6 +23,7 @@ PASSES = "zero3,prefetch,selective_unshard"
 EDITS = [
     ("selective_unshard 0, prefetch budget 0", {"selective_unshard.budget_mb": 0, "prefetch.budget_mb": 0}),
     ("selective_unshard 0.25 MiB, prefetch budget 0", {"selective_unshard.budget_mb": 0.25, "prefetch.budget_mb": 0}),
+    ("selective_unshard 0, prefetch 64 MiB", {"selective_unshard.budget_mb": 0, "prefetch.budget_mb": 64}),
     ("selective_unshard 0, prefetch 64 MiB unfused", {"selective_unshard.budget_mb": 0, "prefetch.budget_mb": 64,
                                                         "prefetch.fuse_mb": 0}),
     ("selective_unshard 0, prefetch 0 unfused", {"selective_unshard.budget_mb": 0, "prefetch.budget_mb": 0,
