@@ -206,3 +206,25 @@ def test_a_what_if_prices_offloaded_blocks_from_the_runs_offload_options():
     assert w1.step_ms == pytest.approx(w0.step_ms + COPY_OVERHEAD * copy_ms, rel=1e-6, abs=1e-3)
     assert any("offload_activations: the activations of blocks [0]" in x for x in w1.notes), w1.notes
     assert not any(v.get("after") == "offload_activations" for v in w1.versions)
+
+
+def test_a_streamed_what_if_holds_the_runs_hand_set_chunk():
+    """A what-if whose optimizer step streams the state prices the chunk the run would use: the
+    run's hand-set ``optimizer_chunk_mb`` (three 64 MiB chunks' state on the device), the
+    planner's 512 MiB where it was 'auto'."""
+    import dataclasses
+
+    from deepcompile.plan.whatif import load_base, predict_base
+
+    b = load_base(str(Path(__file__).resolve().parents[1] / "benchmarks/results/zero3_h200_2gpu_dc_default_record"))
+    mib = 2 ** 20
+    shards = [8 * mib] * (b.facts.shard_bytes // (8 * mib))
+    b = dataclasses.replace(b, facts=dataclasses.replace(b.facts, opt_groups=[shards], opt_streamable=True))
+    passes = [{"name": "zero3"}, {"name": "prefetch", "params": {"budget_mb": 0.0, "fuse_mb": 0.0}},
+              {"name": "selective_unshard", "params": {"budget_mb": 0.0}},
+              {"name": "offload_optimizer", "params": {"step": "streamed", "limit_mb": 8000}}]
+    state_per_param = b.facts.state_bytes / sum(shards)
+    auto = predict_base(b, passes).memory_model["step_state"]
+    hand = predict_base(dataclasses.replace(b, config={**b.config, "optimizer_chunk_mb": 64}), passes)
+    assert hand.memory_model["step_state"] == pytest.approx(3 * 64 * mib * state_per_param, rel=0.01)
+    assert auto == pytest.approx(3 * 512 * mib * state_per_param, rel=0.01)

@@ -151,17 +151,21 @@ def optimizer_peak(facts: MemoryFacts, chunk_mb: float | None = None) -> int:
 
 def streamed_optimizer_peak(facts: MemoryFacts, chunk_mb: float) -> int:
     """The optimizer step's peak when it streams the state through in chunks of ``chunk_mb`` MiB:
-    the resident step's, with the state of the ``STREAM_DEPTH`` consecutive chunks (in step order)
-    that hold the most of it in place of all of it. A parameter larger than the chunk is a chunk of
-    its own: the Llama's embedding and output projection (1 GiB each per rank for the 8B on 2
-    ranks) sit at the two ends of the order, each beside small chunks."""
+    the resident step's, with :func:`streamed_state_held` in place of all the state."""
+    return optimizer_peak(facts, chunk_mb) - facts.state_bytes + streamed_state_held(facts, chunk_mb)
+
+
+def streamed_state_held(facts: MemoryFacts, chunk_mb: float) -> int:
+    """The state a streamed step holds on the device at most: that of the ``STREAM_DEPTH``
+    consecutive chunks (in step order) that hold the most of it. A parameter larger than the chunk
+    is a chunk of its own: the Llama's embedding and output projection (1 GiB each per rank for the
+    8B on 2 ranks) sit at the two ends of the order, each beside small chunks."""
     from deepcompile.runtime.optim_chunks import split
 
     params = sum(sum(g) for g in facts.opt_groups) or facts.shard_bytes
     sizes = [sum(g[a:b]) for g in facts.opt_groups for a, b in split(g, int(chunk_mb * MIB))] or [params]
     window = max(sum(sizes[i:i + STREAM_DEPTH]) for i in range(len(sizes)))
-    held = min(facts.state_bytes, int(facts.state_bytes * window / max(1, params)))
-    return optimizer_peak(facts, chunk_mb) - facts.state_bytes + held
+    return min(facts.state_bytes, int(facts.state_bytes * window / max(1, params)))
 
 
 def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0,
@@ -185,7 +189,7 @@ def plan_memory(facts: MemoryFacts, kept: int, prefetch: int, offloaded: int = 0
     step_state = None
     if streamed_chunk_mb is not None:
         opt = streamed_optimizer_peak(facts, streamed_chunk_mb)
-        step_state = opt - optimizer_peak(facts, streamed_chunk_mb) + facts.state_bytes
+        step_state = streamed_state_held(facts, streamed_chunk_mb)
     else:
         opt = optimizer_peak(facts, chunk_mb)
     grads = facts.grad_bytes + facts.reduce_bytes

@@ -357,7 +357,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         cap = b.capacity or limit
         mem = P.DeviceMemory(cap, cap, limit, limit_src)
         # a pass the list lacks changes nothing: its planned parameters are held where it would not
-        planned_hand = {**hand, **absent_params(names)}
+        planned_hand = {**hand, **absent_params(names), **_chunk_hand(b)}
         plan = P.choose(facts, mem, lambda mb: runner.kept(mb)[0], runner.step_ms, planned_hand,
                         "cost model on the record's graphs (what-if)",
                         recompute_levels=P.recompute_levels(_block_costs(b), explicit), accumulation=b.accumulation,
@@ -397,7 +397,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     recomputed = _recomputed(b, params, notes)
     act_ms, act_away = _offloaded(b, params, notes)
     pm = plan_memory(facts, kept, ahead, offloaded, recompute=recomputed + act_away,
-                     streamed_chunk_mb=STREAM_CHUNK_MB if streamed else None)
+                     streamed_chunk_mb=(P.stream_chunk_mb(facts, _chunk_hand(b)) or STREAM_CHUNK_MB) if streamed else None)
     if offloaded and room is not None:
         pm = with_reloads(pm, room)
     mv, shown, p = runner.evaluate(params, True)
@@ -487,6 +487,16 @@ def _recomputed(b: RecordBase, params: dict, notes: list) -> tuple:
                  f"{sum(c.nbytes for c in costs) / GIB:.2f} GiB of activations off the device, "
                  f"+{b.accumulation * sum(c.ms for c in costs):.1f} ms a step")
     return tuple(costs)
+
+
+def _chunk_hand(b: RecordBase) -> dict:
+    """The run's ``optimizer_chunk_mb`` where set by hand, as the planner holds it (``{"optimizer":
+    {"chunk_mb": MiB}}``); empty for 'auto'."""
+    v = b.config.get("optimizer_chunk_mb", "auto")
+    try:
+        return {} if v in (None, "auto") else {"optimizer": {"chunk_mb": float(v)}}
+    except (TypeError, ValueError):
+        return {}
 
 
 def _offload_blocks(params: dict) -> str:
