@@ -160,6 +160,13 @@ def _bring_back(model: DeepCompileModel, optimizer) -> None:
         mgr.bring_back()
 
 
+def _host_views(model: DeepCompileModel, optimizer) -> dict[int, torch.Tensor]:
+    """{id(state tensor): its host copy} for the optimizer state offloaded off the device
+    (``OptimizerStateOffload.host_views``)."""
+    mgr = model.dc_state.runtime.optimizer_state
+    return mgr.host_views() if mgr.opt is optimizer else {}
+
+
 def _init_optimizer_state(model: DeepCompileModel, optimizer) -> bool:
     """Create the optimizer's state if it has none yet (AdamW makes it in its first step), so that
     a load has tensors to fill: one step with zero gradients and learning rate 0, as
@@ -203,6 +210,10 @@ def get_state_dict(model: DeepCompileModel, optimizer: torch.optim.Optimizer | N
     scalars (``step``) as they are. A fresh optimizer's state is created first (a zero step, see
     ``_init_optimizer_state``) so that ``dcp.load`` has tensors to fill.
 
+    Optimizer state offloaded to host memory (``offload_optimizer``) is given as its host copy,
+    not brought back to the device: a checkpoint under a memory limit the state was offloaded to
+    meet stays within it.
+
     Everything aliases live storage: save before the next optimizer step, and after ``dcp.load``
     into it call ``set_state_dict``. Not a collective (``dcp.save``/``load`` are) unless the model
     has 0-d parameters (broadcast from shard rank 0).
@@ -217,7 +228,9 @@ def get_state_dict(model: DeepCompileModel, optimizer: torch.optim.Optimizer | N
     if optimizer is None:
         return msd, {}
     _init_optimizer_state(model, optimizer)
-    _bring_back(model, optimizer)
+    # offloaded state is read where it is, in host memory: bringing it back would put all of it
+    # on the device beside the shards, above a memory limit it was offloaded to meet
+    host = _host_views(model, optimizer)
     sps = _fqns(model)
     state: dict[str, dict[str, Any]] = {}
     groups = []
@@ -228,7 +241,8 @@ def get_state_dict(model: DeepCompileModel, optimizer: torch.optim.Optimizer | N
             names.append(sp.meta.name)
             st = optimizer.state.get(p)
             if st:
-                state[sp.meta.name] = {k: (_as_dtensor(model, sp, v, rank) if _is_sharded_state(v, sp) else v)
+                state[sp.meta.name] = {k: (_as_dtensor(model, sp, host.get(id(v), v), rank)
+                                           if _is_sharded_state(v, sp) else v)
                                        for k, v in st.items()}
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": names})
     return msd, {"state": state, "param_groups": groups}

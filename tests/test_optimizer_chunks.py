@@ -257,12 +257,15 @@ def _ranks(rank: int, world: int):
                     msd, osd = get_state_dict(model, opt)
                     set_state_dict(model, opt, msd, osd)
             ch = model.dc_state.optim_chunks
-            _, osd = get_state_dict(model, opt)
+            mgr = model.dc_state.runtime.optimizer_state
+            away = len(mgr.offloaded)
+            _, osd = get_state_dict(model, opt)   # offloaded state is read on the host, left there
             key = "streamed" if passes is streamed else len(passes)
             out[(key, chunk)] = {
                 "losses": losses, "chunks": ch.last_chunks if ch else len(opt.param_groups),
                 "offloaded_steps": model.dc_state.runtime.optimizer_state.stats["steps_offloaded"],
                 "streamed_steps": model.dc_state.runtime.optimizer_state.stats["streamed_steps"],
+                "offloaded_before_after_save": (away, len(mgr.offloaded)),
                 "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
                 "osd_groups": osd["param_groups"],
                 "osd_state": {k: {n: _local(v) for n, v in d.items()} for k, d in osd["state"].items()},
@@ -290,6 +293,9 @@ def test_zero3_two_ranks_match_unchunked_bitwise():
                 assert b["streamed_steps"] == 4 and a["offloaded_steps"] == 0
             else:
                 assert (a["offloaded_steps"] > 0) == (b["offloaded_steps"] > 0) == (n == 2)
+            if n != 1:   # the checkpoint read the offloaded state where it was, on the host
+                before, after = b["offloaded_before_after_save"]
+                assert before > 0 and after == before, b["offloaded_before_after_save"]
             assert a["losses"] == b["losses"]
             assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
             assert a["groups"] == b["groups"] and a["osd_groups"] == b["osd_groups"]

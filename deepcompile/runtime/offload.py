@@ -185,6 +185,17 @@ class CopyEngine:
                 return p
         return None
 
+    def host_view(self, t: torch.Tensor, key) -> torch.Tensor | None:
+        """``t``'s value where only the host has it (offloaded and freed on the device): its host
+        buffer seen with ``t``'s dtype and shape, once the copy out has ended; None where the
+        device still holds the bytes."""
+        p = self.find(t, key)
+        if p is None or p.state != "offloaded":
+            return None
+        if p.d2h_done is not None:
+            p.d2h_done.synchronize()
+        return p.host.view(t.dtype).view(t.shape)
+
     def release(self, t: torch.Tensor, key) -> None:
         """Free the device storage of a deferred offload (:meth:`offload` with ``defer_free``).
         The current stream waits for the copy first, so the block, which belongs to that stream,

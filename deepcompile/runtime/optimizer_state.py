@@ -265,6 +265,17 @@ class OptimizerStateOffload:
                     need -= p.nbytes
             self._next_release += 1
 
+    def host_views(self) -> dict[int, torch.Tensor]:
+        """{id(state tensor): the host copy it is} for the offloaded state the device does not hold
+        (see ``CopyEngine.host_view``): what a checkpoint reads without bringing the state back to
+        the device."""
+        out = {}
+        for key, t in self.offloaded:
+            v = self.engine.host_view(t, key)
+            if v is not None:
+                out[id(t)] = v
+        return out
+
     def bring_back(self) -> None:
         late = False
         for key, t in self.offloaded:
