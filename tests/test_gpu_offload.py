@@ -203,4 +203,4 @@ def test_checkpoint_of_offloaded_state_reads_it_on_the_host(tmp_path):
     assert r["away"] > 0 and r["kept"] == r["away"], r
     assert r["grew"] < 0.1 * r["state_bytes"], r
     assert r["same"], r
-    assert r["losses"][0] == r["losses"][1], r   # the step after the load repeats the step after the save
+    assert r["losses"][1] == pytest.approx(r["losses"][0], rel=1e-6), r   # the step after the load repeats the one after the save
