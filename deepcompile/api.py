@@ -70,7 +70,7 @@ class ModelState:
     profile_t0: float | None = None  # the profiling step's start (perf_counter), until it is agreed
     opt_timer: StepTimer | None = None  # the profiling step's optimizer.step() timer
     blocks_seen: int = 0            # block-region compiles already reported (runtime.block_compiles)
-    ckpt_mesh: Any = None           # the device mesh checkpoints wrap shards on (deepcompile.checkpoint)
+    ckpt_mesh: dict = field(default_factory=dict)   # device type -> the mesh checkpoints wrap shards on (deepcompile.checkpoint)
 
 
 class DeepCompileModel(nn.Module):

@@ -93,11 +93,14 @@ def _local_rows(t: torch.Tensor, sp: ShardedParam, rank: int) -> torch.Tensor:
     return t.detach().narrow(0, 0, n)
 
 
-def _mesh(model: DeepCompileModel) -> DeviceMesh:
-    mesh = model.dc_state.ckpt_mesh
+def _mesh(model: DeepCompileModel, device_type: str | None = None) -> DeviceMesh:
+    """The shard group as a mesh of ``device_type`` (default the model's device). Offloaded
+    optimizer state is wrapped on a "cpu" mesh of the same group: ``DTensor.from_local`` moves a
+    local tensor to its mesh's device, which would copy the host state back to the GPU."""
+    device_type = device_type or model._dc_device().type
+    mesh = model.dc_state.ckpt_mesh.get(device_type)
     if mesh is None:
-        dev = model._dc_device()
-        mesh = model.dc_state.ckpt_mesh = DeviceMesh.from_group(_shard_group(model), dev.type)
+        mesh = model.dc_state.ckpt_mesh[device_type] = DeviceMesh.from_group(_shard_group(model), device_type)
     return mesh
 
 
@@ -105,7 +108,7 @@ def _as_dtensor(model: DeepCompileModel, sp: ShardedParam, t: torch.Tensor, rank
     """``t`` (shard-shaped: the parameter's shard or an optimizer state of the same layout) as the
     full-shape DTensor it is one shard of."""
     full = torch.Size(sp.meta.shape)
-    mesh = _mesh(model)
+    mesh = _mesh(model, t.device.type)
     if len(full) == 0:
         # one element, on shard rank 0: every rank must offer the value (DCP keeps any replica)
         v = t.detach().reshape(-1)[:1].clone()
