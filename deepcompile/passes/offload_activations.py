@@ -10,9 +10,9 @@ profile), and ``dc.wait_activation`` makes compute wait for it at the first use.
 Which ones: the saved activations the decoder blocks ``blocks`` produce (the planner's choice,
 ``plan/offload_choice.py``), or, without ``blocks``, the earliest-produced first (backward needs
 them last, so their reload has the most time) until what stays on the device is at most
-``keep_mb``. A value ``recompute_activations`` drops is never chosen: it has no bytes to copy. Tensors that share storage with
-another output, a view, or a graph input are never chosen: freeing their storage would destroy
-the others (the runtime checks the storage again before freeing it). Sharing is decided by
+``keep_mb``. A value ``recompute_activations`` drops is never chosen: it has no bytes to copy.
+Tensors that share storage with another output, a view, or a graph input are never chosen:
+freeing their storage would destroy the others (the runtime checks the storage again before freeing it). Sharing is decided by
 storages (``passes/alias.py``), not by schemas alone: ``_unsafe_view(mm)`` shares ``mm``'s storage
 without an alias annotation, and the offload goes after the last read of *every* node over the
 storage, so a freed storage is never read.

@@ -3,9 +3,9 @@
 The third way, beside keeping and recomputing, to take a block's activations off the device
 between forward and backward (``passes/offload_activations.py`` with ``blocks``): copy them to
 pinned host memory after their last forward reader and back before backward's first reader.
-It costs no compute, only copies, each direction on its own stream at ``bytes_per_ms``
-(``plan.estimate.HOST_ONE_WAY_BYTES_PER_US``), beside the compute, so what it costs the step is the part
-of the copies the compute cannot cover, plus what the covered copies still cost the compute
+It runs no compute, only copies, each direction on its own stream at ``bytes_per_ms``
+(``plan.estimate.HOST_ONE_WAY_BYTES_PER_US``) beside the compute, so what it costs the step is the
+part of the copies the compute cannot cover, plus what the covered copies still cost the compute
 beside them (``COPY_OVERHEAD``, measured). The first part is found by running the copies on the
 profiled step's timeline (:func:`schedule`):
 
@@ -26,6 +26,7 @@ is a memcpy within the same memory): the planner offers this lever only on CUDA.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import asdict, dataclass
 
 from deepcompile.plan.recompute_choice import _cost_us, chrono_key
@@ -71,11 +72,7 @@ class Timeline:
 
     def pos_at(self, ms: float) -> int:
         """The last position that starts at or before ``ms`` (0 before the first)."""
-        lo, hi = 0, len(self.start_ms) - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if self.start_ms[mid] <= ms else (lo, mid - 1)
-        return lo
+        return max(0, bisect.bisect_right(self.start_ms, ms) - 1)
 
 
 def profiled_timeline(profile, static: dict) -> tuple[Timeline, dict, dict]:

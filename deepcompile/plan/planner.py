@@ -364,8 +364,7 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
             elif stream_mb is not None and need <= facts.state_bytes:
                 # the step itself is above the limit: only a step that never holds all the state fits
                 s = Candidate(c.keep_mb, c.prefetch_mb, c.fuse_mb, limit_mb, c.kept, c.prefetch, facts.state_bytes,
-                              chunk_mb=stream_mb, recompute=c.recompute, streamed=True, offload_act=c.offload_act,
-                              act_away=c.act_away, act_exposed_ms=c.act_exposed_ms)
+                              chunk_mb=stream_mb, recompute=c.recompute, streamed=True)
                 s.memory = with_reloads(plan_memory(facts, s.kept, s.prefetch, s.offloaded, recompute=s.away,
                                                     streamed_chunk_mb=stream_mb), room)
                 if s.memory.peak <= mem.limit + ALLOCATOR_SLACK:
