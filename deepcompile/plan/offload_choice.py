@@ -29,7 +29,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import asdict, dataclass
 
-from deepcompile.plan.recompute_choice import _cost_us, chrono_key
+from deepcompile.plan.recompute_choice import step_timeline
 
 # a prefix whose copies add at most this much to the step counts as hidden
 HIDDEN_MS = 0.5
@@ -75,31 +75,14 @@ class Timeline:
         return max(0, bisect.bisect_right(self.start_ms, ms) - 1)
 
 
-def profiled_timeline(profile, static: dict) -> tuple[Timeline, dict, dict]:
-    """(the step's timeline, (graph id, kind) -> its start (ms), (graph id, kind, node name) ->
-    position), node times as the recompute model counts them (profiled latency; Inductor's fused
-    estimate where it has one), positions as ``recompute_choice.timeline_positions`` numbers them."""
-    starts, pos, t = [], {}, 0.0
-    graph_start: dict = {}
-    for (gid, kind), g in sorted(profile.graphs.items(), key=lambda kv: chrono_key(*kv[0])):
-        graph_start[(gid, kind)] = t
-        st = static.get((gid, kind))
-        for n in g.nodes:
-            pos[(gid, kind, n.name)] = len(starts)
-            starts.append(t)
-            c = _cost_us(n.name, st)
-            t += (c if c else n.latency_ms * 1e3) / 1e3
-    starts.append(t)
-    return Timeline(starts), graph_start, pos
-
-
 def offload_costs(compiled: dict, profile, static: dict, min_mb: float) -> tuple[list[OffloadCost], Timeline]:
     """Per block of the profiled graphs (``compiled``: (gid, kind) -> GraphModule after ``zero3``),
     what offloading its saved activations would move, and when."""
     from deepcompile.passes.alias import alias_closure
     from deepcompile.passes.offload_activations import _nbytes, by_block, eligible, last_reader, value_group
 
-    tl, graph_start, pos = profiled_timeline(profile, static)
+    starts, graph_start, pos = step_timeline(profile, static)
+    tl = Timeline(starts)
     out = []
     for (gid, kind), gm in sorted(compiled.items()):
         if kind != "forward" or (gid, "backward") not in compiled:

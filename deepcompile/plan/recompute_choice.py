@@ -43,12 +43,24 @@ def chrono_key(gid: int, kind: str) -> tuple:
 
 def timeline_positions(profile) -> dict[tuple, int]:
     """(graph id, kind, node name) -> the node's position in the step (``chrono_key`` order)."""
-    out, i = {}, 0
+    return step_timeline(profile)[2]
+
+
+def step_timeline(profile, static: dict | None = None) -> tuple[list[float], dict, dict]:
+    """(each position's start time (ms) and one more: the step's end, (graph id, kind) -> the
+    graph's start (ms), (graph id, kind, node name) -> position): the profiled step in
+    ``chrono_key`` order, node times as the block models count them (``_cost_us``: Inductor's fused
+    estimate where ``static`` has one, else the profiled latency)."""
+    starts, pos, graph_start, t = [], {}, {}, 0.0
     for (gid, kind), g in sorted(profile.graphs.items(), key=lambda kv: chrono_key(*kv[0])):
+        graph_start[(gid, kind)] = t
+        st = (static or {}).get((gid, kind))
         for n in g.nodes:
-            out[(gid, kind, n.name)] = i
-            i += 1
-    return out
+            pos[(gid, kind, n.name)] = len(starts)
+            starts.append(t)
+            t += (_cost_us(n.name, st) or n.latency_ms * 1e3) / 1e3
+    starts.append(t)
+    return starts, graph_start, pos
 
 
 def _cost_us(name: str, static) -> float:
