@@ -281,12 +281,24 @@ def offload_nodes(gm: fx.GraphModule, picked: list[fx.Node], ctx: PassContext) -
     return plan, nbytes
 
 
+def reload_starts(need_ms: list[float], copy_ms: list[float]) -> list[float]:
+    """When each reload starts (ms) so that it ends by its reader's start ``need_ms``, the reloads
+    sharing one copy stream: latest deadline first, each as late as it can start and still end
+    before its reader once the later ones are done. (``plan.offload_choice`` prices the same
+    placement.)"""
+    out = [0.0] * len(need_ms)
+    free_by = float("inf")   # the copy stream must be free of this reload by then (the next one starts)
+    for k in sorted(range(len(need_ms)), key=lambda k: -need_ms[k]):
+        out[k] = min(need_ms[k], free_by) - copy_ms[k]
+        free_by = out[k]
+    return out
+
+
 def _reload_points(nodes: list[fx.Node], firsts: list[int], sizes: list[int], ctx: PassContext) -> list[int]:
     """Per reload (its first use's index in ``nodes`` and its bytes), the index in ``nodes``
-    before which it starts. With a profile: the reloads share one copy stream, so they are
-    placed as late as each can start and still end before its first use once the later ones
-    are done (latest deadline first, backwards from the last use): a reload placed only by its own
-    copy time would queue behind the one before it and make compute wait."""
+    before which it starts. With a profile, by :func:`reload_starts` on the profiled node times:
+    a reload placed only by its own copy time would queue behind the one before it and make
+    compute wait."""
     gp = ctx.profile.get(ctx.graph_id, ctx.kind) if ctx.profile is not None else None
     if gp is None:
         return [max(0, f - ctx.params.lookahead_nodes) for f in firsts]
@@ -298,16 +310,13 @@ def _reload_points(nodes: list[fx.Node], firsts: list[int], sizes: list[int], ct
         t += p.latency_ms if p is not None else 0.0
     starts_ms.append(t)
     bytes_per_ms = ctx.params.h2d_gbps * 1e6
-    out = [0] * len(firsts)
-    free_by = float("inf")   # the copy stream must be free of this reload by then (the next one starts)
-    for k in sorted(range(len(firsts)), key=lambda k: -firsts[k]):
-        end = min(starts_ms[firsts[k]], free_by)
-        start = end - sizes[k] / bytes_per_ms
-        i = firsts[k]
+    starts = reload_starts([starts_ms[f] for f in firsts], [b / bytes_per_ms for b in sizes])
+    out = []
+    for f, start in zip(firsts, starts):
+        i = f
         while i > 0 and starts_ms[i] > start:
             i -= 1
-        out[k] = i
-        free_by = start
+        out.append(i)
     return out
 
 

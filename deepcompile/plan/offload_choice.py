@@ -29,6 +29,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import asdict, dataclass
 
+from deepcompile.passes.offload_activations import reload_starts
 from deepcompile.plan.recompute_choice import step_timeline
 
 # a prefix whose copies add at most this much to the step counts as hidden
@@ -125,13 +126,9 @@ def schedule(chosen: tuple, bytes_per_ms: float, tl: Timeline | None) -> tuple[f
     for c in sorted(chosen, key=lambda c: c.ready_ms):
         free = max(free, c.ready_ms) + c.nbytes / bytes_per_ms
         out_end[c.block] = free
-    # back: latest deadline first, as passes/offload_activations._reload_points places them
-    planned: dict[int, float] = {}
-    free_by = float("inf")
-    for c in sorted(chosen, key=lambda c: -c.need_ms):
-        end = min(c.need_ms, free_by)
-        planned[c.block] = end - c.nbytes / bytes_per_ms
-        free_by = planned[c.block]
+    # back: latest deadline first, as the pass places them
+    planned = dict(zip((c.block for c in chosen),
+                       reload_starts([c.need_ms for c in chosen], [c.nbytes / bytes_per_ms for c in chosen])))
     # then as they run: compute waits where a reload ends late, and shifts everything after it
     delay, h2d_free = 0.0, 0.0
     back_start: dict[int, float] = {}
@@ -173,8 +170,10 @@ def levels(costs: list[OffloadCost], bytes_per_ms: float, tl: Timeline | None,
     hidden = max(k for k in range(len(order) + 1) if late[k] <= HIDDEN_MS)
     lengths = {0} | {max(1, round(hidden * f)) for f in OFFLOAD_FRACTIONS if hidden}
     if recompute_ms:
+        # (price's terms, with the schedule already run)
         cheaper = [k for k in range(1, len(order) + 1)
-                   if price(tuple(order[:k]), bytes_per_ms, tl)[0] < sum(recompute_ms.get(c.block, 0.0) for c in order[:k])]
+                   if late[k] + COPY_OVERHEAD * sum(c.nbytes for c in order[:k]) / bytes_per_ms
+                   < sum(recompute_ms.get(c.block, 0.0) for c in order[:k])]
         if cheaper:
             lengths.add(max(cheaper))
     return [tuple(order[:k]) for k in sorted(lengths)]
