@@ -61,6 +61,9 @@ class ModelState:
     plan: dict | None = None        # the planner's choice and why (deepcompile.plan.planner)
     seqcheck: seqcheck.SequenceCheck | None = None  # per-step collective count check
     optim_chunks: Any = None        # runtime.optim_chunks' chunked step (None: not chunked)
+    # the chunk (MiB) the steps before the plan stream the optimizer state through, where all of it
+    # on the device would pass memory_limit_gib (plan.device_memory.warmup_streams); None: resident
+    warmup_stream_mb: float | None = None
     optim_fused: list = field(default_factory=list)  # param groups runtime.optim_fused set to fused=True
     # whether the backward running next ends an accumulation window (runtime.accumulation)
     next_is_boundary: Callable[[], bool] = lambda: True
@@ -287,6 +290,9 @@ class DeepCompileModel(nn.Module):
         timer, self.dc_state.opt_timer = self.dc_state.opt_timer, None
         prof.optimizer_ms = timer.stop() if timer is not None else 0.0
         prof.optimizer_peak_bytes = timer.peak_bytes if timer is not None else 0
+        mgr = self.dc_state.runtime.optimizer_state
+        if mgr.streamed:   # (the steps before the plan stream it where it does not fit: initialize)
+            prof.state_streamed_bytes = mgr.total_bytes()
         # this rank's memory timeline of the step, by category (the record's memory.json.gz)
         prof.memory = take_memory_timeline(b.compiled, self.dc_state.step, prof.optimizer_ms, prof.optimizer_peak_bytes)
         # the gathers the passes schedule run in the shard group (all ranks but under mesh.shard)
@@ -370,11 +376,11 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     by_block = blocks.resolve(cfg, device.type)  # the final graphs cut into block regions, or whole
     world = dist.get_world_size(group)
     shard_group, replicate_group = groups.hybrid_groups(group, cfg.mesh.shard, cfg.collective_timeout_s)
-    from deepcompile.plan.device_memory import check_floor
+    from deepcompile.plan.device_memory import check_floor, step_bytes, warmup_streams
 
     streamable = cfg.optimizer_chunk_mb == "auto" or float(cfg.optimizer_chunk_mb) > 0   # runtime.optim_chunks cuts it
-    check_floor(cfg.memory_limit_gib, model, dist.get_world_size(shard_group), make_optimizer,
-                streamable)  # model untouched yet
+    floor = step_bytes(model, dist.get_world_size(shard_group), make_optimizer) if cfg.memory_limit_gib else None
+    check_floor(cfg.memory_limit_gib, floor, dist.get_world_size(shard_group), streamable)  # model untouched yet
 
     C = ops.ensure_registered()
     if C.is_initialized():
@@ -441,6 +447,13 @@ def initialize(model: nn.Module, make_optimizer: Callable[[Iterable[nn.Parameter
     st.optim_chunks = optim_chunks.install(opt, cfg.optimizer_chunk_mb)
     opt = wrap_for_accumulation(opt, cfg.gradient_accumulation_steps, cfg.zero_stage == 1)
     rt.optimizer_state.attach(opt, opt.dc_next_is_boundary)  # idle unless offload_optimizer plans
+    if st.optim_chunks is not None and warmup_streams(cfg.memory_limit_gib, floor, streamable):
+        # Adam creates all its state in the first step, before any plan: stream it from the start
+        from deepcompile.plan.memory import STREAM_CHUNK_MB
+
+        st.warmup_stream_mb = STREAM_CHUNK_MB if cfg.optimizer_chunk_mb == "auto" else float(cfg.optimizer_chunk_mb)
+        st.optim_chunks.set_chunk_mb(st.warmup_stream_mb)
+        rt.optimizer_state.plan(None, streamed=True)
     st.next_is_boundary = opt.dc_next_is_boundary
     from deepcompile.profile.memory_split import track_memory
 

@@ -476,21 +476,103 @@ def test_lr_scheduler_wraps_the_accumulating_and_chunked_step():
 
 def test_the_floor_counts_a_streamed_step():
     """``memory_limit_gib`` under shards + gradients + all of AdamW's state is refused only where the
-    step cannot stream the state (chunking off); with it the floor keeps the largest parameter's."""
-    from deepcompile.plan.device_memory import check_floor
+    step cannot stream the state (chunking off); with it the floor keeps the largest parameter's.
+    The same numbers decide whether the steps before the plan stream the state (warmup_streams)."""
+    from deepcompile.plan.device_memory import check_floor, step_bytes, warmup_streams
     from deepcompile.plan.pricing import PlanError
 
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(8)])   # 8 x 1 MiB
-    adamw = lambda ps: torch.optim.AdamW(ps)  # noqa: E731
+    sb = step_bytes(model, 1, lambda ps: torch.optim.AdamW(ps))
+    assert (sb.kind, sb.shard, sb.trainable, sb.largest, sb.resident_step) == ("AdamW", 8 * MIB, 8 * MIB, MIB, 32 * MIB)
     limit = 24 * MIB / GIB      # shards 8 + gradients 8 + state 16 MiB resident; 8 + 8 + 2 streamed
-    check_floor(limit, model, 1, adamw, streamable=True)
+    check_floor(limit, sb, 1, streamable=True)
+    assert warmup_streams(limit, sb, True) and not warmup_streams(32 * MIB / GIB, sb, True)
+    assert not warmup_streams(limit, sb, False) and not warmup_streams(None, sb, True)
     with pytest.raises(PlanError, match=r"2.0 MiB of AdamW state per rank \(the largest parameter's"):
-        check_floor(17 * MIB / GIB, model, 1, adamw, streamable=True)
+        check_floor(17 * MIB / GIB, sb, 1, streamable=True)
     with pytest.raises(PlanError, match=r"16.0 MiB of AdamW state.*optimizer_chunk_mb 'auto' \(or a size\) lets the step"):
-        check_floor(limit, model, 1, adamw, streamable=False)
+        check_floor(limit, sb, 1, streamable=False)
 
     class MyAdamW(torch.optim.AdamW):   # a user's subclass holds AdamW's two moments too
         pass
     with pytest.raises(PlanError, match=r"16.0 MiB of AdamW state"):
-        check_floor(limit, model, 1, lambda ps: MyAdamW(ps), streamable=False)
-    check_floor(limit, model, 1, lambda ps: torch.optim.SGD(ps, lr=0.1), streamable=False)   # no moments: no floor
+        check_floor(limit, step_bytes(model, 1, lambda ps: MyAdamW(ps)), 1, streamable=False)
+    assert step_bytes(model, 1, lambda ps: torch.optim.SGD(ps, lr=0.1)) is None   # no moments: no floor
+    check_floor(limit, None, 1, streamable=False)
+
+
+
+def _warmup(rank: int, world: int):
+    """ZeRO-3 with and without a limit the resident optimizer step passes by a quarter of AdamW's
+    state (no planner: on the CPU the tiny model's forward and backward, which count the
+    gathered parameters and activations in host memory, would not fit such a limit either)."""
+    import deepcompile
+    from deepcompile.plan.device_memory import step_bytes
+    from tests.workloads import make_model, rank_step
+
+    adamw = lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.1, foreach=True)  # noqa: E731
+    big = {"n_embd": 128, "n_layer": 4}   # 3.2 MB of state per rank: a limit above the config's 1 MiB minimum
+    sb = step_bytes(make_model(**big), world, adamw)
+    out = {}
+    for name, limit in (("roomy", None), ("tight", (sb.resident_step - sb.trainable // 2) / GIB)):
+        model, opt = deepcompile.initialize(make_model(**big), adamw, {
+            "compiler": "aot_eager", "passes": ["zero3"], "memory_limit_gib": limit,
+            "optimizer_chunk_mb": 0.004})   # (the default 512 MiB would be one chunk of this model)
+        mgr = model.dc_state.runtime.optimizer_state
+        losses, held = [], []
+        for s in range(4):
+            losses.append(rank_step(model, opt, rank, world, s))
+            held.append((mgr.streamed, mgr.total_bytes() - mgr.offloaded_bytes()))
+        out[name] = {"losses": losses, "held": held, "state": mgr.total_bytes(), "limit": limit,
+                     "warmup_stream_mb": model.dc_state.warmup_stream_mb, "resident_step": sb.resident_step,
+                     "streamed_steps": mgr.stats["streamed_steps"],
+                     "params": [p.detach().clone() for p in model.parameters()]}
+        deepcompile.destroy(model)
+    return out
+
+
+def test_a_limit_the_resident_step_passes_streams_the_state_from_the_first_step():
+    """Adam creates all of its state in the first step, before any plan: under a limit that
+    shards + gradients + all of the state pass, every step streams the state through, the first
+    included, and trains bitwise as the roomy run (2 gloo ranks). The 8B Llama on 2 ranks under
+    40 GiB held 67 GiB in the steps before its plan."""
+    for r in run_ranks(_warmup, 2, timeout=240):
+        roomy, tight = r["roomy"], r["tight"]
+        assert roomy["warmup_stream_mb"] is None and roomy["streamed_steps"] == 0
+        assert all(not s for s, _ in roomy["held"])
+        assert 0.001 < tight["limit"] and tight["resident_step"] > tight["limit"] * GIB
+        assert tight["warmup_stream_mb"] == 0.004 and tight["streamed_steps"] == 4
+        assert tight["held"] == [(True, 0)] * 4 and tight["state"] > 0, tight["held"]
+        assert tight["losses"] == roomy["losses"]
+        assert all(torch.equal(a, b) for a, b in zip(tight["params"], roomy["params"]))
+
+
+def test_facts_of_a_profile_that_streamed_the_state_are_the_resident_ones():
+    """A profiled step that kept the state on the host (Profile.state_streamed_bytes) measured
+    forward/backward without it and a streamed optimizer step: the memory facts add the state
+    back to every forward/backward peak and put all of it in place of the streamed chunks' share
+    in the step's, and the optimizer's time leaves out the copies a streamed plan adds itself."""
+    from deepcompile.plan.cost_model import resident_optimizer_ms
+    from deepcompile.plan.estimate import offload_ms
+    from deepcompile.plan.memory import facts_from_profile, streamed_state_held
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+
+    state, shard = 4 * GIB, 2 * GIB
+    groups = [[shard // 8] * 8]
+
+    def profile(streamed: int, opt_peak: int, opt_ms: float) -> Profile:
+        nodes = [NodeProfile("mm", 1.0, 5 * GIB, 6 * GIB, 0, "aten.mm.default")]
+        return Profile(graphs={(0, "forward"): GraphProfile(0, "forward", nodes)}, hardware="NVIDIA H200",
+                       optimizer_ms=opt_ms, optimizer_peak_bytes=opt_peak, state_streamed_bytes=streamed)
+
+    kw = dict(opt_groups=groups, opt_temp_factor=0.0, opt_profiled_chunk=shard // 8, opt_streamable=True)
+    plain = facts_from_profile(profile(0, 2 * shard + state, 10.0), {}, 2, state, grad_bytes=shard, **kw)
+    held = streamed_state_held(plain, (shard // 8) / MIB)
+    assert held == 3 * state // 8
+    streamed = facts_from_profile(profile(state, 2 * shard + held, 10.0 + offload_ms(state, 0.0, True)), {}, 2,
+                                  state, grad_bytes=shard, **kw)
+    assert plain.fb_peak == 6 * GIB and streamed.fb_peak == 6 * GIB + state
+    assert [p for _, p, _ in streamed.timeline] == [6 * GIB + state]
+    assert streamed.optimizer_peak == plain.optimizer_peak == 2 * shard + state
+    assert resident_optimizer_ms(profile(state, 0, 10.0 + offload_ms(state, 0.0, True))) == pytest.approx(10.0)
+    assert resident_optimizer_ms(profile(0, 0, 10.0)) == 10.0

@@ -83,17 +83,24 @@ def agree_memory(local: tuple[int, int], limit_gib: float | None, group=None, de
 TWO_MOMENTS = ("Adam", "AdamW", "NAdam", "RAdam", "Adamax")
 
 
-def check_floor(limit_gib: float | None, model, world: int, make_optimizer, streamable: bool = True) -> None:
-    """Refuse a ``memory_limit_gib`` under what the optimizer step needs on the device whatever the
-    plan: this rank's parameter shards (1/``world`` of each parameter), their gradients and, for
-    the Adam family, its two moments per trainable shard that the step reads on the device: all of
-    them, or with ``streamable`` (the step can stream the state through in chunks,
-    runtime.optimizer_state) those of the largest parameter, which one chunk holds whatever the
-    chunk size. Checked in ``initialize`` before the model is touched; the optimizer's kind comes from
-    ``make_optimizer`` on a one-element probe. Same numbers on every rank (equal shards, the
-    config's limit): every rank raises alike."""
-    if not limit_gib:
-        return
+@dataclass
+class StepBytes:
+    """What the optimizer step holds on the device whatever the plan, per rank (bytes)."""
+    kind: str          # the optimizer's torch class (Adam family), whose state is two moments per parameter
+    shard: int         # this rank's parameter shards (1/world of each parameter)
+    trainable: int     # their trainable part: the gradients, and half of the state
+    largest: int       # the largest trainable shard: the state one streamed chunk holds at least
+
+    @property
+    def resident_step(self) -> int:
+        """Shards + gradients + all of the state: the step's bytes with the state on the device."""
+        return self.shard + 3 * self.trainable
+
+
+def step_bytes(model, world: int, make_optimizer) -> StepBytes | None:
+    """:class:`StepBytes` of ``model`` sharded over ``world`` ranks with ``make_optimizer``'s
+    optimizer (its kind from a one-element probe); None for an optimizer whose state is not the
+    Adam family's two moments (nothing is known of its size). Same numbers on every rank."""
     import torch
 
     from deepcompile.runtime.optim_chunks import torch_kind
@@ -101,11 +108,8 @@ def check_floor(limit_gib: float | None, model, world: int, make_optimizer, stre
     probe = make_optimizer([torch.nn.Parameter(torch.zeros(1))])
     kind = torch_kind(probe, TWO_MOMENTS)   # a user's subclass of AdamW keeps AdamW's state
     if kind is None:
-        return
-    from deepcompile.plan.pricing import PlanError
-    from deepcompile.vocab.memory import fmt_bytes
-
-    seen, shard, trainable, sizes = set(), 0, 0, []
+        return None
+    seen, shard, trainable, largest = set(), 0, 0, 0
     for p in model.parameters():
         if id(p) in seen:
             continue
@@ -114,8 +118,34 @@ def check_floor(limit_gib: float | None, model, world: int, make_optimizer, stre
         shard += b
         if p.requires_grad:
             trainable += b
-            sizes.append(b)
-    state = 2 * (max(sizes, default=0) if streamable else trainable)
+            largest = max(largest, b)
+    return StepBytes(kind, shard, trainable, largest)
+
+
+def warmup_streams(limit_gib: float | None, sb: StepBytes | None, streamable: bool) -> bool:
+    """Whether the steps before the plan must stream the optimizer state through the step
+    (``runtime.optimizer_state``, ``plan(None, streamed=True)``): the state held on the device
+    beside the shards and gradients would pass ``memory_limit_gib``. The plan comes after the
+    profiling step, and Adam creates all of its state in the first step: without this the 8B
+    Llama on 2 ranks under a 40 GiB limit peaked at 67 GiB before its plan took over."""
+    return bool(limit_gib) and sb is not None and streamable and sb.resident_step > int(limit_gib * GIB)
+
+
+def check_floor(limit_gib: float | None, sb: StepBytes | None, world: int, streamable: bool = True) -> None:
+    """Refuse a ``memory_limit_gib`` under what the optimizer step needs on the device whatever the
+    plan (``sb``, :func:`step_bytes`): this rank's parameter shards, their gradients and, for
+    the Adam family, its two moments per trainable shard that the step reads on the device: all of
+    them, or with ``streamable`` (the step can stream the state through in chunks,
+    runtime.optimizer_state) those of the largest parameter, which one chunk holds whatever the
+    chunk size. Checked in ``initialize`` before the model is touched. Same numbers on every rank
+    (equal shards, the config's limit): every rank raises alike."""
+    if not limit_gib or sb is None:
+        return
+    from deepcompile.plan.pricing import PlanError
+    from deepcompile.vocab.memory import fmt_bytes
+
+    shard, trainable, kind = sb.shard, sb.trainable, sb.kind
+    state = 2 * (sb.largest if streamable else trainable)
     floor = shard + trainable + state
     limit = int(limit_gib * GIB)
     if floor > limit:

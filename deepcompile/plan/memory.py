@@ -281,21 +281,31 @@ def facts_from_profile(profile, param_meta: dict, world: int, state_bytes: int, 
         m.chunk * size(m.dtype) for m in param_meta.values() if m.requires_grad)
     gathered = {pid: m.chunk * world * size(m.gather_dtype) for pid, m in param_meta.items()}
     extra = 0
+    streamed = int(getattr(profile, "state_streamed_bytes", 0) or 0)
     if getattr(profile, "hardware", "") == "cpu":
         # the CPU profile counts only the tensors its interpreter holds (graph inputs and
         # values), not the optimizer's state and gradient shards held outside the graphs
         extra = int(state_bytes) + grads
         best += extra
+    elif streamed:
+        # the profiled step kept the state on the host: its peaks are a plan's that offloads all
+        # of it; the facts are the resident profile's, which every plan takes its offload from
+        extra = streamed
+        best += extra
     opt_peak = int(getattr(profile, "optimizer_peak_bytes", 0) or 0)
+    measured_streamed = streamed and opt_peak > 0
     if opt_peak <= 0:  # not measured (a CPU run, an older record): what the step holds at least
         opt_peak = shards + grads + state_bytes
-    return MemoryFacts(fb_peak=int(best), optimizer_peak=opt_peak, shard_bytes=shards, grad_bytes=grads,
+    facts = MemoryFacts(fb_peak=int(best), optimizer_peak=opt_peak, shard_bytes=shards, grad_bytes=grads,
                        state_bytes=int(state_bytes), reduce_bytes=int(reduce_bytes), gathered=gathered,
                        fb_peak_at=where, ahead=_frontier([(p + extra, r) for p, r in points]),
                        timeline=[(i, p + extra, r) for i, p, r in timeline],
                        opt_groups=[list(map(int, g)) for g in (opt_groups or [])],
                        opt_temp_factor=float(opt_temp_factor), opt_profiled_chunk=int(opt_profiled_chunk),
                        opt_streamable=bool(opt_streamable))
+    if measured_streamed:   # the streamed step held a few chunks' state where the resident one holds all
+        facts.optimizer_peak = opt_peak - streamed_state_held(facts, opt_profiled_chunk / MIB) + int(state_bytes)
+    return facts
 
 
 def _waits(name: str) -> bool:

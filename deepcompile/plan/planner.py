@@ -40,6 +40,7 @@ from typing import Callable
 from deepcompile.passes import PASSES, offload_activations, offload_optimizer, prefetch, recompute_activations, zero3
 from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_RERUN, PassEntry, absent_params, planned_params
+from deepcompile.plan.cost_model import resident_optimizer_ms
 from deepcompile.plan.device_memory import TWO_MOMENTS, DeviceMemory, agree_memory, local_memory
 from deepcompile.plan.estimate import HOST_ONE_WAY_BYTES_PER_US, offload_ms
 from deepcompile.plan.memory import (GIB, MIB, STREAM_CHUNK_MB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory,
@@ -577,9 +578,11 @@ def plan_model(model, entries: list) -> list:
 
         # the chunk size the profiled step ran with: 'auto' stays 0 until a plan sets it, and plans
         # come after the one profiling step (a re-plan must not read back its own earlier choice)
+        # (or the chunk the steps before the plan streamed the state through: initialize)
         auto = cfg.optimizer_chunk_mb == "auto"
+        profiled_mb = model.dc_state.warmup_stream_mb or (0.0 if auto else float(cfg.optimizer_chunk_mb))
         opt_kw = dict(opt_groups=optim_chunks.group_sizes(chunks.opt), opt_temp_factor=optim_chunks.temp_factor(chunks.opt),
-                      opt_profiled_chunk=0 if auto else int(float(cfg.optimizer_chunk_mb) * MIB),
+                      opt_profiled_chunk=int(profiled_mb * MIB),
                       # the state streams where it is a torch Adam's: two moments per parameter
                       opt_streamable=optim_chunks.torch_kind(chunks.opt, TWO_MOMENTS) is not None)
     profiled = [e.name for e in (b.passes or [])]
@@ -657,7 +660,8 @@ def plan_model(model, entries: list) -> list:
         from deepcompile.vocab.links import default_model
 
         comm = prof.comm or default_model("gloo")
-        timer = lambda c: analytic_step_ms(c, facts, comm, compute, prof.optimizer_ms, accumulation)  # noqa: E731
+        opt_ms = resident_optimizer_ms(prof)
+        timer = lambda c: analytic_step_ms(c, facts, comm, compute, opt_ms, accumulation)  # noqa: E731
         time_model = "analytic (no profiled graphs at hand)"
     headroom = make_params(_entry(offload_optimizer.NAME, hand.get(offload_optimizer.NAME, {}))).headroom_mb
     # a pass the list lacks changes nothing: its planned parameters are fixed where it would not
@@ -673,6 +677,8 @@ def plan_model(model, entries: list) -> list:
     plan.offload_costs = off_costs
     if chunks is not None and cfg.optimizer_chunk_mb == "auto":
         chunks.set_chunk_mb(plan.chosen.chunk_mb or 0.0)   # from the next optimizer.step()
+    if model.dc_state.warmup_stream_mb is not None and not plan.chosen.streamed:
+        mgr.plan(0)   # the steps before the plan streamed the state (initialize); this plan holds it on the device
     out = apply(entries, plan)
     plan.passes = [{"name": e.name, "params": dict(e.params)} for e in out]
     d = plan.to_dict()

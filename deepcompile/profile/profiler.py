@@ -63,6 +63,10 @@ class Profile:
     step: int = -1
     optimizer_ms: float = 0.0   # the profiling step's optimizer.step(), measured (part of a step)
     optimizer_peak_bytes: int = 0  # the allocator's peak during that optimizer.step() (CUDA; 0: not measured)
+    # optimizer state the profiled step kept on the host, streamed through its optimizer.step()
+    # (api.initialize: all of it on the device would pass memory_limit_gib): off the device in the
+    # measured forward and backward, its copies in optimizer_ms (see resident_optimizer_ms)
+    state_streamed_bytes: int = 0
     memory: dict | None = None   # this rank's memory timeline of the step (take_memory_timeline); not agreed
     # the host micro-benchmark of the profiling step (profile.host.host_benchmark; GPU only): what
     # plan.estimate.host_model scales HOST_US by; agreed (the slowest rank's)
@@ -79,6 +83,7 @@ class Profile:
         rep = {} if self.replicate is None else {"replicate": self.replicate.to_dict()}
         return [{"graph_id": g.graph_id, "kind": g.kind, "hardware": self.hardware, "comm": comm, **rep,
                  "optimizer_ms": self.optimizer_ms, "optimizer_peak_bytes": self.optimizer_peak_bytes,
+                 **({"state_streamed_bytes": self.state_streamed_bytes} if self.state_streamed_bytes else {}),
                  **({"host": dict(self.host)} if self.host else {}),
                  "nodes": [dict(n.__dict__) for n in g.nodes]} for g in self.graphs.values()]
 
@@ -100,6 +105,7 @@ class Profile:
                 prof.replicate = ReplicateLink.from_dict(r["replicate"])
             prof.optimizer_ms = float(r.get("optimizer_ms") or 0.0)
             prof.optimizer_peak_bytes = int(r.get("optimizer_peak_bytes") or 0)
+            prof.state_streamed_bytes = int(r.get("state_streamed_bytes") or 0)
             if r.get("host"):
                 prof.host = dict(r["host"])
         return prof

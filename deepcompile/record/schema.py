@@ -356,6 +356,9 @@ def check_profile(file: str, p: Any) -> dict:
         if v is not None and v < 0:
             _fail(file, f"{w}.optimizer_ms", f"expected a time of at least 0, got {v!r}")
         _field(file, g, "optimizer_peak_bytes", int, w, optional=True)
+        v = _field(file, g, "state_streamed_bytes", int, w, optional=True)
+        if v is not None and v < 0:
+            _fail(file, f"{w}.state_streamed_bytes", f"expected a byte count of at least 0, got {v!r}")
         for j, n in enumerate(_list(file, g, "nodes", w)):
             wn = f"{w}.nodes[{j}]"
             _field(file, n, "name", str, wn)
