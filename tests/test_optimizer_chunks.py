@@ -534,8 +534,8 @@ def _warmup(rank: int, world: int):
 def test_a_limit_the_resident_step_passes_streams_the_state_from_the_first_step():
     """Adam creates all of its state in the first step, before any plan: under a limit that
     shards + gradients + all of the state pass, every step streams the state through, the first
-    included, and trains bitwise as the roomy run (2 gloo ranks). The 8B Llama on 2 ranks under
-    40 GiB held 67 GiB in the steps before its plan."""
+    included, and trains bitwise as the roomy run (2 gloo ranks). Held on the device, the 8B
+    Llama's state on 2 ranks under 40 GiB takes the steps before the plan to 67 GiB."""
     for r in run_ranks(_warmup, 2, timeout=240):
         roomy, tight = r["roomy"], r["tight"]
         assert roomy["warmup_stream_mb"] is None and roomy["streamed_steps"] == 0

@@ -126,8 +126,8 @@ def warmup_streams(limit_gib: float | None, sb: StepBytes | None, streamable: bo
     """Whether the steps before the plan must stream the optimizer state through the step
     (``runtime.optimizer_state``, ``plan(None, streamed=True)``): the state held on the device
     beside the shards and gradients would pass ``memory_limit_gib``. The plan comes after the
-    profiling step, and Adam creates all of its state in the first step: without this the 8B
-    Llama on 2 ranks under a 40 GiB limit peaked at 67 GiB before its plan took over."""
+    profiling step, and Adam creates all of its state in the first step: held on the device, the
+    8B Llama's on 2 ranks under a 40 GiB limit takes those steps to 67 GiB."""
     return bool(limit_gib) and sb is not None and streamable and sb.resident_step > int(limit_gib * GIB)
 
 
