@@ -287,7 +287,7 @@ class GraphModel(GraphDetailMixin, GraphRenderMixin):
             from deepcompile.plan.accuracy import node_errors
 
             try:
-                rows = node_errors(self.rec.path, self.rec.rank)
+                rows = node_errors(self.rec)
             except Exception:   # a record that cannot be predicted: nothing to colour
                 rows = []
             self._errors = {(r.graph_id, r.kind, r.node): r.to_dict() for r in rows}

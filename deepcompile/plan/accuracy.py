@@ -42,18 +42,19 @@ def _sum_by_node(events, scale: float, source: str | None) -> dict[tuple, tuple[
     return {k: (v[0], v[1]) for k, v in out.items()}
 
 
-def node_errors(run_dir, rank: int = 0) -> list[NodeError]:
+def node_errors(run, rank: int = 0) -> list[NodeError]:
     """Predicted against measured µs for every node both sides have (the record's measured step
     and the what-if of its own passes), largest absolute error first. [] where the record has
-    no measured schedule or no prediction."""
+    no measured schedule or no prediction. ``run``: a run directory or a RunRecord already read
+    (the report's and the inspector's: the record is not read again)."""
     from deepcompile.plan.whatif import prediction
-    from deepcompile.record.reader import read_run
+    from deepcompile.record.reader import RunRecord, read_run
 
-    rec = read_run(run_dir, rank)
+    rec = run if isinstance(run, RunRecord) else read_run(run, rank)
     measured = _sum_by_node((rec.schedule or {}).get("events", []), 1.0, "measured")
     if not measured:
         return []
-    w, _ = prediction(run_dir, rank)
+    w, _ = prediction(rec.path, rec.rank)
     if w is None:
         return []
     predicted = _sum_by_node(w.schedule, 1e3, None)

@@ -215,9 +215,10 @@ def _all_rank_events(rec: RunRecord) -> tuple[list[dict], list[str]]:
     return events, notes
 
 
-def _section_prediction(run_dir, rank: int, passes: list | None) -> str:
+def _section_prediction(rec: RunRecord, passes: list | None) -> str:
     """The cost model's step and peak for the run's passes, from the one prediction engine
     (``plan.whatif.prediction``: the numbers ``inspect`` and the inspector show)."""
+    run_dir, rank = rec.path, rec.rank
     try:
         from deepcompile.plan.whatif import prediction
     except ImportError as e:
@@ -226,7 +227,7 @@ def _section_prediction(run_dir, rank: int, passes: list | None) -> str:
     warn = "".join(f"<p class='note warning'>{esc(x)}</p>" for x in (w.warnings if w else []))
     return (f"<section id='prediction'><h2>Prediction</h2><p class='dc-prediction'>{esc(line)}</p>{warn}"
             + (_pass_table_html(run_dir, rank, passes) if w is not None else "")
-            + (_model_errors_html(run_dir, rank) if w is not None and passes is None else "") +
+            + (_model_errors_html(rec) if w is not None and passes is None else "") +
             "<p class='note'>One prediction engine behind every view: the inspector's Passes tab, its Schedule "
             "what-if lane and <code>deepcompile inspect</code> give these numbers for the same passes.</p></section>")
 
@@ -252,12 +253,12 @@ def _pass_table_html(run_dir, rank: int, passes: list | None) -> str:
     return "".join(out)
 
 
-def _model_errors_html(run_dir, rank: int, top: int = 10) -> str:
+def _model_errors_html(rec: RunRecord, top: int = 10) -> str:
     """The nodes the cost model prices most wrong against the record's measured step
     (``plan.accuracy.node_errors``); the inspector's graph colours every node by it."""
     from deepcompile.plan.accuracy import node_errors
 
-    rows = node_errors(run_dir, rank)
+    rows = node_errors(rec)
     if not rows:
         return ""
     body = "".join(f"<tr><td>{r.graph_id} {esc(r.kind)}</td><td>{esc(r.node)}</td><td>{esc(r.stream)}</td>"
@@ -439,7 +440,7 @@ def render_report(run_dir: str | os.PathLike, out_file: str | os.PathLike | None
         "" if js is not None else f"<p class='note no-plotly-banner'>{NO_PLOTLY}</p>",
         _section_run(rec), _section_steps(rec, all_steps, figs, view),
         _section_graphs(rec, depth, workers or min(8, os.cpu_count() or 1)),
-        _section_schedule(rec, events, ev_src, figs, ev_notes), _section_prediction(run_dir, rank, passes),
+        _section_schedule(rec, events, ev_src, figs, ev_notes), _section_prediction(rec, passes),
         _section_memory(view, figs),
         _section_ops(rec, events, memory_samples(view), pscopes)]
     lib = f"<script>{js}</script>" if (js is not None and figs.items) else ""
