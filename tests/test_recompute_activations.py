@@ -32,6 +32,10 @@ def _check_backward(graphs):
         assert not readers, f"backward still reads dropped values: {readers}"
         gathers = [tuple(map(str, n["args"])) for n in b if n.get("target") == "dc.unshard"]
         assert len(gathers) == len(set(gathers)), "a shard is gathered twice in backward"
+        # the record names the forward node each copy runs again (the cost model prices it by it)
+        by_name = {n["name"]: n for n in f}
+        copies = [n for n in b if n.get("recompute_of")]
+        assert copies and all(by_name[n["recompute_of"]]["target"] == n["target"] for n in copies)
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
@@ -203,3 +207,31 @@ def test_forward_to_backward_handoff_belongs_to_its_model():
         assert r["finite"]
         assert r["notes"] and all("recipes: 0 of" not in n for n in r["notes"]), r["notes"]
         assert any(n.startswith("recipes: ") for n in r["notes"]), r["notes"]
+
+
+def test_the_cost_model_prices_a_recomputed_node_at_its_forward_latency():
+    """A node recompute_activations copied into backward runs what its forward node ran: the
+    estimate takes the forward's profiled latency for it (``recompute_of``), also where the
+    backward's profile has a node of the same name and target that is another op."""
+    from deepcompile.plan.cost_model import predict
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+
+    def node(name, args=(), **kw):
+        return {"name": name, "op": "call_function", "target": "aten.mm", "args": [{"node": a} for a in args],
+                "shape": [4096, 4096], "dtype": "bfloat16", "scope": "", **kw}
+
+    x = {"name": "x", "op": "placeholder", "target": "x", "args": [], "shape": [4096, 4096], "dtype": "bfloat16",
+         "scope": ""}
+    fwd = {"graph_id": 0, "kind": "forward", "after": "zero3", "nodes": [x, node("mm", ["x"])]}
+    bwd_profiled = {"graph_id": 0, "kind": "backward", "after": "zero3", "nodes": [x, node("mm_1", ["x"])]}
+    # recompute_activations copied the forward's mm in as mm_1 (the backward's own matmul became mm_2)
+    bwd = {"graph_id": 0, "kind": "backward", "after": "recompute_activations",
+           "nodes": [x, node("mm_1", ["x"], recompute_of="mm"), node("mm_2", ["mm_1"])]}
+    prof = Profile(graphs={(0, "forward"): GraphProfile(0, "forward", [NodeProfile("mm", 5.0, 0, 0, 0, "aten.mm.default")]),
+                           (0, "backward"): GraphProfile(0, "backward", [NodeProfile("mm_1", 1.0, 0, 0, 0, "aten.mm.default")])},
+                   hardware="NVIDIA H200")
+    per = predict([fwd, bwd_profiled, bwd], prof)["per_graph_ms"]
+    assert per["0/forward"] == pytest.approx(5.0, abs=0.1)
+    bwd["nodes"][1].pop("recompute_of")   # by name alone the copy takes the profiled mm_1's 1 ms
+    by_name = predict([fwd, bwd_profiled, bwd], prof)["per_graph_ms"]
+    assert per["0/backward"] - by_name["0/backward"] == pytest.approx(5.0 - 1.0, abs=0.01), (per, by_name)

@@ -536,6 +536,9 @@ def estimate_versions(versions: Iterable[Any], profile: Any = None, fused: bool 
                 lat, rate = matched_latency_us(gp, every[(gid, kind)], d)
         if profile is not None:
             comm = profile.comm
+            if kind == "backward" and (gid, "forward") in last:
+                lat = {**(lat or {}), **recomputed_latency_us(profile.get(gid, "forward"), every[(gid, "forward")],
+                                                              last[(gid, "forward")], d)}
         e, s = estimate(d["nodes"], gid, kind, lat, comm, rate, fused, fcost, host_model(profile),
                         replicate=getattr(profile, "replicate", None))
         events += e
@@ -569,6 +572,20 @@ def matched_latency_us(gp: Any, versions: list[dict], final: dict) -> tuple[dict
     return ({n["name"]: lat[n["name"]] for n in final["nodes"]
              if n["name"] in lat and target.get(n["name"]) == n.get("target")},
             memory_bound_rate(profiled["nodes"], lat))
+
+
+def recomputed_latency_us(gp_forward: Any, forward_versions: list[dict], forward: dict,
+                          backward: dict) -> dict[str, float]:
+    """{backward node name: profiled µs} for the nodes ``recompute_activations`` copied from the
+    forward (``recompute_of``): each runs what its forward node ran, which the profile measured
+    in the forward; the backward's profile never saw it (its name there, if any, is another op's).
+    Taken where the forward node has a latency and the same target."""
+    if gp_forward is None:
+        return {}
+    lat, _ = matched_latency_us(gp_forward, forward_versions, forward)
+    target = {n["name"]: n.get("target") for n in forward["nodes"]}
+    return {n["name"]: lat[n["recompute_of"]] for n in backward["nodes"]
+            if n.get("recompute_of") in lat and target.get(n["recompute_of"]) == n.get("target")}
 
 
 # pinned host <-> device, both ranks of a host copying at once, both directions at once (2 H200s:

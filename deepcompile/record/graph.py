@@ -141,6 +141,8 @@ def serialize(gm: fx.GraphModule) -> list[dict]:
              "shape": shape, "dtype": dtype, "scope": module_scope(n)}
         if kwargs := _arg(dict(n.kwargs)):
             d["kwargs"] = kwargs
+        if "recompute_of" in n.meta:   # a forward node recompute_activations copied into backward
+            d["recompute_of"] = str(n.meta["recompute_of"])
         dc = n.op == "call_function" and target.split(".")[0] == "dc"
         pid = n.meta.get("dc_param") if dc else None
         if pid is None and (dc or (n.op == "call_function" and target == "unshard")) and len(n.args) > 1 and isinstance(n.args[1], int):

@@ -312,6 +312,7 @@ def check_nodes(file: str, nodes: Any, where: str = "nodes") -> list:
         if kw:
             _check_arg(file, kw, f"{w}.kwargs")
         _field(file, n, "param", int, w, optional=True)
+        _field(file, n, "recompute_of", str, w, optional=True)
     return nodes
 
 
