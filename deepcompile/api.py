@@ -303,6 +303,10 @@ class DeepCompileModel(nn.Module):
 
             prof.host = host_benchmark(self._dc_device())
             prof.host["ops_us"] = take_host_ops()   # each dc op's own host time in the profiling step
+            from deepcompile.profile import sustained
+
+            # the heaviest matmul's busy-step clock against the profiled one (agree scales by it)
+            prof.sustained = sustained.measure(dict(b.compiled), b.measured, self._dc_device())
         rep = self.dc_state.replicate_group
         if rep is not None:  # HSDP: the gradient all-reduce across replicas has its own link
             from deepcompile.vocab.links import ReplicateLink

@@ -11,8 +11,6 @@ parameter at its ``release_param``; graph inputs stay allocated throughout.
 """
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any, Iterable
 
 DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8,
@@ -23,18 +21,9 @@ COMPUTE_BYTES_PER_US = 4_000.0     # ~4 GB/s effective, a laptop-CPU-ish order o
 COMM_BYTES_PER_US = 1_000.0        # ~1 GB/s
 OP_OVERHEAD_US = 2.0
 GETITEM = ("getitem", "_operator.getitem", "operator.getitem")
-# Ops that only make a new view of their input's memory: no kernel, in eager or compiled code.
-# The final graph is traced again (under Inductor's decompositions), so it has views the
-# profiled graph did not (``t`` becomes ``permute``); pricing those by the bytes they "move"
-# cost tens of ms on the 953M Llama.
-VIEW_OPS = {"view", "_unsafe_view", "reshape", "permute", "t", "transpose", "expand", "unsqueeze", "squeeze",
-            "slice", "select", "alias", "as_strided", "detach", "split", "split_with_sizes", "unbind",
-            "view_as", "unflatten", "flatten", "_reshape_alias", "narrow"}
-MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution", "_scaled_mm"}
 
-
-from deepcompile.profile.host import HOST_US
-
+from deepcompile.profile.host import HOST_US  # noqa: E402
+from deepcompile.vocab.ops import op_class  # noqa: E402  (op classes: the profiler files ops by them too)
 
 
 GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct")
@@ -94,27 +83,6 @@ def host_model(profile: Any) -> dict | None:
     out = {k: v * (cal["python"] if k == "node" else cal["dispatch"]) for k, v in HOST_US.items()}
     out.update(measured)
     return out
-
-
-def op_name(target: str) -> str:
-    """``aten.addmm.default`` -> ``addmm`` (the op's own name; a substring test would file
-    ``convert_element_type`` under convolutions)."""
-    parts = str(target).split(".")
-    return parts[1] if len(parts) >= 2 else parts[0]
-
-
-@functools.lru_cache(maxsize=8192)  # a few hundred distinct targets, asked once per node per estimate
-def op_class(target: str) -> str:
-    """matmul, attention, communication, view or other (pointwise, reductions, copies)."""
-    target = str(target)
-    if target.startswith("dc."):
-        return "communication"
-    name = op_name(target)
-    if "attention" in name or "flash" in name:
-        return "attention"
-    if name in MATMUL_OPS:
-        return "matmul"
-    return "view" if name in VIEW_OPS else "other"
 
 
 def _numel(shape: Any) -> int:

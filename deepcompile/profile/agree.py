@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from deepcompile.profile import sustained
 from deepcompile.profile.profiler import GraphProfile, Profile
 from deepcompile.vocab.links import CommModel, ReplicateLink
 
@@ -84,6 +85,7 @@ def agree(profile: Profile, group=None) -> Profile:
     agreed."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         drop_stalls(profile)
+        sustained.apply(profile)
         return profile
     mine = {k: _signature(g) for k, g in profile.graphs.items()}
     every: list = [None] * dist.get_world_size(group)
@@ -111,12 +113,16 @@ def agree(profile: Profile, group=None) -> Profile:
             for x in (-n.latency_ms, float(n.mem_after_bytes), float(n.peak_bytes), float(n.out_bytes))]
     flat.append(float(profile.optimizer_peak_bytes))
     flat.append(float(profile.optimizer_ms))
+    flat.append(float((profile.sustained or {}).get("ratio") or 1.0))   # the most slowed rank's clock
     backend = dist.get_backend(group)
     dev = torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(backend) else torch.device("cpu")
     t = torch.tensor(flat, dtype=torch.float64, device=dev)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     vals = t.cpu().tolist()
     i = 0
+    ratio = vals.pop()
+    if profile.sustained or ratio != 1.0:
+        profile.sustained = dict(profile.sustained or {}, ratio=round(ratio, 4))
     profile.optimizer_ms = vals.pop()
     profile.optimizer_peak_bytes = int(vals.pop())
     if profile.host:   # every rank measures it on a GPU (or none does): the slowest host's pace
@@ -152,4 +158,5 @@ def agree(profile: Profile, group=None) -> Profile:
                                                     copy_bytes_per_us=rc.copy_bytes_per_us),
                                           profile.replicate.shard_world)
     drop_stalls(profile)   # on the agreed values: every rank replaces the same nodes
+    sustained.apply(profile)   # (after: a stall is judged against its family's profiled latencies)
     return profile

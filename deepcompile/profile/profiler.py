@@ -67,6 +67,10 @@ class Profile:
     # (api.initialize: all of it on the device would pass memory_limit_gib): off the device in the
     # measured forward and backward, its copies in optimizer_ms (see resident_optimizer_ms)
     state_streamed_bytes: int = 0
+    # the GPU's busy-step clock against the profiled one (profile.sustained.measure: "ratio",
+    # "node", "burst_ms", "sustained_ms"); agree() scales the matmul and attention latencies by
+    # the ratio, so the recorded latencies are the busy step's. None: not measured (CPU)
+    sustained: dict | None = None
     memory: dict | None = None   # this rank's memory timeline of the step (take_memory_timeline); not agreed
     # the host micro-benchmark of the profiling step (profile.host.host_benchmark; GPU only): what
     # plan.estimate.host_model scales HOST_US by; agreed (the slowest rank's)
@@ -84,6 +88,7 @@ class Profile:
         return [{"graph_id": g.graph_id, "kind": g.kind, "hardware": self.hardware, "comm": comm, **rep,
                  "optimizer_ms": self.optimizer_ms, "optimizer_peak_bytes": self.optimizer_peak_bytes,
                  **({"state_streamed_bytes": self.state_streamed_bytes} if self.state_streamed_bytes else {}),
+                 **({"sustained": dict(self.sustained)} if self.sustained else {}),
                  **({"host": dict(self.host)} if self.host else {}),
                  "nodes": [dict(n.__dict__) for n in g.nodes]} for g in self.graphs.values()]
 
@@ -106,6 +111,7 @@ class Profile:
             prof.optimizer_ms = float(r.get("optimizer_ms") or 0.0)
             prof.optimizer_peak_bytes = int(r.get("optimizer_peak_bytes") or 0)
             prof.state_streamed_bytes = int(r.get("state_streamed_bytes") or 0)
+            prof.sustained = dict(r["sustained"]) if r.get("sustained") else None
             if r.get("host"):
                 prof.host = dict(r["host"])
         return prof

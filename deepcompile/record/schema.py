@@ -357,6 +357,11 @@ def check_profile(file: str, p: Any) -> dict:
         if v is not None and v < 0:
             _fail(file, f"{w}.optimizer_ms", f"expected a time of at least 0, got {v!r}")
         _field(file, g, "optimizer_peak_bytes", int, w, optional=True)
+        su = _field(file, g, "sustained", dict, w, optional=True, nullable=True)
+        if su is not None:   # profile.sustained: the busy step's clock against the profiled one
+            v = _field(file, su, "ratio", _NUM, f"{w}.sustained", finite=True)
+            if v < 1.0:
+                _fail(file, f"{w}.sustained.ratio", f"expected a ratio of at least 1, got {v!r}")
         v = _field(file, g, "state_streamed_bytes", int, w, optional=True)
         if v is not None and v < 0:
             _fail(file, f"{w}.state_streamed_bytes", f"expected a byte count of at least 0, got {v!r}")
