@@ -68,6 +68,9 @@ def test_the_sustained_clock_scales_only_compute_bound_latencies():
             P.NodeProfile("mm_default_1", 3.0, 0, 0, 0, "aten.mm.default")]
     node, ms = sustained.heaviest_matmul({(0, "forward"): gm}, {(0, "forward"): recs})
     assert (node.name, ms) == ("mm_default_1", 3.0)
+    # only what fits the room the step leaves (its inputs and output: 45 KB; the other's 57 KB)
+    assert sustained.heaviest_matmul({(0, "forward"): gm}, {(0, "forward"): recs}, 50_000)[0].name == "mm_default_1"
+    assert sustained.heaviest_matmul({(0, "forward"): gm}, {(0, "forward"): recs}, 40_000) is None
     gm.graph.find_nodes(op="call_function", target=torch.ops.aten.mm.default)[1].meta.pop("val")
     assert sustained.heaviest_matmul({(0, "forward"): gm}, {(0, "forward"): recs})[0].name == "mm_default"   # unknown shape: skipped
     assert sustained.measure({(0, "forward"): gm}, {(0, "forward"): recs}, torch.device("cpu")) is None

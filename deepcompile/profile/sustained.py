@@ -9,8 +9,9 @@ matmul measured 2.67 ms (median) inside a compiled 8B-shape step at 16k tokens, 
 profile priced 21% under the trace.
 
 :func:`measure` runs the profile's heaviest matmul the way the profiler timed it (after a spin)
-and then back to back for ``SUSTAIN_MS``; the ratio of the two is what ``agree`` scales every
-matmul and attention latency by (``apply``). A host-bound step keeps its kernels apart, but the
+and then back to back for ``SUSTAIN_MS``, with tensors that fit under the profiled step's own
+peak; the ratio of the two is what ``agree`` scales every matmul and attention latency by
+(``apply``). A host-bound step keeps its kernels apart, but the
 cost model gives such a step the host's pace, which the ratio does not touch.
 """
 from __future__ import annotations
@@ -27,10 +28,10 @@ MAX_BYTES = 512 << 20  # the matmul's inputs and output, beside what the step ho
 MAX_RATIO = 1.5        # a larger ratio is a disturbed measurement, not a clock
 
 
-def heaviest_matmul(compiled: dict, measured: dict) -> tuple[fx.Node, float] | None:
+def heaviest_matmul(compiled: dict, measured: dict, max_bytes: int = MAX_BYTES) -> tuple[fx.Node, float] | None:
     """(node, profiled ms) of the slowest matmul over the profiled graphs (``compiled``:
     (gid, kind) -> GraphModule, ``measured``: the same keys -> node records) whose inputs and
-    output fit ``MAX_BYTES`` and are all known (fake tensors in the node's meta)."""
+    output fit ``max_bytes`` and are all known (fake tensors in the node's meta)."""
     best = None
     for key, gm in compiled.items():
         lat = {r.name: r.latency_ms for r in measured.get(key, [])}
@@ -43,7 +44,7 @@ def heaviest_matmul(compiled: dict, measured: dict) -> tuple[fx.Node, float] | N
             vals.append(n.meta.get("val"))
             if not all(isinstance(v, torch.Tensor) and all(isinstance(d, int) for d in v.shape) for v in vals):
                 continue
-            if sum(v.numel() * v.element_size() for v in vals) > MAX_BYTES:
+            if sum(v.numel() * v.element_size() for v in vals) > max_bytes:
                 continue
             if best is None or lat[n.name] > best[1]:
                 best = (n, lat[n.name])
@@ -57,7 +58,11 @@ def measure(compiled: dict, measured: dict, device: torch.device) -> dict | None
     to back."""
     if device.type != "cuda":
         return None
-    found = heaviest_matmul(compiled, measured)
+    # under the profiled step's own peak: the measurement must not raise the run's (a step that
+    # offloads its activations has little room then; 1 H200: 0.12 GiB over it without this bound)
+    peak = max((r.peak_bytes for recs in measured.values() for r in recs), default=0)
+    room = min(MAX_BYTES, peak - torch.cuda.memory_allocated(device) - (64 << 20))
+    found = heaviest_matmul(compiled, measured, room) if room > 0 else None
     if found is None:
         return None
     try:
