@@ -235,7 +235,18 @@ def test_prune_keeps_the_newest_entries_and_clears_crashed_writes(tmp_path):
     assert cache.prune(str(tmp_path / "missing")) == []
 
 
-def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def inductor_dir(tmp_path_factory):
+    """Inductor's caches for this module's tests (per test worker): the tests read and seed
+    AOTAutograd's cache there, and its kernels compile once for all of them."""
+    return tmp_path_factory.mktemp("inductor")
+
+
+def _aot_entries(d) -> set:
+    return set(map(str, d.glob("aotautograd/*/*")))
+
+
+def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch, inductor_dir):
     """Warm compile: with a plan-cache hit the planned passes are fixed before step
     0's compile, so AOTAutograd's cache is turned on for it (config aot_cache), keyed by the plan.
     The run that plans seeds that entry from its trace-once compile (its warm-up compile computed
@@ -243,14 +254,15 @@ def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch):
     graphs from AOTAutograd's cache: no passes run, the record shows the planning run's final
     graph versions, and it trains as the planning run did (bitwise as every later re-run).
     1 gloo rank, Inductor on the CPU (the cache stores Inductor's graphs only)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # the ranks inherit it
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))  # the ranks inherit it
     d = str(tmp_path / "plans")
     ind = {"compiler": "inductor"}
+    before = _aot_entries(inductor_dir)
     first, second, third = (run_ranks(_run, 1, d, ind, timeout=300)[0] for _ in range(3))
     assert first["cache"]["hit"] is False and second["cache"]["hit"] and third["cache"]["hit"]
     assert first["key"] == second["key"] == third["key"]
     assert first["aot_seed"].get("saved") == 1, first["aot_seed"]
-    assert list((tmp_path / "inductor").glob("aotautograd/*/*")), "no AOTAutograd entry on disk"
+    assert _aot_entries(inductor_dir) - before, "no AOTAutograd entry on disk"
     for run in (second, third):
         assert run["aot_hits"] == [0], run["aot_hits"]
         assert "passes" not in run["phases"][0], run["phases"]
@@ -266,13 +278,13 @@ def test_rerun_takes_inductor_graphs_from_the_aot_cache(tmp_path, monkeypatch):
         first["losses"], second["losses"])
 
 
-def test_rerun_of_a_blocks_plan_takes_its_driver_from_the_aot_cache(tmp_path, monkeypatch):
+def test_rerun_of_a_blocks_plan_takes_its_driver_from_the_aot_cache(tmp_path, monkeypatch, inductor_dir):
     """Blocks (config ``blocks``) compile each graph as regions run by a driver of ours. The
     driver is made an entry of Inductor's FX graph cache (block_regions.blocks_cached_driver), so the
     planning run seeds AOTAutograd's cache with it as with a whole Inductor graph, and the re-run
     loads the driver and its regions' code from there: no trace, no passes, no compile, and the
     same training as the planning run. 1 gloo rank, 4 layers (the middle blocks are identical)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
     d = str(tmp_path / "plans")
     ind = {"compiler": "inductor", "blocks": True}
     # a kernel compile pool: the regions' deferred kernel wait
@@ -292,11 +304,12 @@ def test_rerun_of_a_blocks_plan_takes_its_driver_from_the_aot_cache(tmp_path, mo
         first["losses"], second["losses"])
 
 
-def test_plan_with_runtime_state_is_not_seeded(tmp_path, monkeypatch):
+def test_plan_with_runtime_state_is_not_seeded(tmp_path, monkeypatch, inductor_dir):
     """A plan with a pass that sets runtime state while it compiles (offload_activations) must not
     come from AOTAutograd's cache, which skips the passes: the planning run seeds nothing (its
     re-run then compiles the plan with its passes: _aot_cache_salt is None for such a plan)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_dir))
+    before = _aot_entries(inductor_dir)
     d = str(tmp_path / "plans")
     cfg = {"compiler": "inductor", "warmup_compiler": "aot_eager", "passes": ["zero3"], "profile_step": 1,
            "plan": True, "schedule": [{"step": 2, "passes": [
@@ -304,4 +317,4 @@ def test_plan_with_runtime_state_is_not_seeded(tmp_path, monkeypatch):
     first = run_ranks(_run, 1, d, cfg, timeout=300)[0]
     assert first["cache"]["stored"], first["cache"]
     assert first["aot_seed"].get("saved") == 0 and "offload_activations" in first["aot_seed"]["why"], first["aot_seed"]
-    assert not list((tmp_path / "inductor").glob("aotautograd/*/*")), "an AOTAutograd entry was stored"
+    assert _aot_entries(inductor_dir) == before, "an AOTAutograd entry was stored"
