@@ -25,7 +25,6 @@ GETITEM = ("getitem", "_operator.getitem", "operator.getitem")
 from deepcompile.profile.host import HOST_US  # noqa: E402
 from deepcompile.vocab.ops import op_class  # noqa: E402  (op classes: the profiler files ops by them too)
 
-
 GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct")
 
 
