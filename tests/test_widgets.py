@@ -1165,3 +1165,23 @@ def test_live_steps_plot_each_steps_peak_by_category(tmp_path):
     assert "process" in fig.layout[rss[0].yaxis.replace("y", "yaxis")].title.text
     rec.close()
     rec2.close()
+
+
+def test_steps_time_range_follows_the_steady_steps_past_a_stalled_one(tmp_path):
+    """The step-time panel's range follows the steady steps: the compile step and a single step
+    that stalled on a busy machine are above it, and the note says so (CI's browser run saw a
+    1.7 s step among ~30 ms ones, and the compile step then set the scale)."""
+    from deepcompile.record.writer import RunRecorder
+    from deepcompile.widgets.steps_view import StepsModel
+
+    env = {"torch": "x", "python": "3", "hostname": "h", "world_size": 1, "rank": 0, "devices": []}
+    rec = RunRecorder(tmp_path / "run", 0, 1, {"compiler": "eager", "passes": ["zero3"]}, env=env)
+    for s in range(1, 41):
+        rec.step(s, 6.5 if s == 1 else 1.7 if s == 20 else 0.03 + 0.001 * (s % 3), 1.0, {})
+    rec.close()
+    sm = StepsModel(tmp_path / "run")
+    sm.poll()
+    fig = sm.figure()
+    top = fig.layout.yaxis.range[1]
+    assert 0.032 * 1e3 <= top < 0.1 * 1e3, top          # ms: over the steady steps, under the stall
+    assert any("step 1 (compile): 6.5 s" in a.text and "1 slower step(s)" in a.text for a in fig.layout.annotations)
