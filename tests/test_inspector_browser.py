@@ -20,9 +20,9 @@ predicted by the what-if from the first run's record and then Run: the new run's
 step must be within 20% of that prediction (predicted, measured and the error are printed). The
 machine is shared: the CPU the job, the kernel, Chromium and other processes use during each run's
 steps is measured (/proc) and printed; an edit's run during which other processes used the machine
-unlike during the base run's is measured again (four runs at most), and the 20% bound is asserted
-only where other processes used at most half a core (a timing on a shared machine measures the
-neighbours)."""
+unlike during the base run's is measured again (four runs at most) where the base run was quiet
+enough for the bound to count, and the 20% bound is asserted only where other processes used at
+most QUIET_OTHERS cores (a timing on a shared machine measures the neighbours)."""
 from __future__ import annotations
 
 import os
@@ -603,7 +603,12 @@ def test_notebook_01_in_jupyterlab(jupyterlab, tmp_path):
                 assert abs(med - meas2) <= 0.051, (med, meas2)
                 print(f"run {name} (selective_unshard.budget_mb=0): busy during its steps: {fmt_cores(cores[name])}")
                 a, b = cores[name], cores[base[0]]
-                if a is not None and b is not None and abs(a["others"] - b["others"]) > OTHERS_APART:
+                # measured again only where another run could lead to the 20% bound: once other
+                # processes kept more than QUIET_OTHERS cores busy during the base's steps, the bound
+                # is not asserted whatever the edit's next run measures (nor any other assertion of
+                # a run, each already made on this one)
+                if (a is not None and b is not None and abs(a["others"] - b["others"]) > OTHERS_APART
+                        and b["others"] <= QUIET_OTHERS):
                     print(f"{name}: other processes used the machine unlike during {base[0]}: measured again")
                     last = (name, pred2, meas2, n_steady)
                     continue

@@ -22,8 +22,15 @@ STEPS = 4
 BASE = {"compiler": "aot_eager", "memory_limit_gib": 8.0}   # a fixed limit: the CPU's free memory moves
 
 
-def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None, n_layer=None):
+def _run(rank: int, world: int, cache_dir, extra: dict, record_dir=None, n_layer=None, env=None):
+    """One rank's run. ``env``: variables set in the rank before deepcompile starts (as the
+    rank's own environment: the plan cache reads them at use). Set here rather than in the
+    parent's environment so the rank stays a fork of the fork server (tests/dist_utils.py), not
+    a spawned interpreter that imports torch again."""
     import warnings
+
+    if env:
+        os.environ.update(env)
 
     import deepcompile
     from deepcompile.compat import dynamo as dynamo_compat
@@ -146,10 +153,12 @@ def test_rerun_hits_and_trains_the_same(tmp_path, monkeypatch):
     # NVLink (gloo ignores the variable; the key must not), and NCCL's logging changes no plan
     from deepcompile.plan.cache import link_settings
 
-    monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
-    monkeypatch.setenv("NCCL_DEBUG", "INFO")
-    assert link_settings() == {"NCCL_P2P_DISABLE": "1"}
-    slow = run_ranks(_run, 2, d, {}, timeout=180)
+    nccl = {"NCCL_P2P_DISABLE": "1", "NCCL_DEBUG": "INFO"}
+    with monkeypatch.context() as m:
+        for k, v in nccl.items():
+            m.setenv(k, v)
+        assert link_settings() == {"NCCL_P2P_DISABLE": "1"}
+    slow = run_ranks(_run, 2, d, {}, None, None, nccl, timeout=180)
     for a, b in zip(first, slow):
         assert b["cache"]["hit"] is False and b["key"] != a["key"], b["cache"]
 

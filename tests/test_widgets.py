@@ -689,19 +689,6 @@ def test_inspector_start_job_streams_and_adds_run(demo_run, tmp_path):
 
 
 # --------------------------------------------------------------------------- what-if, re-runs, one peak, live memory
-@pytest.fixture(scope="module")
-def planned_run(tmp_path_factory) -> Path:
-    """A CPU demo whose record holds a profile (step 2 profiled) and a prefetch with a visible effect."""
-    from tests.conftest import run_cli
-
-    out = tmp_path_factory.mktemp("planned") / "run"
-    r = run_cli("demo", "--ranks", "2", "--steps", "4", "--cpu", "--passes", "zero3,prefetch,selective_unshard",
-                "--profile-step", "1", "--pass-param", "prefetch.budget_mb=64", "--pass-param", "prefetch.fuse_mb=0",
-                "--out", str(out), timeout=600)
-    assert r.returncode == 0, f"demo failed:\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
-    return out
-
-
 def _find(widget, cls):
     """The widget under ``widget`` carrying the DOM class ``cls``."""
     if cls in getattr(widget, "_dom_classes", ()):
