@@ -445,7 +445,7 @@ def test_planner_streams_the_step_only_where_the_resident_step_cannot_fit():
     assert p["step"] == "streamed" and p["final_reload"] == "fit" and p["limit_mb"] == 40 * 1024
     assert "streams it through in chunks of 512 MiB" in tight.summary_line() and "streams the state" in tight.why
     # the streamed copies are priced: a whole direction of the state over the host link
-    from deepcompile.plan.estimate import HOST_BYTES_PER_US
+    from deepcompile.vocab.links import HOST_BYTES_PER_US
 
     assert c.step_ms >= FACTS8.state_bytes / HOST_BYTES_PER_US / 1e3
     with pytest.raises(P.PlanError, match=r"streamed through the step in chunks of 512 MiB.*GiB missing"):

@@ -37,6 +37,7 @@ from deepcompile.params import spec
 from deepcompile.passes.registry import OFFLINE_RERUN, PassContext, register_pass
 from deepcompile.passes.alias import alias_closure, is_view, storage_keys
 from deepcompile.passes.block_list import node_block, parse_blocks
+from deepcompile.vocab.links import HOST_ONE_WAY_BYTES_PER_US
 
 DC = torch.ops.dc
 NAME = "offload_activations"
@@ -52,8 +53,11 @@ class OffloadActivationsParams:
     min_mb: float = spec(1.0, min=0.0, max=1e9, help="only saved activations at least this large (MiB) are offloaded")
     keep_mb: float = spec(0.0, min=0.0, max=1e9,
                           help="saved-activation memory (MiB) that stays on the device; the earliest-produced rest is offloaded")
-    h2d_gbps: float = spec(20.0, min=0.1, max=10000.0,
-                           help="host-to-device bandwidth (GB/s) assumed when timing reloads against the profile")
+    # the rate the planner prices these copies at: a lower one starts every reload earlier than
+    # needed, and the reloaded bytes are back on the device at the backward's peak
+    h2d_gbps: float = spec(HOST_ONE_WAY_BYTES_PER_US / 1e3, min=0.1, max=10000.0,
+                           help="host-to-device bandwidth (GB/s) assumed when timing reloads against the profile "
+                                "(default: pinned copies one way on an H200)")
     lookahead_nodes: int = spec(8, min=0, max=100000,
                                 help="without a profile: how many backward nodes ahead of its first use a reload starts")
     blocks: str = spec("", help="decoder blocks (their index in the model's block list) whose saved activations are "

@@ -24,6 +24,7 @@ GETITEM = ("getitem", "_operator.getitem", "operator.getitem")
 
 from deepcompile.profile.host import HOST_US  # noqa: E402
 from deepcompile.vocab.ops import op_class  # noqa: E402  (op classes: the profiler files ops by them too)
+from deepcompile.vocab.links import HOST_BYTES_PER_US, HOST_ONE_WAY_BYTES_PER_US  # noqa: E402,F401  (the host link)
 
 GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct")
 
@@ -555,12 +556,6 @@ def recomputed_latency_us(gp_forward: Any, forward_versions: list[dict], forward
             if n.get("recompute_of") in lat and target.get(n["recompute_of"]) == n.get("target")}
 
 
-# pinned host <-> device, both ranks of a host copying at once, both directions at once (2 H200s:
-# 37.9 GB/s each; benchmarks/results/copy_bw_h200_2gpu.json)
-HOST_BYTES_PER_US = 38e3
-# ... one direction at a time (55.2 GB/s each, same file): activation offload copies out in the
-# forward and back in the backward
-HOST_ONE_WAY_BYTES_PER_US = 55e3
 
 
 def offload_ms(offloaded: int, overlap_ms: float, streamed: bool = False) -> float:

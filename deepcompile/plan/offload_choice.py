@@ -4,7 +4,7 @@ The third way, beside keeping and recomputing, to take a block's activations off
 between forward and backward (``passes/offload_activations.py`` with ``blocks``): copy them to
 pinned host memory after their last forward reader and back before backward's first reader.
 It runs no compute, only copies, each direction on its own stream at ``bytes_per_ms``
-(``plan.estimate.HOST_ONE_WAY_BYTES_PER_US``) beside the compute, so what it costs the step is the
+(``vocab.links.HOST_ONE_WAY_BYTES_PER_US``) beside the compute, so what it costs the step is the
 part of the copies the compute cannot cover, plus what the covered copies still cost the compute
 beside them (``COPY_OVERHEAD``, measured). The first part is found by running the copies on the
 profiled step's timeline (:func:`schedule`):

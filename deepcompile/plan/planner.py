@@ -42,7 +42,8 @@ from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_RERUN, PassEntry, absent_params, planned_params
 from deepcompile.plan.cost_model import resident_optimizer_ms
 from deepcompile.plan.device_memory import TWO_MOMENTS, DeviceMemory, agree_memory, local_memory
-from deepcompile.plan.estimate import HOST_ONE_WAY_BYTES_PER_US, offload_ms
+from deepcompile.plan.estimate import offload_ms
+from deepcompile.vocab.links import HOST_ONE_WAY_BYTES_PER_US
 from deepcompile.plan.memory import (GIB, MIB, STREAM_CHUNK_MB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory,
                                      prefetch_bytes, streamed_optimizer_peak, with_reloads)
 from deepcompile.plan.pricing import PlanError, SplitTimer, no_gc, price

@@ -1,7 +1,7 @@
 """The link models collectives are priced with: an alpha-beta line per collective (latency +
 bytes / bandwidth), with defaults per backend until a measured profile replaces them, and the
 second link of hybrid sharding. The profiler fits them, the passes and the planner price
-collectives with them, the record stores them."""
+collectives with them, the record stores them. Also the host link the offload passes copy over."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,3 +62,11 @@ DEFAULTS = {
 
 def default_model(backend: str) -> CommModel:
     return DEFAULTS["nccl" if "nccl" in backend else "gloo"]
+
+
+# pinned host <-> device, both ranks of a host copying at once, both directions at once (2 H200s:
+# 37.9 GB/s each; benchmarks/results/copy_bw_h200_2gpu.json)
+HOST_BYTES_PER_US = 38e3
+# ... one direction at a time (55.2 GB/s each, same file): activation offload copies out in the
+# forward and back in the backward
+HOST_ONE_WAY_BYTES_PER_US = 55e3
