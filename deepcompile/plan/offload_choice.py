@@ -30,7 +30,7 @@ import bisect
 from dataclasses import asdict, dataclass
 
 from deepcompile.passes.offload_activations import reload_starts
-from deepcompile.plan.recompute_choice import step_timeline
+from deepcompile.plan.recompute_choice import from_fields, step_timeline
 
 # a prefix whose copies add at most this much to the step counts as hidden
 HIDDEN_MS = 0.5
@@ -56,6 +56,11 @@ class OffloadCost:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "OffloadCost":
+        """The inverse of :meth:`to_dict` (plan.json's ``offload_options``)."""
+        return from_fields(cls, d)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ shortest prefix that fits by bisection (``planner.choose``).
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch.fx as fx
 
@@ -34,6 +34,20 @@ class BlockCost:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "BlockCost":
+        """The inverse of :meth:`to_dict` (plan.json's ``recompute_options``)."""
+        return from_fields(cls, d)
+
+
+_CASTS = {"int": int, "float": float}
+
+
+def from_fields(cls, d: dict):
+    """``cls`` (a dataclass of int and float fields) from a dict a record holds: each field cast
+    to its type. KeyError, TypeError or ValueError on a missing or malformed field."""
+    return cls(**{f.name: _CASTS[f.type](d[f.name]) for f in fields(cls)})
 
 
 def chrono_key(gid: int, kind: str) -> tuple:

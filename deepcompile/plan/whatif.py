@@ -467,8 +467,7 @@ def _block_costs(b: RecordBase) -> list:
     from deepcompile.plan.recompute_choice import BlockCost
 
     try:
-        return [BlockCost(int(d["block"]), int(d["nbytes"]), float(d["ms"]), int(d["start"]), int(d["end"]))
-                for d in (b.plan or {}).get("recompute_options") or []]
+        return [BlockCost.from_dict(d) for d in (b.plan or {}).get("recompute_options") or []]
     except (KeyError, TypeError, ValueError):
         return []
 
@@ -510,9 +509,7 @@ def _offload_costs(b: RecordBase) -> list:
     from deepcompile.plan.offload_choice import OffloadCost
 
     try:
-        return [OffloadCost(int(d["block"]), int(d["nbytes"]), float(d["ready_ms"]), float(d["need_ms"]),
-                            float(d["bwd_start_ms"]), int(d["ready_pos"]), int(d["need_pos"]))
-                for d in (b.plan or {}).get("offload_options") or []]
+        return [OffloadCost.from_dict(d) for d in (b.plan or {}).get("offload_options") or []]
     except (KeyError, TypeError, ValueError):
         return []
 
