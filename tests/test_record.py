@@ -317,3 +317,50 @@ def test_hidden_collectives_still_cost_compute_their_memory_traffic():
     # without a profile (no comm model) only the issue is charged
     ev, _ = estimate([s, ag], 0, "forward")
     assert {e["stream"]: e["end_us"] - e["start_us"] for e in ev}["compute"] == pytest.approx(0.5)
+
+
+def test_the_fast_node_check_accepts_only_what_the_named_check_accepts():
+    """``check_nodes`` accepts a node by ``_node_ok`` (no paths) and checks again with paths
+    (``_check_node``) only what that does not accept: every node ``_node_ok`` accepts must pass
+    ``_check_node``, and a bad node still fails naming its field."""
+    import copy
+    import itertools
+
+    good = {"name": "mm", "op": "call_function", "target": "aten.mm.default", "scope": "blocks.0",
+            "args": [{"node": "x"}, [1, 2.5, "s", True, None, {"k": {"node": "y"}}]],
+            "kwargs": {"alpha": 1}, "shape": [[4, "s0"], [2]], "dtype": "torch.float32", "param": 3,
+            "recompute_of": "mm_0"}
+    deep: list = []
+    for _ in range(S.MAX_DEPTH + 2):
+        deep = [deep]
+    bad_values = [None, True, False, -1, 0, 2 ** 63, -(2 ** 63), 1.5, float("nan"), "s", [], {}, [[-1]],
+                  [True], [[2 ** 64]], {"node": 3}, {"node": "n", "x": 1}, deep, [deep], [{"a": deep}],
+                  [float("inf")], [{"node": None}]]
+    nodes = [good]
+    for k, v in itertools.product(list(good), bad_values):
+        n = copy.deepcopy(good)
+        n[k] = copy.deepcopy(v)
+        nodes.append(n)
+    for k in good:                      # each field left out
+        n = copy.deepcopy(good)
+        del n[k]
+        nodes.append(n)
+    nodes += [[], "node", None, {"name": "only"}]
+    accepted = rejected = 0
+    for n in nodes:
+        try:
+            S._check_node("g.json", n, "nodes[0]")
+            named_ok = True
+        except RecordError as e:
+            named_ok = False
+            assert "nodes[0]" in str(e), e
+        if S._node_ok(n):
+            assert named_ok, n
+            accepted += 1
+        try:
+            S.check_nodes("g.json", [good, n])
+            assert named_ok, n
+        except RecordError as e:
+            assert not named_ok and "nodes[1]" in str(e), (n, e)
+            rejected += 1
+    assert accepted > 10 and rejected > 50, (accepted, rejected)
