@@ -24,7 +24,7 @@ GETITEM = ("getitem", "_operator.getitem", "operator.getitem")
 
 from deepcompile.profile.host import HOST_US  # noqa: E402
 from deepcompile.vocab.ops import op_class  # noqa: E402  (op classes: the profiler files ops by them too)
-from deepcompile.vocab.links import HOST_BYTES_PER_US, HOST_ONE_WAY_BYTES_PER_US  # noqa: E402,F401  (the host link)
+from deepcompile.vocab.links import HOST_BYTES_PER_US  # noqa: E402  (the host link optimizer offload copies over)
 
 GPU_NAMES = ("nvidia", "tesla", "geforce", "quadro", "amd", "radeon", "instinct")
 

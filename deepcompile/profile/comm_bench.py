@@ -44,7 +44,7 @@ def benchmark_allreduce(group, device=None, sizes=None, reps: int | None = None)
 # compute costs what back-to-back calls do not: the thread that sends must be woken and scheduled
 # beside the peer's compute, and the ranks arrive apart. 2 gloo ranks on 2 cores, 16 KiB gathers:
 # 0.27 ms each back to back, 0.55-1.2 ms each after 150-250 us of matmuls (the demo's steady step
-# of 45 gathers measured 0.8 ms a gather). So each timed call comes after GAP_US of compute, as
+# of 45 gathers spent 0.8-1.2 ms a gather). So each timed call comes after GAP_US of compute, as
 # in a step, and the mean over CPU_REPS calls is kept.
 GAP_US = 200.0
 CPU_REPS = 8
