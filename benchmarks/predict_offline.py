@@ -56,6 +56,21 @@ def traced_ms(path: str, steps: int) -> dict:
     return {**{k: round(v, 2) for k, v in out.items()}, "busy_without_communication": round(busy, 2)}
 
 
+def top_other_kernels(path: str, steps: int, n: int) -> list[dict]:
+    """The ``n`` kernels of kind "other" (Inductor's fused kernels, copies, casts) with the most
+    GPU time per step: what the fused cost model (``plan.estimate.fused_us``) is compared against
+    when its "other" class is off."""
+    from benchmarks.trace_streams import load
+
+    ms: collections.Counter = collections.Counter()
+    count: collections.Counter = collections.Counter()
+    for e in load(path):
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and kernel_class(e["name"]) == "other":
+            ms[e["name"]] += e["dur"] / 1e3 / steps
+            count[e["name"]] += 1
+    return [{"kernel": k[:120], "ms": round(v, 3), "launches": count[k] / steps} for k, v in ms.most_common(n)]
+
+
 def predicted_by_class(p: dict, versions: list[dict]) -> dict:
     target = {}
     for v in versions:
@@ -84,6 +99,7 @@ def main(argv=None) -> int:
     ap.add_argument("--system", default="dc_default")
     ap.add_argument("--trace", help="a BENCH_TRACE Chrome trace of the same code (rank 0)")
     ap.add_argument("--trace-steps", type=int, default=3, help="steps the trace holds")
+    ap.add_argument("--top", type=int, default=0, help="with --trace: list the N 'other' kernels with the most GPU time")
     a = ap.parse_args(argv)
     rec = read_run(a.record)
     if not rec.profile:
@@ -104,6 +120,8 @@ def main(argv=None) -> int:
         out["error_fused"] = round(out["fused"]["step_ms"] / out["measured_step_ms"] - 1, 3)
     if a.trace:
         out["traced_gpu_ms_per_step"] = traced_ms(a.trace, a.trace_steps)
+        if a.top:
+            out["top_other_kernels"] = top_other_kernels(a.trace, a.trace_steps, a.top)
     print(json.dumps(out, indent=1))
     return 0
 
