@@ -221,6 +221,36 @@ def _plan_953m(**kw):
     return plan_offline.plan_record(str(repo / "benchmarks/results/zero3_h200_2gpu_dc_default_record"), **kw)
 
 
+def test_the_plan_says_whether_the_host_or_the_gpu_sets_the_pace():
+    """Two recorded GPU profiles, each planned offline: the 953M Llama on 2 H200s, whose steps
+    measured host-bound (host 92-99% of the step), and the Llama-3-8B shape's 8 layers at 8k
+    context on one H200, GPU-bound (host 32.7 of a 251.3 ms step). The plan records which, with
+    the host's and the GPU's predicted times, and its why says so."""
+    import sys
+    from pathlib import Path
+
+    from deepcompile.record.schema import RecordError, check_plan
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "benchmarks"))
+    try:
+        import plan_offline
+    finally:
+        sys.path.pop(0)
+    host, _, _, _ = _plan_953m()
+    assert host.pace["bound"] == "host" and host.pace["host_ms"] >= host.pace["gpu_busy_ms"] > 0, host.pace
+    assert "host-bound: the host launches the graphs in" in host.why and "keeping the most gathered wins" in host.why
+    gpu, _, _, _ = plan_offline.plan_record(
+        str(repo / "benchmarks/results/zero3_llama3_8b_L8_seq8192_h200_1gpu_dc_default_record"))
+    assert gpu.pace["bound"] == "gpu" and gpu.pace["gpu_busy_ms"] > 5 * gpu.pace["host_ms"] > 0, gpu.pace
+    assert "GPU-bound: the GPU computes for" in gpu.why
+    for p in (host, gpu):   # what plan.json holds reads back
+        assert check_plan("plan.json", p.to_dict())["pace"] == p.pace
+    bad = {**gpu.to_dict(), "pace": {**gpu.pace, "bound": "cpu"}}
+    with pytest.raises(RecordError, match="pace.bound"):
+        check_plan("plan.json", bad)
+
+
 def test_real_953m_profile_memory_model_and_fsdp_limit_offloads():
     """The planner on the recorded 953M Llama profile of 2 H200s (benchmarks/plan_offline.py
     rebuilds its graphs): the memory model's peak for the profiled plan is the profile's

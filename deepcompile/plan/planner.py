@@ -133,6 +133,8 @@ class Plan:
     passes: list = field(default_factory=list)   # the pass list compiled with the plan
     block_costs: list = field(default_factory=list)  # plan.recompute_choice.BlockCost of every recomputable block
     offload_costs: list = field(default_factory=list)  # plan.offload_choice.OffloadCost of every offloadable block
+    pace: dict | None = None   # who sets the chosen plan's pace, host or GPU (:func:`pace`)
+    roomy: bool = False        # every candidate fitted the limit (choose's host-time tie applied)
 
     def to_dict(self) -> dict:
         f = asdict(self.facts)
@@ -148,7 +150,8 @@ class Plan:
                 "considered": self.considered, "fitting": self.fitting, "why": self.why,
                 "passes": self.passes, "summary": self.summary_line(),
                 "recompute_options": [c.to_dict() for c in self.block_costs],
-                "offload_options": [c.to_dict() for c in self.offload_costs]}
+                "offload_options": [c.to_dict() for c in self.offload_costs],
+                "pace": self.pace}
 
     def summary_line(self) -> str:
         c = self.chosen
@@ -420,7 +423,7 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
                 + (f", recompute {len(runner.recompute)} block(s)" if runner.recompute else "")
                 + (f", offload {len(runner.offload_act)} block(s)' activations" if runner.offload_act else "") + ")")
     return Plan(best, runner, mem, facts, dict(hand),
-                time_model, len(cands), n_fit, why)
+                time_model, len(cands), n_fit, why, roomy=roomy)
 
 
 def _with_recompute(step_ms: Callable[[Candidate], float], accumulation: int) -> Callable[[Candidate], float]:
@@ -490,6 +493,31 @@ def _nothing_fits(facts: MemoryFacts, mem: DeviceMemory, cands: list[Candidate],
 
 
 # ----------------------------------------------------------------------------------------- time
+def pace(predicted: dict, roomy: bool) -> dict | None:
+    """Who sets the pace of a predicted step (``plan.cost_model.predict``'s events): the host,
+    where its time to launch the graphs (the cost model's host clock, ``HOST_US`` scaled to the
+    profiled host) is at least the compute stream's busy time, else the GPU. The planner already
+    prices every plan at that pace; where every plan fits (``roomy``), plans within ``HOST_TIE``
+    of the fastest are a tie that goes to the one keeping the most gathered, which takes the most
+    runtime ops off the host. ``why`` says which holds and what it means for the plan. None
+    where the cost model has no host clock (a CPU profile: there each op's measured latency
+    includes its launch)."""
+    host = sum(e["end_us"] - e["start_us"] for e in predicted["events"] if e["stream"] == "host") / 1e3
+    if host <= 0:
+        return None
+    busy = sum(e["end_us"] - e["start_us"] for e in predicted["events"] if e["stream"] == "compute") / 1e3
+    bound = "host" if host >= busy else "gpu"
+    if bound == "host":
+        why = (f"host-bound: the host launches the graphs in {host:.1f} ms, the GPU computes for {busy:.1f} ms; "
+               "every plan is priced at the host's pace"
+               + (f"; among plans within {HOST_TIE:.0%} of the fastest the one keeping the most gathered wins "
+                  "(each kept parameter is a gather, a wait and a release less for the host)" if roomy else ""))
+    else:
+        why = (f"GPU-bound: the GPU computes for {busy:.1f} ms, the host launches the graphs in {host:.1f} ms; "
+               "compute, communication and memory decide between plans")
+    return {"bound": bound, "host_ms": round(host, 3), "gpu_busy_ms": round(busy, 3), "why": why}
+
+
 def analytic_step_ms(c: Candidate, facts: MemoryFacts, comm, compute_ms: float, optimizer_ms: float,
                      accumulation: int = 1) -> float:
     """A coarse step time where the profiled graphs are not at hand: compute, plus the gathers
@@ -633,7 +661,8 @@ def plan_model(model, entries: list) -> list:
     if src is not None:
         from deepcompile.plan.runner import GraphRunner
 
-        timer = GraphRunner(src, extra, {}, ctx_path="plan.{}").step_ms
+        graph_runner = GraphRunner(src, extra, {}, ctx_path="plan.{}")
+        timer = graph_runner.step_ms
         time_model = "cost model on the planned graphs"
         if recompute_activations.NAME not in profiled:
             from deepcompile.plan.recompute_choice import block_costs as find_block_costs
@@ -674,6 +703,10 @@ def plan_model(model, entries: list) -> list:
         plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom,
                       recompute_levels=rc_levels, accumulation=accumulation, offload=offload)
     plan.hand_set = hand
+    if src is not None:
+        plan.pace = pace(graph_runner.predicted(plan.chosen), plan.roomy)
+        if plan.pace is not None:
+            plan.why += "; " + plan.pace["why"]
     plan.block_costs = block_costs
     plan.offload_costs = off_costs
     if chunks is not None and cfg.optimizer_chunk_mb == "auto":

@@ -236,6 +236,12 @@ class GraphRunner:
         return (b.accumulation * graphs_ms - again + p["optimizer_ms"]
                 + offload_ms(offloaded, b.accumulation * graphs_ms, streamed))
 
+    def predicted(self, cand) -> dict:
+        """``plan.cost_model.predict``'s whole result (events included) for a candidate: from
+        the last few kept per source, else priced again here (as is one another rank priced,
+        ``pricing.SplitTimer``)."""
+        return self.evaluate(merge(self.fixed, cand.params()), False)[2]
+
     def step_ms(self, cand) -> float:
         """The planner's callable: a candidate's predicted GPU step (priced once per source and
         parameters: a changed memory limit re-plans from the times already known)."""

@@ -603,4 +603,7 @@ def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **cha
     timed.coarse_to_fine = getattr(runner.step_ms, "coarse_to_fine", False)
     plan = P.choose(b.facts, mem, lambda mb: runner.kept(mb)[0], timed, {},
                     "cost model on the record's graphs (offline)")
+    plan.pace = P.pace(runner.predicted(plan.chosen), plan.roomy)
+    if plan.pace is not None:
+        plan.why += "; " + plan.pace["why"]
     return plan, b, seen

@@ -530,6 +530,11 @@ def check_plan(file: str, p: Any) -> dict:
                 _check_value(file, f"chosen.memory.{k}", v, int)
     _field(file, p, "summary", str, "", optional=True)
     _field(file, p, "why", str, "", optional=True)
+    pace = _field(file, p, "pace", dict, "", optional=True, nullable=True)   # planner.pace: host- or GPU-bound
+    if pace is not None:
+        _field(file, pace, "bound", str, "pace", choices=("host", "gpu"))
+        for k in ("host_ms", "gpu_busy_ms"):
+            _field(file, pace, k, _NUM, "pace", finite=True)
     return p
 
 
