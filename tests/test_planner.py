@@ -251,6 +251,31 @@ def test_the_plan_says_whether_the_host_or_the_gpu_sets_the_pace():
         check_plan("plan.json", bad)
 
 
+def test_the_offline_planner_weighs_recomputation_as_the_run_did():
+    """``plan_offline`` on a record whose run priced its blocks (plan.json's ``recompute_options``,
+    the Llama-3-8B shape's 8 layers at 8k tokens on one H200): roomy, nothing is recomputed;
+    under 50 GiB, where keeping less is not enough, the cheapest blocks are recomputed, as the
+    run's planner would, instead of moving optimizer state to the host every step."""
+    import sys
+    from pathlib import Path
+
+    from deepcompile.plan.planner import ALLOCATOR_SLACK
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "benchmarks"))
+    try:
+        import plan_offline
+    finally:
+        sys.path.pop(0)
+    rec = str(repo / "benchmarks/results/zero3_llama3_8b_L8_seq8192_h200_1gpu_dc_default_record")
+    roomy, _, _, _ = plan_offline.plan_record(rec)
+    assert not roomy.chosen.recompute and roomy.chosen.offloaded == 0 and len(roomy.block_costs) == 8
+    tight, _, _, _ = plan_offline.plan_record(rec, limit_gib=50)
+    assert tight.chosen.recompute and tight.chosen.offloaded == 0, tight.summary_line()
+    assert tight.chosen.memory.peak <= 50 * GIB + ALLOCATOR_SLACK
+    assert "block(s) recomputed in backward" in tight.why
+
+
 def test_real_953m_profile_memory_model_and_fsdp_limit_offloads():
     """The planner on the recorded 953M Llama profile of 2 H200s (benchmarks/plan_offline.py
     rebuilds its graphs): the memory model's peak for the profiled plan is the profile's

@@ -583,7 +583,10 @@ def variant(b: RecordBase, *, world: int | None = None, gb_per_s: float | None =
 def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **changes):
     """The planner on a record, offline: (plan, base, [(candidate, predicted GPU ms)]) for every
     candidate it priced. ``changes``: see :func:`variant`. The limit: ``limit_gib``, else 90% of
-    the capacity (``capacity_gib``, the record's plan, or the device's by name)."""
+    the capacity (``capacity_gib``, the record's plan, or the device's by name). Its levers are the
+    run's planner's: keep, prefetch, optimizer offload and chunks, and the blocks to recompute or
+    whose activations to offload, as that planner found them (plan.json's ``recompute_options``
+    and ``offload_options``; a record without them plans without those two levers)."""
     from deepcompile.plan import planner as P
 
     b = load_base(run_dir, rank)
@@ -601,8 +604,12 @@ def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **cha
         seen.append((c, t))
         return t
     timed.coarse_to_fine = getattr(runner.step_ms, "coarse_to_fine", False)
+    block_costs = _block_costs(b)
+    offload = P.ActivationOffload.of(_offload_costs(b), None, {c.block: c.ms for c in block_costs})
     plan = P.choose(b.facts, mem, lambda mb: runner.kept(mb)[0], timed, {},
-                    "cost model on the record's graphs (offline)")
+                    "cost model on the record's graphs (offline)", recompute_levels=P.recompute_levels(block_costs, {}),
+                    accumulation=b.accumulation, offload=offload)
+    plan.block_costs, plan.offload_costs = block_costs, list(offload.costs) if offload is not None else []
     plan.pace = P.pace(runner.predicted(plan.chosen), plan.roomy)
     if plan.pace is not None:
         plan.why += "; " + plan.pace["why"]
