@@ -42,7 +42,7 @@ from deepcompile.passes import selective_unshard as su
 from deepcompile.passes.registry import OFFLINE_RERUN, PassEntry, absent_params, planned_params
 from deepcompile.plan.cost_model import resident_optimizer_ms
 from deepcompile.plan.device_memory import TWO_MOMENTS, DeviceMemory, agree_memory, local_memory
-from deepcompile.plan.estimate import offload_ms
+from deepcompile.plan.estimate import host_model, offload_ms
 from deepcompile.vocab.links import HOST_ONE_WAY_BYTES_PER_US
 from deepcompile.plan.memory import (GIB, MIB, STREAM_CHUNK_MB, MemoryFacts, PlanMemory, optimizer_peak, plan_memory,
                                      prefetch_bytes, streamed_optimizer_peak, with_reloads)
@@ -703,7 +703,7 @@ def plan_model(model, entries: list) -> list:
         plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom,
                       recompute_levels=rc_levels, accumulation=accumulation, offload=offload)
     plan.hand_set = hand
-    if src is not None:
+    if src is not None and host_model(prof) is not None:   # (a CPU profile has no host clock)
         plan.pace = pace(graph_runner.predicted(plan.chosen), plan.roomy)
         if plan.pace is not None:
             plan.why += "; " + plan.pace["why"]
