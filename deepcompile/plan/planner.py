@@ -518,6 +518,17 @@ def pace(predicted: dict, roomy: bool) -> dict | None:
     return {"bound": bound, "host_ms": round(host, 3), "gpu_busy_ms": round(busy, 3), "why": why}
 
 
+def with_pace(plan: Plan, runner) -> None:
+    """``plan.pace`` (:func:`pace`) from ``runner``'s (a ``plan.runner.GraphRunner``) prediction of
+    the chosen plan, added to the plan's why; nothing where the cost model has no host clock (a
+    CPU profile), which spares pricing the chosen plan's events again."""
+    if host_model(runner.b.profile) is None:
+        return
+    plan.pace = pace(runner.predicted(plan.chosen), plan.roomy)
+    if plan.pace is not None:
+        plan.why += "; " + plan.pace["why"]
+
+
 def analytic_step_ms(c: Candidate, facts: MemoryFacts, comm, compute_ms: float, optimizer_ms: float,
                      accumulation: int = 1) -> float:
     """A coarse step time where the profiled graphs are not at hand: compute, plus the gathers
@@ -703,10 +714,8 @@ def plan_model(model, entries: list) -> list:
         plan = choose(facts, mem, kept_bytes, timer, fixed, time_model, offload_headroom_mb=headroom,
                       recompute_levels=rc_levels, accumulation=accumulation, offload=offload)
     plan.hand_set = hand
-    if src is not None and host_model(prof) is not None:   # (a CPU profile has no host clock)
-        plan.pace = pace(graph_runner.predicted(plan.chosen), plan.roomy)
-        if plan.pace is not None:
-            plan.why += "; " + plan.pace["why"]
+    if src is not None:
+        with_pace(plan, graph_runner)
     plan.block_costs = block_costs
     plan.offload_costs = off_costs
     if chunks is not None and cfg.optimizer_chunk_mb == "auto":

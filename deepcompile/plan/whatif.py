@@ -363,7 +363,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
                         recompute_levels=P.recompute_levels(_block_costs(b), explicit), accumulation=b.accumulation,
                         offload=None if offload_activations.NAME in names else P.ActivationOffload.of(
                             _offload_costs(b), None, {c.block: c.ms for c in _block_costs(b)}))
-        _with_pace(plan, runner)
+        P.with_pace(plan, runner)
         plan_d = plan.to_dict()
         chosen = plan.chosen.params()
         for name, keys in auto.items():
@@ -611,18 +611,5 @@ def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **cha
                     "cost model on the record's graphs (offline)", recompute_levels=P.recompute_levels(block_costs, {}),
                     accumulation=b.accumulation, offload=offload)
     plan.block_costs, plan.offload_costs = block_costs, list(offload.costs) if offload is not None else []
-    _with_pace(plan, runner)
+    P.with_pace(plan, runner)
     return plan, b, seen
-
-
-def _with_pace(plan, runner: GraphRunner) -> None:
-    """The plan's ``pace`` (``planner.pace``: host- or GPU-bound), added to its why; none where
-    the cost model has no host clock (a CPU profile), which spares the chosen plan's events."""
-    from deepcompile.plan import planner as P
-    from deepcompile.plan.estimate import host_model
-
-    if host_model(runner.b.profile) is None:
-        return
-    plan.pace = P.pace(runner.predicted(plan.chosen), plan.roomy)
-    if plan.pace is not None:
-        plan.why += "; " + plan.pace["why"]
