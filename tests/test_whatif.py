@@ -203,6 +203,33 @@ def test_a_what_if_prices_offloaded_blocks_from_the_runs_offload_options():
     assert not any(v.get("after") == "offload_activations" for v in w1.versions)
 
 
+def test_the_what_if_of_a_plan_that_recomputes_and_offloads_state_is_the_planners():
+    """The planner's plan under 48 GiB on the Llama-3-8B shape's 8-layer 8k record (one H200)
+    recomputes two blocks and offloads part of the optimizer state; the what-if of that very pass
+    list counts the recomputed blocks off the device before it sizes the offload, as the planner
+    does, so both predict the same offloaded bytes, peak and step."""
+    import sys
+
+    from deepcompile.plan.whatif import predict_run
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "benchmarks"))
+    try:
+        import plan_offline
+    finally:
+        sys.path.pop(0)
+    rec = str(repo / "benchmarks/results/zero3_llama3_8b_L8_seq8192_h200_1gpu_dc_default_record")
+    plan, _, _, _ = plan_offline.plan_record(rec, limit_gib=48)
+    params = plan.chosen.params()
+    assert plan.chosen.recompute and plan.chosen.offloaded > 0, plan.summary_line()
+    entries = ([{"name": "recompute_activations", "params": params["recompute_activations"]}, {"name": "zero3"}]
+               + [{"name": n, "params": p} for n, p in params.items() if n != "recompute_activations"])
+    w = predict_run(rec, entries, memory_limit_gib=48)
+    assert w.memory_model["offloaded"] == plan.chosen.offloaded
+    assert w.peak_bytes == plan.chosen.memory.peak
+    assert w.step_ms == pytest.approx(plan.chosen.step_ms, rel=1e-4)
+
+
 def test_a_streamed_what_if_holds_the_runs_hand_set_chunk():
     """A what-if whose optimizer step streams the state prices the chunk the run would use: the
     run's hand-set ``optimizer_chunk_mb`` (three 64 MiB chunks' state on the device), the

@@ -385,18 +385,20 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
     pf = full.get(prefetch.NAME)
     ahead = prefetch_bytes(facts, kept, pf["budget_mb"], pf["fuse_mb"]) if pf else 0
     offloaded, streamed, room = 0, False, None
+    recomputed = _recomputed(b, params, notes)
+    act_ms, act_away = _offloaded(b, params, notes)
     oo = offload_optimizer.NAME   # priced by the memory model (OFFLINE_MEMORY)
     if oo in full or oo in params:
         o = full.get(oo) or params[oo]
         lim = int(o.get("limit_mb", 0) * MIB) or (b.capacity or limit)
         room = lim - int(o.get("headroom_mb", 1024.0) * MIB)
-        need = facts.fb_peak + kept + ahead - room
+        # what the forward/backward needs beyond the room once the plan's recomputed and offloaded
+        # activations are off the device, as the planner counts it (planner.choose)
+        need = plan_memory(facts, kept, ahead, recompute=recomputed + act_away).fb_peak - room
         streamed = o.get("step") == "streamed"
         offloaded = facts.state_bytes if streamed else max(0, min(int(need), facts.state_bytes))
         notes.append(f"offload_optimizer: {offloaded / GIB:.2f} GiB of {facts.state_bytes / GIB:.2f} GiB optimizer "
                      f"state predicted off the device in forward/backward (limit {lim / GIB:.2f} GiB)")
-    recomputed = _recomputed(b, params, notes)
-    act_ms, act_away = _offloaded(b, params, notes)
     pm = plan_memory(facts, kept, ahead, offloaded, recompute=recomputed + act_away,
                      streamed_chunk_mb=(P.stream_chunk_mb(facts, _chunk_hand(b)) or STREAM_CHUNK_MB) if streamed else None)
     if offloaded and room is not None:
