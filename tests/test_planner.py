@@ -209,16 +209,9 @@ def test_the_record_keeps_the_plan_and_inspect_prints_it(tmp_path):
 
 
 def _plan_953m(**kw):
-    import sys
-    from pathlib import Path
+    from tests.recorded import LLAMA_953M_2GPU, plan_offline
 
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "benchmarks"))
-    try:
-        import plan_offline
-    finally:
-        sys.path.pop(0)
-    return plan_offline.plan_record(str(repo / "benchmarks/results/zero3_h200_2gpu_dc_default_record"), **kw)
+    return plan_offline().plan_record(LLAMA_953M_2GPU, **kw)
 
 
 def test_the_plan_says_whether_the_host_or_the_gpu_sets_the_pace():
@@ -226,22 +219,13 @@ def test_the_plan_says_whether_the_host_or_the_gpu_sets_the_pace():
     measured host-bound (host 92-99% of the step), and the Llama-3-8B shape's 8 layers at 8k
     context on one H200, GPU-bound (host 32.7 of a 251.3 ms step). The plan records which, with
     the host's and the GPU's predicted times, and its why says so."""
-    import sys
-    from pathlib import Path
-
     from deepcompile.record.schema import RecordError, check_plan
+    from tests.recorded import LLAMA3_8B_L8_8K_1GPU, plan_offline
 
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "benchmarks"))
-    try:
-        import plan_offline
-    finally:
-        sys.path.pop(0)
     host, _, _, _ = _plan_953m()
     assert host.pace["bound"] == "host" and host.pace["host_ms"] >= host.pace["gpu_busy_ms"] > 0, host.pace
     assert "host-bound: the host launches the graphs in" in host.why and "keeping the most gathered wins" in host.why
-    gpu, _, _, _ = plan_offline.plan_record(
-        str(repo / "benchmarks/results/zero3_llama3_8b_L8_seq8192_h200_1gpu_dc_default_record"))
+    gpu, _, _, _ = plan_offline().plan_record(LLAMA3_8B_L8_8K_1GPU)
     assert gpu.pace["bound"] == "gpu" and gpu.pace["gpu_busy_ms"] > 5 * gpu.pace["host_ms"] > 0, gpu.pace
     assert "GPU-bound: the GPU computes for" in gpu.why
     for p in (host, gpu):   # what plan.json holds reads back
@@ -256,21 +240,12 @@ def test_the_offline_planner_weighs_recomputation_as_the_run_did():
     the Llama-3-8B shape's 8 layers at 8k tokens on one H200): roomy, nothing is recomputed;
     under 50 GiB, where keeping less is not enough, the cheapest blocks are recomputed, as the
     run's planner would, instead of moving optimizer state to the host every step."""
-    import sys
-    from pathlib import Path
-
     from deepcompile.plan.planner import ALLOCATOR_SLACK
+    from tests.recorded import LLAMA3_8B_L8_8K_1GPU, plan_offline
 
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "benchmarks"))
-    try:
-        import plan_offline
-    finally:
-        sys.path.pop(0)
-    rec = str(repo / "benchmarks/results/zero3_llama3_8b_L8_seq8192_h200_1gpu_dc_default_record")
-    roomy, _, _, _ = plan_offline.plan_record(rec)
+    roomy, _, _, _ = plan_offline().plan_record(LLAMA3_8B_L8_8K_1GPU)
     assert not roomy.chosen.recompute and roomy.chosen.offloaded == 0 and len(roomy.block_costs) == 8
-    tight, _, _, _ = plan_offline.plan_record(rec, limit_gib=50)
+    tight, _, _, _ = plan_offline().plan_record(LLAMA3_8B_L8_8K_1GPU, limit_gib=50)
     assert tight.chosen.recompute and tight.chosen.offloaded == 0, tight.summary_line()
     assert tight.chosen.memory.peak <= 50 * GIB + ALLOCATOR_SLACK
     assert "block(s) recomputed in backward" in tight.why

@@ -208,18 +208,11 @@ def test_the_what_if_of_a_plan_that_recomputes_and_offloads_state_is_the_planner
     recomputes two blocks and offloads part of the optimizer state; the what-if of that very pass
     list counts the recomputed blocks off the device before it sizes the offload, as the planner
     does, so both predict the same offloaded bytes, peak and step."""
-    import sys
-
     from deepcompile.plan.whatif import predict_run
+    from tests.recorded import LLAMA3_8B_L8_8K_1GPU as rec
+    from tests.recorded import plan_offline
 
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "benchmarks"))
-    try:
-        import plan_offline
-    finally:
-        sys.path.pop(0)
-    rec = str(repo / "benchmarks/results/zero3_llama3_8b_L8_seq8192_h200_1gpu_dc_default_record")
-    plan, _, _, _ = plan_offline.plan_record(rec, limit_gib=48)
+    plan, _, _, _ = plan_offline().plan_record(rec, limit_gib=48)
     params = plan.chosen.params()
     assert plan.chosen.recompute and plan.chosen.offloaded > 0, plan.summary_line()
     entries = ([{"name": "recompute_activations", "params": params["recompute_activations"]}, {"name": "zero3"}]
