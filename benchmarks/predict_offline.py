@@ -45,13 +45,19 @@ def kernel_class(name: str) -> str:
     return "other"  # Inductor's fused kernels, copies, casts, memsets
 
 
-def traced_ms(path: str, steps: int) -> dict:
+def _gpu_ops(path: str):
+    """The trace's GPU operations (kernels, copies, memsets) with their kind (:func:`kernel_class`)."""
     from benchmarks.trace_streams import load
 
-    out: collections.Counter = collections.Counter()
     for e in load(path):
         if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
-            out[kernel_class(e["name"])] += e["dur"] / 1e3 / steps
+            yield kernel_class(e["name"]), e
+
+
+def traced_ms(path: str, steps: int) -> dict:
+    out: collections.Counter = collections.Counter()
+    for kind, e in _gpu_ops(path):
+        out[kind] += e["dur"] / 1e3 / steps
     busy = sum(v for k, v in out.items() if k != "communication")
     return {**{k: round(v, 2) for k, v in out.items()}, "busy_without_communication": round(busy, 2)}
 
@@ -60,12 +66,10 @@ def top_other_kernels(path: str, steps: int, n: int) -> list[dict]:
     """The ``n`` kernels of kind "other" (Inductor's fused kernels, copies, casts) with the most
     GPU time per step: what the fused cost model (``plan.estimate.fused_us``) is compared against
     when its "other" class is off."""
-    from benchmarks.trace_streams import load
-
     ms: collections.Counter = collections.Counter()
     count: collections.Counter = collections.Counter()
-    for e in load(path):
-        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and kernel_class(e["name"]) == "other":
+    for kind, e in _gpu_ops(path):
+        if kind == "other":
             ms[e["name"]] += e["dur"] / 1e3 / steps
             count[e["name"]] += 1
     return [{"kernel": k[:120], "ms": round(v, 3), "launches": count[k] / steps} for k, v in ms.most_common(n)]

@@ -361,8 +361,7 @@ def _predict_run(run_dir, passes, rank: int, memory_limit_gib: float | None, bas
         plan = P.choose(facts, mem, lambda mb: runner.kept(mb)[0], runner.step_ms, planned_hand,
                         "cost model on the record's graphs (what-if)",
                         recompute_levels=P.recompute_levels(_block_costs(b), explicit), accumulation=b.accumulation,
-                        offload=None if offload_activations.NAME in names else P.ActivationOffload.of(
-                            _offload_costs(b), None, {c.block: c.ms for c in _block_costs(b)}))
+                        offload=None if offload_activations.NAME in names else _activation_offload(b))
         P.with_pace(plan, runner)
         plan_d = plan.to_dict()
         chosen = plan.chosen.params()
@@ -517,6 +516,14 @@ def _offload_costs(b: RecordBase) -> list:
         return []
 
 
+def _activation_offload(b: RecordBase):
+    """The activation-offload lever as the run's planner weighed it (``planner.ActivationOffload``
+    from plan.json's offload and recompute options); None where the record has no offload options."""
+    from deepcompile.plan.planner import ActivationOffload
+
+    return ActivationOffload.of(_offload_costs(b), None, {c.block: c.ms for c in _block_costs(b)})
+
+
 def _offloaded(b: RecordBase, params: dict, notes: list) -> tuple[float, tuple]:
     """(ms the copies add to a micro-batch, the bytes' windows off the device) of the blocks whose
     activations ``params`` offload (``offload_activations.blocks``), from the run's block costs."""
@@ -608,7 +615,7 @@ def plan_record(run_dir, *, rank: int = 0, limit_gib: float | None = None, **cha
         return t
     timed.coarse_to_fine = getattr(runner.step_ms, "coarse_to_fine", False)
     block_costs = _block_costs(b)
-    offload = P.ActivationOffload.of(_offload_costs(b), None, {c.block: c.ms for c in block_costs})
+    offload = _activation_offload(b)
     plan = P.choose(b.facts, mem, lambda mb: runner.kept(mb)[0], timed, {},
                     "cost model on the record's graphs (offline)", recompute_levels=P.recompute_levels(block_costs, {}),
                     accumulation=b.accumulation, offload=offload)
