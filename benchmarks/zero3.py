@@ -863,6 +863,7 @@ def train_steps(model, opt, autocast, batches, args):
                 + (" (warm-up)" if s < args.warmup else ""))
     _dump_profile(prof)
     trace_steps(model, opt, autocast, batches, args)
+    memory_history_step(model, opt, autocast, batches, args)
     args.host_times, args.host_cpu_times = host, host_cpu
     return times, losses
 
@@ -893,6 +894,43 @@ def trace_steps(model, opt, autocast, batches, args, n: int = 3) -> None:
     prof.export_chrome_trace(path)
     log(f"  trace of {n} steps: {path}")
     args.stream_breakdown = stream_breakdown(path, n)
+
+
+def memory_history_step(model, opt, autocast, batches, args) -> None:
+    """``BENCH_MEMORY_HISTORY=system[,system]:DIR``: after the timed steps, one more untimed step
+    with the allocator's history on (Python stacks), written per rank as a snapshot pickle in DIR:
+    ``memory_peak.py`` names what is live at the step's peak. Off unless asked: recording slows
+    every allocation."""
+    spec = os.environ.get("BENCH_MEMORY_HISTORY", "")
+    if (":" not in spec or args.device != "cuda"
+            or getattr(args, "current_system", None) not in spec.split(":")[0].split(",")):
+        return
+    out_dir = spec.split(":", 1)[1]
+    os.makedirs(out_dir, exist_ok=True)
+    sync(args)
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+    x = batches[0]
+    with autocast():
+        loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    fb_peak = torch.cuda.max_memory_allocated()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    sync(args)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = os.path.join(out_dir, f"{args.current_system}_rank{rank}.pickle")
+    snap = torch.cuda.memory._snapshot()
+    torch.cuda.memory._record_memory_history(enabled=None)
+    # what the replay in memory_peak.py cannot see: the bytes live before the recording began
+    snap["dc_bench"] = {"allocated_at_start": start, "fb_peak": fb_peak,
+                        "step_peak": torch.cuda.max_memory_allocated()}
+    import pickle
+
+    with open(path, "wb") as f:
+        pickle.dump(snap, f)
+    log(f"  memory history of one step: {path} (forward/backward peak {fb_peak / GIB:.3f} GiB)")
 
 
 def stream_breakdown(path: str, steps: int) -> dict:

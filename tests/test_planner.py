@@ -82,10 +82,9 @@ def test_tighter_limits_keep_less_prefetch_less_then_offload():
     assert off.offload_limit_mb is not None
     assert off.offloaded == FACTS.fb_peak + off.kept + off.prefetch - 8 * GIB
     assert off.memory.fb_peak == 8 * GIB and off.memory.peak == 8 * GIB
-    # offload_optimizer's own arithmetic gives the same amount: limit 9 GiB - headroom 1 GiB, its
-    # profiled peak plus what the plan keeps and prefetches (plan_extra_mb)
+    # offload_optimizer is handed the amount itself (offload_mb)
     p = off.params()["offload_optimizer"]
-    assert p["limit_mb"] == 9 * 1024 and p["plan_extra_mb"] == pytest.approx((off.kept + off.prefetch) / MIB, abs=1e-3)
+    assert p["limit_mb"] == 9 * 1024 and p["offload_mb"] == pytest.approx(off.offloaded / MIB, abs=1e-3)
     assert p["final_reload"] == "fit"  # the end of backward stays under the limit too
 
 
@@ -305,9 +304,11 @@ def test_real_953m_profile_slow_links_keeps_everything_as_measured_fastest():
     assert best[False] > 1.1 * best[True], best  # the backward's gathers wait behind its reduces
 
 
-def test_offload_optimizer_counts_what_the_plan_keeps_and_prefetches():
-    """plan_extra_mb (set by the planner) raises offload_optimizer's amount by exactly that much:
-    its own arithmetic must agree with the planner's, or the plan's peak is not what was predicted."""
+def test_offload_optimizer_offloads_the_planners_amount_not_the_profiles():
+    """A planned offload_optimizer moves the planner's amount (offload_mb). Sized from the profile
+    instead, a plan that recomputes blocks would offload as if nothing were recomputed: on 1 H200
+    (8B shape, 8 layers, 16k tokens, 50 GiB) that moved all 20.8 GiB of state each way every step,
+    where the plan had priced 6.4 GiB (1062 ms measured against 730 predicted)."""
     from types import SimpleNamespace
 
     from deepcompile.passes import offload_optimizer as O
@@ -325,15 +326,67 @@ def test_offload_optimizer_counts_what_the_plan_keeps_and_prefetches():
         prof = Profile(graphs={(0, "backward"): GraphProfile(0, "backward", [NodeProfile("a", 1.0, 0, 200 * 1024, 0)])})
         limit_mb = 190 * 1024 / MIB  # 10 KiB short of the profiled peak
 
-        def need(extra_mb):
-            params = O.OffloadOptimizerParams(limit_mb=limit_mb, headroom_mb=0, plan_extra_mb=extra_mb)
+        def need(offload_mb):
+            params = O.OffloadOptimizerParams(limit_mb=limit_mb, headroom_mb=0, offload_mb=offload_mb)
             return O.plan_bytes(SimpleNamespace(params=params, profile=prof, graph_id=0, kind="forward",
                                                 runtime=SimpleNamespace(optimizer_state=m)),
                                 torch.device("cpu"))[0]
-        assert need(0.0) == 10 * 1024
-        assert need(8 * 1024 / MIB) == 18 * 1024 <= total  # 8 KiB kept/prefetched: 8 KiB more offloaded
+        assert need(0.0) == 10 * 1024             # alone: what the profiled peak is over the limit
+        assert need(4 * 1024 / MIB) == 4 * 1024   # planned: the planner's amount, though the profile says 10
+        assert need(1.0) == total                 # never more than there is
     finally:
         m.detach()
+
+    # the planner's amount for a plan that recomputes every block and still offloads (6.1 GiB on
+    # the synthetic profile): what its memory model puts over the room, less than the profiled peak would
+    tighter = _rc_plan(6.1).chosen
+    assert tighter.recompute and tighter.offloaded > 0
+    room = 6.1 * GIB - O.OffloadOptimizerParams().headroom_mb * MIB
+    assert tighter.offloaded == pytest.approx(plan_memory(RC_FACTS, tighter.kept, tighter.prefetch,
+                                                          recompute=tighter.away).fb_peak - room, abs=1)
+    assert tighter.offloaded < RC_FACTS.fb_peak + tighter.kept + tighter.prefetch - room
+    assert tighter.params()["offload_optimizer"]["offload_mb"] == pytest.approx(tighter.offloaded / MIB, abs=1e-3)
+
+
+def test_backward_reload_reserves_count_the_activations_recomputation_brings_back():
+    """The profile measured backward with every saved activation on the device; under a plan that
+    recomputes, a dropped value is absent until its recomputation, so the memory the rest of
+    backward adds from a point on is larger by what is still to be recomputed there. A reload
+    point's reserve must say so, or the runtime (which reads the allocator) brings the state back
+    early and the end of backward goes over the limit (+3 GiB on 1 H200, 8B shape at 16k tokens)."""
+    from types import SimpleNamespace
+
+    import torch.fx as fx
+
+    from deepcompile.passes import offload_optimizer as O
+    from deepcompile.profile.profiler import GraphProfile, NodeProfile, Profile
+
+    g = fx.Graph()
+    dropped, kept = g.placeholder("mm_7"), g.placeholder("x")
+    dropped.meta["val"] = torch.empty(256, 1024)          # 1 MiB of fp32, dropped in forward
+    a = g.call_function(torch.relu, (kept,))              # backward of a block kept whole
+    b = g.call_function(torch.relu, (a,))
+    again = g.call_function(torch.relu, (kept,))          # the recomputation of mm_7
+    again.meta["recompute_of"] = "mm_7"
+    c = g.call_function(torch.add, (again, b))            # the dropped value's reader
+    g.output(c)
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    calls = [a, b, again, c]
+    assert O.recomputed_away(calls) == [MIB, MIB, 0, 0]
+    # the profile (no recomputation there): 10 MiB held before backward, 1 MiB of it mm_7, freed
+    # after its reader; the gradients grow to the end
+    mem = {"relu": 10, "relu_1": 11, "relu_2": 12, "add": 13}
+    prof = Profile(graphs={(0, "backward"): GraphProfile(0, "backward", [
+        NodeProfile(n.name, 1.0, mem[n.name] * MIB, mem[n.name] * MIB, 0) for n in calls if n.name in mem])})
+    params = O.OffloadOptimizerParams(limit_mb=1000, headroom_mb=0, reload_points=4, final_reload="fit")
+    parts = dict((n.name, r) for n, r in O.reload_positions(
+        gm, SimpleNamespace(params=params, profile=prof, graph_id=0, kind="backward"), torch.device("cpu")))
+    # after relu: profiled growth to the peak 13 - 10 = 3 MiB, plus mm_7's MiB that returns on the way
+    assert parts["relu_1"] == 4 * MIB and parts["relu_2"] == 3 * MIB
+    assert parts["add"] == 1 * MIB  # recomputed by then: as profiled
+    # nothing recomputed: the profile's own growth
+    again.meta.pop("recompute_of")
+    assert O.recomputed_away(calls) == [0, 0, 0, 0]
 
 
 def test_final_reload_fit_leaves_the_rest_to_the_optimizer_step():

@@ -1,10 +1,13 @@
 """offload_optimizer: keep only as much optimizer state on the device as the memory limit allows.
 
-Adaptive, from the profile: the profiled forward/backward peak, minus the optimizer state that
-was resident while it was measured, is what the step needs without any state; everything above
-``limit_mb - headroom_mb`` comes from the state, and only that much is offloaded (largest state
-tensors first). Without a profile all of it is offloaded, which is always safe, and the next
-compile after a profiling step trims it.
+How much: the planner's amount (``offload_mb``), from its memory model of the whole plan. Used
+alone, the pass sizes it from the profile: the profiled forward/backward peak, minus the
+optimizer state that was resident while it was measured, is what the step needs without any
+state; everything above ``limit_mb - headroom_mb`` comes from the state, and only that much is
+offloaded (largest state tensors first). Without a profile all of it is offloaded, which is
+always safe, and the next compile after a profiling step trims it. The profile measured the
+graph as it was before the plan, so its peak is wrong for a plan that recomputes or offloads
+activations: that is why a planned pass takes the planner's amount.
 
 In the graph the pass places ``dc.reload_optimizer_state`` at ``reload_points`` places spread
 over each backward graph. Each carries, from the profile, how much memory the rest of backward
@@ -30,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from deepcompile.compat import fx as fx_compat
 from deepcompile.params import spec
 from deepcompile.passes.alias import is_view
 from deepcompile.passes.registry import OFFLINE_MEMORY, PassContext, register_pass
@@ -47,10 +51,11 @@ class OffloadOptimizerParams:
                                 "(as capped by set_per_process_memory_fraction)")
     headroom_mb: float = spec(1024.0, min=0.0, max=1e9,
                               help="memory (MiB) kept free under the limit for fragmentation and the allocator's slack")
-    plan_extra_mb: float = spec(0.0, min=0.0, max=1e9,
-                                help="memory (MiB) the rest of the plan adds over the profiled peak (parameters kept "
-                                     "gathered, prefetched): counted in how much state to offload, not in the run-time "
-                                     "room (the allocator already counts it there); set by the planner")
+    offload_mb: float = spec(0.0, min=0.0, max=1e9,
+                             help="optimizer state (MiB) to keep on the host between steps, as the planner sized it "
+                                  "from its memory model (what the plan keeps gathered, prefetches, recomputes and "
+                                  "offloads counted); 0: sized here from the profiled peak, which knows none of "
+                                  "that; set by the planner")
     final_reload: str = spec("all", choices=("all", "fit"),
                              help="the reload at the end of each backward: 'all' brings every offloaded tensor back "
                                   "there (overlapped, but the end of backward holds the gradients: the profiled peak "
@@ -127,22 +132,25 @@ def plan_bytes(ctx: PassContext, device: torch.device) -> tuple[int | None, str]
         return None, "no profile yet: offload all optimizer state"
     if limit is None:
         return None, "no memory limit known (CPU, limit_mb 0): offload all optimizer state"
-    peak = _profiled_peak(ctx.profile)
-    # the profiled peak without any optimizer state on the device, plus what the plan adds to it
-    base = peak - mgr.resident_bytes() + int(ctx.params.plan_extra_mb * MIB)
     total = mgr.total_bytes()
+    if ctx.params.offload_mb > 0:
+        # the planner's amount: the profile measured the graph before the plan rewrote it
+        # (recomputed blocks, offloaded activations), so only the planner knows this plan's peak
+        return min(total, int(ctx.params.offload_mb * MIB)), f"planned from the plan's memory model; state {total / MIB:.0f} MiB"
+    peak = _profiled_peak(ctx.profile)
+    # the profiled peak without any optimizer state on the device
+    base = peak - mgr.resident_bytes()
     room = limit - int(ctx.params.headroom_mb * MIB)
     need = max(0, base + total - room)
-    why = (f"profiled peak {peak / MIB:.0f} MiB with {mgr.resident_bytes() / MIB:.0f} MiB of state resident"
-           + (f", plus {ctx.params.plan_extra_mb:g} MiB the plan keeps or prefetches" if ctx.params.plan_extra_mb else "")
-           + "; "
+    why = (f"profiled peak {peak / MIB:.0f} MiB with {mgr.resident_bytes() / MIB:.0f} MiB of state resident; "
            f"state {total / MIB:.0f} MiB; limit {limit / MIB:.0f} MiB - headroom {ctx.params.headroom_mb:g} MiB")
     if base > room:
         warnings.warn(
             f"offload_optimizer: even with all {total / MIB:.0f} MiB of optimizer state offloaded, forward "
             f"and backward peak at {base / MIB:.0f} MiB, above the {room / MIB:.0f} MiB available "
             f"(limit_mb={limit / MIB:.0f} minus headroom_mb={ctx.params.headroom_mb:g}); the step will "
-            "likely run out of memory. Lower the micro-batch, add 'offload_activations', or raise limit_mb.",
+            "likely run out of memory. Lower the micro-batch, add 'offload_activations' or "
+            "'recompute_activations', or raise limit_mb.",
             stacklevel=3)
     return need, why
 
@@ -162,7 +170,7 @@ def reload_positions(gm: fx.GraphModule, ctx: PassContext, device: torch.device)
         # nothing known of the room: a streamed step brings the state back itself, group by group
         return [] if ctx.params.step == "streamed" else [(out, -1)]
     k = min(ctx.params.reload_points, len(nodes))
-    parts = _reserves(nodes, gp.by_name(), [j * len(nodes) // k for j in range(k)])
+    parts = _reserves(nodes, gp.by_name(), [j * len(nodes) // k for j in range(k)], away=recomputed_away(nodes))
     # a streamed step brings back what backward could not: the end of backward takes only what fits
     everything = ctx.params.final_reload == "all" and ctx.params.step != "streamed"
     parts.append((out, -1 if everything else 0))
@@ -190,21 +198,53 @@ def _profiled_peak(profile, kind: str | None = None) -> int:
                 for n in g.nodes if not n.name.startswith("reload_optimizer_state")), default=0)
 
 
-def _reserves(nodes: list[fx.Node], prof: dict, positions: list[int], later: int = 0) -> list[tuple[fx.Node, int]]:
+def recomputed_away(nodes: list[fx.Node]) -> list[int]:
+    """Per node of ``nodes`` (a backward graph's calls, in order): the bytes of saved activations
+    that ``recompute_activations`` dropped in forward and this graph has not computed again yet.
+
+    The profile measured the graph before that rewrite: there those values were backward inputs,
+    allocated from its start to their last reader. Under the plan they are absent until their
+    recomputation (the copies marked ``recompute_of`` their value; the placeholder is left
+    unread), so up to there the device holds that much less than the profile says, and the
+    backward's growth from a point to its later peak is that much more: 7 of 8 blocks recomputed
+    on 1 H200 (8B shape, 16k tokens, 50 GiB), reserves from the profile alone brought the state
+    back early in backward and the step peaked 3 GiB over the room."""
+    first: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        src = n.meta.get("recompute_of")
+        if src is not None and src not in first:
+            first[src] = i
+    back = [0] * len(nodes)
+    if first:
+        for p in nodes[0].graph.nodes:
+            if p.op == "placeholder" and not p.users and p.name in first:
+                v = p.meta.get("val")
+                back[first[p.name]] += fx_compat.tensor_nbytes(v) if isinstance(v, torch.Tensor) else 0
+    away, acc = [], sum(back)
+    for b in back:
+        acc -= b
+        away.append(acc)
+    return away
+
+
+def _reserves(nodes: list[fx.Node], prof: dict, positions: list[int], later: int = 0,
+              away: list[int] | None = None) -> list[tuple[fx.Node, int]]:
     """(node i, reserve) for each position i whose previous node was profiled (where nothing is
     known of the memory allocated there, there is no place to judge from): the reserve is the
     highest profiled peak from node i on (or ``later``, a peak still to come after this graph)
-    minus what node i - 1 left allocated."""
+    minus what node i - 1 left allocated, each less the bytes ``away`` at its node
+    (:func:`recomputed_away`)."""
+    away = away or [0] * len(nodes)
     suffix, m = [0] * len(nodes), later
     for i in range(len(nodes) - 1, -1, -1):
         p = prof.get(nodes[i].name)
-        m = max(m, p.peak_bytes if p is not None else 0)
+        m = max(m, p.peak_bytes - away[i] if p is not None else 0)
         suffix[i] = m
     out = []
     for i in positions:
         before = prof.get(nodes[i - 1].name) if i > 0 else None
         if before is not None:
-            out.append((nodes[i], max(0, suffix[i] - before.mem_after_bytes)))
+            out.append((nodes[i], max(0, suffix[i] - (before.mem_after_bytes - away[i - 1]))))
     return out
 
 
@@ -235,7 +275,7 @@ def _place(gm: fx.GraphModule, positions: list[tuple[fx.Node, int]], op) -> list
 @register_pass(NAME, OffloadOptimizerParams,
                graph_only=False,                # it plans the runtime's offload (ctx.runtime.optimizer_state)
                offline=OFFLINE_MEMORY,          # its run-time decisions read the allocator, which a record lacks
-               planned=("limit_mb", "plan_extra_mb", "final_reload", "step"),
+               planned=("limit_mb", "offload_mb", "final_reload", "step"),
                planner_adds=True,               # added by the planner only when nothing fits without it
                plan_cacheable=False)            # sized from the optimizer state, which step 0 does not have yet
 def offload_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -102,7 +102,9 @@ class Candidate:
                                              "h2d_gbps": HOST_ONE_WAY_BYTES_PER_US / 1e3}
         if self.offload_limit_mb is not None:
             out[offload_optimizer.NAME] = {"limit_mb": self.offload_limit_mb,
-                                        "plan_extra_mb": round((self.kept + self.prefetch) / MIB, 3),
+                                        # the amount itself: the pass's own sizing reads the profiled
+                                        # peak, which knows nothing of what this plan recomputes
+                                        "offload_mb": round(self.offloaded / MIB, 3),
                                         "final_reload": "fit",  # the limit holds at the end of backward too
                                         "step": "streamed" if self.streamed else "resident"}
         return out
@@ -354,9 +356,8 @@ def choose(facts: MemoryFacts, mem: DeviceMemory, kept_bytes: Callable[[float], 
         stream_mb = stream_chunk_mb(facts, hand)
         for c in map(measure, cands):
             if c.offload_act:
-                # the state's copies take the host link the activations' copies are priced with
-                # alone (1 H200, 8B-shape 8 layers at 16k tokens under 50 GiB: 2 blocks offloaded
-                # beside 6.4 GiB of state measured 1216.7 ms a step, recomputing instead 1074.9)
+                # the state's copies would take the host link that the activations' copies are
+                # priced with alone: the cost model has no account of the two sharing it
                 continue
             need = c.memory.fb_peak - room
             limit_mb = hand.get(offload_optimizer.NAME, {}).get("limit_mb", round(mem.limit / MIB, 3))
