@@ -186,6 +186,36 @@ def test_adaptive_offload_follows_the_profile():
     torch.testing.assert_close(mean, torch.tensor(ref, dtype=mean.dtype), rtol=1e-5, atol=1e-6)
 
 
+def _recompute_and_offload(rank, world):
+    cfg = {"compiler": "aot_eager", "profile_step": 1,
+           "passes": [{"name": "recompute_activations", "params": {"blocks": "all"}}, "zero3",
+                      {"name": "offload_optimizer", "params": {"limit_mb": 1e6, "headroom_mb": 0}}]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")   # the CPU-offload warning: the parameters live in host memory here
+        return train_sharded(rank, world, 5, 1, cfg)
+
+
+def test_backward_reserves_count_the_recomputed_activations_of_the_real_graph():
+    """On the traced model, the backward's reload reserves count exactly the activations the
+    forward dropped (each recomputed copy names its dropped value, ``recompute_of``), and training
+    under recompute and optimizer-state offload matches the unsharded reference."""
+    import re
+
+    results = run_ranks(_recompute_and_offload, 2, timeout=600)
+    from tests.workloads import train_reference
+
+    ref, _ = train_reference(2, 5, 1)
+    mean = torch.tensor([r["losses"] for r in results]).mean(0)
+    torch.testing.assert_close(mean, torch.tensor(ref, dtype=mean.dtype), rtol=1e-5, atol=1e-6)
+    for r in results:
+        dropped = [m.group(1) for _, k, after, notes in r["notes"] if k == "forward" and after == "recompute_activations"
+                   for n in notes for m in [re.search(r"^recomputed in backward: .*, (.+) of saved activations dropped", n)] if m]
+        counted = [m.group(1) for _, k, after, notes in r["notes"] if k == "backward" and after == "offload_optimizer"
+                   for n in notes for m in [re.search(r"reserves count (.+) of recomputed", n)] if m]
+        assert dropped and dropped[-1] != "0 B", r["notes"]
+        assert counted and counted[-1] == dropped[-1], (dropped, counted)
+
+
 # ---------------------------------------------------------------- unit level
 def _manager_with_state():
     from deepcompile.runtime.optimizer_state import OptimizerStateOffload

@@ -127,5 +127,6 @@ def train_sharded(rank: int, world: int, steps: int, accumulation: int, config: 
         "optim_fused": list(model.dc_state.optim_fused),
         "graphs": [(v.graph_id, v.kind, v.after, v.nodes) for v in model.dc_graphs],
         "versions": [(v.step, v.after) for v in model.dc_graphs],
+        "notes": [(v.graph_id, v.kind, v.after, list(v.notes)) for v in model.dc_graphs],
         "aot_cache_hits": list(model.dc_backend.aot_cache_hits),
     }

@@ -38,6 +38,7 @@ from deepcompile.params import spec
 from deepcompile.passes.alias import is_view
 from deepcompile.passes.registry import OFFLINE_MEMORY, PassContext, register_pass
 from deepcompile.runtime.offload import OffloadError, pinned_supported
+from deepcompile.vocab.memory import fmt_bytes
 
 DC = torch.ops.dc
 NAME = "offload_optimizer"
@@ -312,6 +313,10 @@ def offload_optimizer(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     where = ", ".join(f"node {calls.index(r)} ({'all' if a < 0 else f'reserve {a / MIB:.0f} MiB'})" for r, a in placed)
     ctx.notes.append(f"reload of optimizer state, as much as fits in the free memory at: {where} of {len(calls)} "
                      f"({'profile-guided' if ctx.profile is not None else 'end of backward: no profile'})")
+    away = max(recomputed_away(calls), default=0)
+    if away and ctx.profile is not None:
+        ctx.notes.append(f"the reserves count {fmt_bytes(away)} of recomputed activations, absent from the "
+                         "device until their recomputation (the profile held them from the start of backward)")
     gm.graph.lint()
     gm.recompile()
     return gm

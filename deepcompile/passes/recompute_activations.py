@@ -39,6 +39,7 @@ from deepcompile.passes.block_list import block_of, parse_blocks  # noqa: F401  
 from deepcompile.passes.offload_activations import (_nbytes, _root, last_reader, owns_storage, runtime_storages,
                                                     storage_group)
 from deepcompile.passes.registry import OFFLINE_NONE, PassContext, register_pass
+from deepcompile.vocab.memory import fmt_bytes
 
 DC = torch.ops.dc
 NAME = "recompute_activations"
@@ -332,7 +333,7 @@ def recompute_activations(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         drop_forward(gm, [r for b in sorted(roots) for r in roots[b]])
         ctx.notes.extend(notes)
         ctx.notes.append(f"recomputed in backward: blocks {[r.block for r in recipes]}, "
-                         f"{sum(r.nbytes for r in recipes) / 2 ** 20:.1f} MiB of saved activations dropped")
+                         f"{fmt_bytes(sum(r.nbytes for r in recipes))} of saved activations dropped")
     elif ctx.kind == "backward":
         recipes = ctx.handoff.get(NAME, [])
         if not recipes:
