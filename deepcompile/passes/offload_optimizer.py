@@ -136,8 +136,10 @@ def plan_bytes(ctx: PassContext, device: torch.device) -> tuple[int | None, str]
     total = mgr.total_bytes()
     if ctx.params.offload_mb > 0:
         # the planner's amount: the profile measured the graph before the plan rewrote it
-        # (recomputed blocks, offloaded activations), so only the planner knows this plan's peak
-        return min(total, int(ctx.params.offload_mb * MIB)), f"planned from the plan's memory model; state {total / MIB:.0f} MiB"
+        # (recomputed blocks, offloaded activations), so only the planner knows this plan's peak.
+        # Not capped by the state there is now: under gradient accumulation the plan compiles
+        # before the first optimizer step creates it (choose() takes at most all of it)
+        return int(ctx.params.offload_mb * MIB), "the planner's amount, from its memory model of the whole plan"
     peak = _profiled_peak(ctx.profile)
     # the profiled peak without any optimizer state on the device
     base = peak - mgr.resident_bytes()
