@@ -96,7 +96,7 @@ def analyse(snap: dict, top: int) -> dict:
         "peak_event": r["peak_i"], "events": len(events),
         "peak_at": {"phase": peak_site[0], "site": peak_site[1]},
         "live_in_history_gib": sum(v[0] for _, v in rows) / G,
-        "live": [{"phase": k[0], "site": k[1], "gib": round(v[0] / G, 4), "blocks": v[1],
+        "live": [{"phase": k[0], "site": k[1], "bytes": v[0], "gib": round(v[0] / G, 4), "blocks": v[1],
                   "events_before_peak": v[2]} for k, v in rows[:top]],
     }
 

@@ -563,6 +563,12 @@ def dc_prediction(model, opt, res) -> None:
         if prof.comm is not None:  # the measured alpha-beta line the prediction's collectives use
             res["predicted"]["comm_model"] = {"alpha_us": prof.comm.alpha_us,
                                               "allgather_gb_per_s": prof.comm.bytes_per_us / 1e3}
+    # optimizer state the runtime moved, beside what the plan offloads (chosen["offloaded_bytes"]):
+    # whole state tensors, largest first, so the bytes moved round up to a tensor
+    st = model.dc_state.runtime.optimizer_state.stats
+    if st.get("steps_offloaded"):
+        res["optimizer_state_offload"] = {k: st[k] for k in ("last_offloaded_bytes", "steps_offloaded", "graph_reloads",
+                                                              "late_reloads", "released_bytes", "streamed_steps")}
     plan = getattr(model, "dc_plan", None)
     if plan:  # the planner's choice, its predicted step and peak (memory model), the runner-up
         res["predicted"]["plan"] = plan
@@ -1120,6 +1126,8 @@ def summarise(name, per_rank, args, world) -> dict:
                                            for i in range(len(r0["host_cpu_times_s"]))][w:])
     if r0.get("stream_breakdown"):   # rank 0's traced steps (BENCH_TRACE)
         entry["stream_breakdown"] = r0["stream_breakdown"]
+    if r0.get("optimizer_state_offload"):
+        entry["optimizer_state_offload"] = r0["optimizer_state_offload"]
     if "predicted" in r0:
         pr = r0["predicted"]
         entry["predicted"] = pr

@@ -57,3 +57,33 @@ def test_predict_offline_on_the_committed_h200_dump(tmp_path, capsys):
     assert out["measured_step_ms"] > 0 and out["error_fused"] == round(fused["step_ms"] / out["measured_step_ms"] - 1, 3)
     assert out["traced_gpu_ms_per_step"] == {"attention": 3.0, "matmul": 6.0, "communication": 9.0,
                                              "busy_without_communication": 9.0}
+
+
+def test_memory_peak_replays_the_history_and_names_what_is_live_there(tmp_path):
+    """benchmarks/memory_peak.py: the peak of an allocator history is the bytes live before the
+    recording plus the replayed allocations, counted down at the free *request* (as the
+    allocator's counter is); what is live there is grouped by its allocating site (the first
+    frame outside torch; backward when autograd's backward is on the stack)."""
+    import pickle
+
+    import memory_peak as M
+
+    def frame(f, line, name):
+        return {"filename": f, "line": line, "name": name}
+    gather = [frame("/x/torch/_ops.py", 1, "__call__"), frame("/r/deepcompile/runtime/ops.py", 40, "gather")]
+    grad = [frame("/r/model.py", 9, "mlp"), frame("/x/torch/autograd/function.py", 3, "backward")]
+    ev = [{"action": "alloc", "addr": 1, "size": 100, "frames": gather},
+          {"action": "alloc", "addr": 2, "size": 300, "frames": grad},
+          {"action": "free_requested", "addr": 1, "size": 100},
+          {"action": "alloc", "addr": 3, "size": 50, "frames": gather},    # 10 + 300 + 50: not the peak
+          {"action": "free_completed", "addr": 1, "size": 100},
+          {"action": "free_requested", "addr": 2, "size": 300},
+          {"action": "free_requested", "addr": 3, "size": 50}]
+    snap = {"device_traces": [ev], "dc_bench": {"allocated_at_start": 10, "fb_peak": 410}}
+    path = tmp_path / "s.pickle"
+    path.write_bytes(pickle.dumps(snap))
+    res = M.analyse(pickle.loads(path.read_bytes()), top=5)
+    assert res["replayed_peak_gib"] * M.G == 410 == res["measured_fb_peak_gib"] * M.G
+    assert res["peak_event"] == 1 and res["peak_at"]["phase"] == "backward"
+    live = {(r["phase"], r["site"]): r["bytes"] for r in res["live"]}
+    assert live == {("backward", "model.py:9:mlp"): 300, ("forward/other", "ops.py:40:gather"): 100}
