@@ -306,9 +306,9 @@ def test_real_953m_profile_slow_links_keeps_everything_as_measured_fastest():
 
 def test_offload_optimizer_offloads_the_planners_amount_not_the_profiles():
     """A planned offload_optimizer moves the planner's amount (offload_mb). Sized from the profile
-    instead, a plan that recomputes blocks would offload as if nothing were recomputed: on 1 H200
-    (8B shape, 8 layers, 16k tokens, 50 GiB) that moved all 20.8 GiB of state each way every step,
-    where the plan had priced 6.4 GiB (1062 ms measured against 730 predicted)."""
+    instead, a plan that recomputes blocks offloads as if nothing were recomputed: on 1 H200 (8B
+    shape, 8 layers, 16k tokens, 50 GiB) that moves all 20.8 GiB of state each way every step,
+    where the plan prices 6.4 GiB (1062 ms a step against 730 predicted)."""
     from types import SimpleNamespace
 
     from deepcompile.passes import offload_optimizer as O

@@ -209,9 +209,9 @@ def recomputed_away(nodes: list[fx.Node]) -> list[int]:
     allocated from its start to their last reader. Under the plan they are absent until their
     recomputation (the copies marked ``recompute_of`` their value; the placeholder is left
     unread), so up to there the device holds that much less than the profile says, and the
-    backward's growth from a point to its later peak is that much more: 7 of 8 blocks recomputed
-    on 1 H200 (8B shape, 16k tokens, 50 GiB), reserves from the profile alone brought the state
-    back early in backward and the step peaked 3 GiB over the room."""
+    backward's growth from a point to its later peak is that much more. Reserves from the profile
+    alone bring the state back too early: with 7 of 8 blocks recomputed on 1 H200 (8B shape, 16k
+    tokens, 50 GiB) the step then peaks 3 GiB over the room."""
     first: dict[str, int] = {}
     for i, n in enumerate(nodes):
         src = n.meta.get("recompute_of")
