@@ -70,7 +70,7 @@ def replay(events: list, start: int) -> dict:
             # returns to the pool later, at free_completed, but it is no longer counted as allocated)
             live.pop(e["addr"], None)
             cur -= e["size"]
-    return {"peak": peak, "peak_i": peak_i, "live": peak_live, "end": cur}
+    return {"peak": peak, "peak_i": peak_i, "live": peak_live}
 
 
 def analyse(snap: dict, top: int) -> dict:

@@ -874,17 +874,25 @@ def train_steps(model, opt, autocast, batches, args):
     return times, losses
 
 
+def _asked_dir(var: str, args) -> str | None:
+    """DIR of ``var=system[,system]:DIR`` (created) when it names the system running now; None otherwise."""
+    spec = os.environ.get(var, "")
+    if ":" not in spec or getattr(args, "current_system", None) not in spec.split(":")[0].split(","):
+        return None
+    out_dir = spec.split(":", 1)[1]
+    os.makedirs(out_dir, exist_ok=True)
+    return out_dir
+
+
 def trace_steps(model, opt, autocast, batches, args, n: int = 3) -> None:
     """``BENCH_TRACE=system[,system]:DIR``: after the timed steps, ``n`` more untimed steps under
     ``torch.profiler`` (a Chrome trace per rank in DIR), to see where a system's step time goes
     (which stream waits for what). Off unless asked: the profiler slows the steps it sees."""
-    spec = os.environ.get("BENCH_TRACE", "")
-    if ":" not in spec or getattr(args, "current_system", None) not in spec.split(":")[0].split(","):
+    out_dir = _asked_dir("BENCH_TRACE", args)
+    if out_dir is None:
         return
     from torch.profiler import ProfilerActivity, profile
 
-    out_dir = spec.split(":", 1)[1]
-    os.makedirs(out_dir, exist_ok=True)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if args.device == "cuda" else [])
     with profile(activities=acts) as prof:
         for s in range(n):
@@ -907,12 +915,9 @@ def memory_history_step(model, opt, autocast, batches, args) -> None:
     with the allocator's history on (Python stacks), written per rank as a snapshot pickle in DIR:
     ``memory_peak.py`` names what is live at the step's peak. Off unless asked: recording slows
     every allocation."""
-    spec = os.environ.get("BENCH_MEMORY_HISTORY", "")
-    if (":" not in spec or args.device != "cuda"
-            or getattr(args, "current_system", None) not in spec.split(":")[0].split(",")):
+    out_dir = _asked_dir("BENCH_MEMORY_HISTORY", args)
+    if out_dir is None or args.device != "cuda":
         return
-    out_dir = spec.split(":", 1)[1]
-    os.makedirs(out_dir, exist_ok=True)
     sync(args)
     torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
